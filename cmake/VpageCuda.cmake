@@ -1,0 +1,35 @@
+# Decides VPAGE_WITH_CUDA from VPAGE_CUDA (AUTO|ON|OFF) and enables the CUDA language.
+string(TOUPPER "${VPAGE_CUDA}" _vpage_cuda_mode)
+set(VPAGE_WITH_CUDA OFF)
+if(_vpage_cuda_mode STREQUAL "OFF")
+  return()
+elseif(NOT _vpage_cuda_mode MATCHES "^(AUTO|ON)$")
+  message(FATAL_ERROR "VPAGE_CUDA must be AUTO, ON or OFF (got '${VPAGE_CUDA}')")
+endif()
+
+include(CheckLanguage)
+check_language(CUDA)
+if(NOT CMAKE_CUDA_COMPILER)
+  if(_vpage_cuda_mode STREQUAL "ON")
+    message(FATAL_ERROR "VPAGE_CUDA=ON but no CUDA compiler (nvcc) was found. "
+      "Install the CUDA toolkit, put nvcc on PATH or set CMAKE_CUDA_COMPILER, or use -DVPAGE_CUDA=OFF.")
+  endif()
+  message(STATUS "vpage: nvcc not found, building without CUDA")
+  return()
+endif()
+
+# sm_80 (A100) and sm_90 (H100/H200) by default; "native" when a GPU is visible at configure time.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 80 90)
+  execute_process(COMMAND nvidia-smi --query-gpu=compute_cap --format=csv,noheader
+    OUTPUT_VARIABLE _vpage_gpu_caps RESULT_VARIABLE _vpage_smi_rc ERROR_QUIET)
+  if(_vpage_smi_rc EQUAL 0 AND NOT _vpage_gpu_caps STREQUAL "")
+    set(CMAKE_CUDA_ARCHITECTURES native)
+  endif()
+endif()
+enable_language(CUDA)
+set(CMAKE_CUDA_STANDARD 17)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+find_package(CUDAToolkit REQUIRED)
+set(VPAGE_WITH_CUDA ON)
+message(STATUS "vpage: building CUDA kernels for architectures ${CMAKE_CUDA_ARCHITECTURES}")

@@ -1,0 +1,86 @@
+// Argument structs shared by the CPU kernels (vpage_core) and the CUDA kernels (cuda/).
+// Kernels take raw pointers, sizes and strides; the caller (vpage.ops) has already
+// checked dtype, device, shape and contiguity. Strides are in elements.
+#pragma once
+
+#include <cstdint>
+
+namespace vpage {
+
+/// Element type of activations and KV caches.
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+/// Size of one element of `dtype` in bytes.
+inline int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+/// Elements per 16-byte key fragment: the innermost dimension `x` of the key cache.
+inline int key_pack_size(DType dtype) { return 16 / dtype_size(dtype); }
+
+/// KV cache geometry of one layer:
+///   key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]
+///   value_cache [num_blocks, num_kv_heads, head_size, block_size]
+///   slot = block_id * block_size + offset_in_block
+struct CacheShape {
+  int64_t num_blocks = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_size = 0;
+  int32_t block_size = 0;
+  DType dtype = DType::kFloat32;
+};
+
+/// reshape_and_cache: writes key/value rows of new tokens into their slots.
+struct ReshapeAndCacheArgs {
+  const void* key = nullptr;            // [num_tokens, num_kv_heads, head_size], row stride key_stride
+  const void* value = nullptr;          // [num_tokens, num_kv_heads, head_size], row stride value_stride
+  void* key_cache = nullptr;            // see CacheShape
+  void* value_cache = nullptr;          // see CacheShape
+  const int64_t* slot_mapping = nullptr;  // [num_tokens]; slot < 0 = skip (padding)
+  int64_t num_tokens = 0;
+  int64_t key_stride = 0;    // elements between consecutive tokens of `key`
+  int64_t value_stride = 0;  // elements between consecutive tokens of `value`
+  CacheShape cache;
+};
+
+/// Paged attention over cached K/V. Decode: one query token per sequence
+/// (query_start_loc == nullptr, query row i belongs to sequence i). Prefill: the query
+/// tokens of sequence s are rows [query_start_loc[s], query_start_loc[s+1]) and are the
+/// *last* tokens of its context (causal: query j of a sequence of q tokens and context
+/// length L sees positions [0, L - q + j]). Their K/V are already in the cache.
+struct PagedAttentionArgs {
+  void* out = nullptr;                      // [num_query_tokens, num_heads, head_size], contiguous
+  const void* query = nullptr;              // [num_query_tokens, num_heads, head_size], row stride query_stride
+  const void* key_cache = nullptr;          // see CacheShape
+  const void* value_cache = nullptr;        // see CacheShape
+  const int32_t* block_tables = nullptr;    // [num_seqs, max_blocks_per_seq]
+  const int32_t* context_lens = nullptr;    // [num_seqs], tokens in cache incl. the queries
+  const int32_t* query_start_loc = nullptr; // [num_seqs + 1] for prefill, nullptr for decode
+  int32_t num_seqs = 0;
+  int64_t num_query_tokens = 0;             // == num_seqs for decode
+  int32_t num_heads = 0;                    // query heads; a multiple of cache.num_kv_heads
+  int32_t max_blocks_per_seq = 0;
+  int32_t max_context_len = 0;              // upper bound of context_lens (used for partitioning)
+  int64_t query_stride = 0;                 // elements between consecutive query tokens
+  float scale = 1.0f;                       // softmax scale, usually 1/sqrt(head_size)
+  CacheShape cache;
+};
+
+/// copy_blocks: for every layer, copies whole blocks src -> dst in both caches.
+struct CopyBlocksArgs {
+  void* const* key_caches = nullptr;    // [num_layers] pointers to key caches of one shape
+  void* const* value_caches = nullptr;  // [num_layers] pointers to value caches of one shape
+  int32_t num_layers = 0;
+  const int64_t* block_mapping = nullptr;  // [num_pairs, 2] (src, dst)
+  int64_t num_pairs = 0;
+  CacheShape cache;
+};
+
+/// swap_blocks: copies whole blocks between two pools of one layout (one cache tensor).
+struct SwapBlocksArgs {
+  const void* src = nullptr;  // [src_num_blocks, block_bytes / elem] cache tensor
+  void* dst = nullptr;        // [dst_num_blocks, ...] same per-block layout
+  int64_t block_bytes = 0;    // bytes of one block in this tensor
+  const int64_t* block_mapping = nullptr;  // [num_pairs, 2] (src block, dst block)
+  int64_t num_pairs = 0;
+};
+
+}  // namespace vpage
