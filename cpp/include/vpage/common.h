@@ -1,0 +1,50 @@
+// Basic types, status codes and the precondition macro of the vpage core.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace vpage {
+
+using BlockId = int32_t;  ///< physical block index inside one pool
+using SeqId = int64_t;    ///< sequence id, unique within one scheduler
+using TokenId = int32_t;
+
+/// Which pool a block lives in: the accelerator's KV cache or the CPU swap space.
+enum class Device : int32_t { kGpu = 0, kCpu = 1 };
+
+/// Answer of BlockManager::can_allocate / can_swap_in.
+enum class AllocStatus : int32_t {
+  kOk = 0,     ///< enough free blocks now
+  kLater = 1,  ///< not now, but possible once other sequences free blocks
+  kNever = 2,  ///< can never fit (more blocks than the pool minus the watermark)
+};
+
+/// Thrown when a precondition of a core call is broken (a caller bug, not a normal outcome).
+class CheckError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+namespace detail {
+[[noreturn]] inline void check_failed(const char* expr, const char* file, int line,
+                                      const std::string& message) {
+  std::ostringstream os;
+  os << message << " [check '" << expr << "' failed at " << file << ":" << line << "]";
+  throw CheckError(os.str());
+}
+}  // namespace detail
+
+}  // namespace vpage
+
+/// Throws vpage::CheckError with `message` (a stream expression) when `cond` is false.
+#define VPAGE_CHECK(cond, message)                                                \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      std::ostringstream vpage_check_os_;                                         \
+      vpage_check_os_ << message;                                                 \
+      ::vpage::detail::check_failed(#cond, __FILE__, __LINE__, vpage_check_os_.str()); \
+    }                                                                             \
+  } while (0)

@@ -1,0 +1,62 @@
+// The plan of one engine step: what runs, the block operations, and the flat model inputs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "vpage/block_manager.h"
+
+namespace vpage {
+
+/// Output of Scheduler::schedule(). Rows ("computing sequences") are the sequences that
+/// compute at least one token this step; tokens are flattened over rows with no padding.
+/// The engine performs swap-out, swap-in and copies (in that order) before the forward.
+struct SchedulePlan {
+  int64_t step_id = 0;
+
+  // Per computing sequence (num_seqs rows).
+  std::vector<SeqId> seq_ids;               ///< [num_seqs]
+  std::vector<int32_t> query_start_loc;     ///< [num_seqs + 1] token offsets of each row
+  std::vector<int32_t> context_lens;        ///< [num_seqs] tokens in cache after this step
+  std::vector<int32_t> block_tables;        ///< [num_seqs, max_blocks] row-major, padded with 0
+  int32_t max_blocks = 0;                   ///< columns of block_tables
+  int32_t max_context_len = 0;
+  int32_t max_query_len = 0;                ///< 1 for a decode-only step
+
+  // Per token (num_tokens entries).
+  std::vector<int64_t> input_ids;           ///< [num_tokens]
+  std::vector<int64_t> positions;           ///< [num_tokens]
+  std::vector<int64_t> slot_mapping;        ///< [num_tokens] block_id * block_size + offset
+
+  // Sequences that get a new token after this step, and the token row whose logits they
+  // sample from (several sequences can share a row: n samples of one prompt).
+  std::vector<SeqId> sample_seq_ids;        ///< [num_samples]
+  std::vector<int64_t> sample_token_indices;  ///< [num_samples] index into the token arrays
+
+  std::vector<BlockPair> blocks_to_swap_out;  ///< (gpu, cpu)
+  std::vector<BlockPair> blocks_to_swap_in;   ///< (cpu, gpu)
+  std::vector<BlockPair> blocks_to_copy;      ///< (src gpu, dst gpu) copy-on-write
+
+  /// Requests finished as ignored in this step, with the reason.
+  std::vector<std::pair<std::string, std::string>> ignored;
+  int32_t num_prefill_tokens = 0;  ///< tokens of rows computing more than one token
+  int32_t num_decode_tokens = 0;
+  int32_t num_preempted_recompute = 0;
+  int32_t num_preempted_swap = 0;
+
+  int32_t num_seqs() const { return static_cast<int32_t>(seq_ids.size()); }
+  int32_t num_tokens() const { return static_cast<int32_t>(input_ids.size()); }
+  bool empty() const { return seq_ids.empty(); }
+  /// Empties every field, keeping the capacity (plans are reused when nobody holds them).
+  void clear();
+};
+
+/// What commit() did to the sequences it was given tokens for.
+struct CommitResult {
+  std::vector<int32_t> statuses;  ///< per given (seq, token): SequenceStatus after commit
+  std::vector<std::string> finished_request_ids;  ///< groups that finished in this commit
+};
+
+}  // namespace vpage

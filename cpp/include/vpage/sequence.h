@@ -1,0 +1,125 @@
+// Sequences (one stream of tokens with its block table) and sequence groups (one request).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vpage/common.h"
+
+namespace vpage {
+
+/// Lifecycle of a sequence. The finished states say why it ended.
+enum class SequenceStatus : int32_t {
+  kWaiting = 0,
+  kRunning = 1,
+  kSwapped = 2,
+  kFinishedStopped = 3,  ///< EOS, a stop token, or a stop string (from Python)
+  kFinishedLength = 4,   ///< max_tokens or max_model_len reached
+  kFinishedAborted = 5,  ///< abort(request_id)
+  kFinishedIgnored = 6,  ///< the prompt can never be scheduled (too long for the model or pool)
+};
+
+inline bool is_finished(SequenceStatus status) {
+  return static_cast<int32_t>(status) >= static_cast<int32_t>(SequenceStatus::kFinishedStopped);
+}
+
+/// Name of a status as vLLM spells finish reasons ("stop", "length", "abort", "ignored"),
+/// or the state name for unfinished statuses.
+const char* status_name(SequenceStatus status);
+
+/// When the C++ side finishes a sequence by itself (stop strings are checked in Python).
+struct StopConditions {
+  int32_t max_tokens = 16;  ///< new tokens at most (>= 1)
+  int32_t min_tokens = 0;   ///< EOS and stop tokens do not stop before this many new tokens
+  std::vector<TokenId> eos_token_ids;
+  std::vector<TokenId> stop_token_ids;
+  bool ignore_eos = false;
+};
+
+/// One token stream and its KV blocks. Tokens = prompt followed by generated tokens;
+/// tokens [0, num_computed_tokens) have their K/V in the cache.
+class Sequence {
+ public:
+  Sequence(SeqId seq_id, std::vector<TokenId> prompt);
+
+  SeqId seq_id() const { return seq_id_; }
+  SequenceStatus status() const { return status_; }
+  int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
+  int32_t prompt_len() const { return prompt_len_; }
+  int32_t num_output_tokens() const { return num_tokens() - prompt_len_; }
+  int32_t num_computed_tokens() const { return num_computed_; }
+  /// Tokens still to compute before a new token can be sampled.
+  int32_t num_uncomputed_tokens() const { return num_tokens() - num_computed_; }
+  const std::vector<TokenId>& tokens() const { return tokens_; }
+  TokenId last_token() const { return tokens_.back(); }
+  /// Token that stopped the sequence (EOS or a stop token id), or -1.
+  TokenId stop_token() const { return stop_token_; }
+
+  /// Physical blocks, logical order; in the GPU pool unless the sequence is swapped out.
+  const std::vector<BlockId>& block_table() const { return block_table_; }
+  /// Pool of the blocks in block_table().
+  Device block_device() const { return block_device_; }
+  /// Slots used in the last block of the table for `num_tokens()` tokens.
+  int32_t num_filled_in_last_block(int32_t block_size) const;
+
+ private:
+  friend class BlockManager;
+  friend class Scheduler;
+
+  SeqId seq_id_;
+  std::vector<TokenId> tokens_;
+  int32_t prompt_len_;
+  int32_t num_computed_ = 0;
+  SequenceStatus status_ = SequenceStatus::kWaiting;
+  TokenId stop_token_ = -1;
+  std::vector<BlockId> block_table_;
+  Device block_device_ = Device::kGpu;
+  std::vector<uint64_t> block_hashes_;  // chained hashes of full blocks of tokens_
+  int32_t num_registered_blocks_ = 0;   // leading blocks offered to the prefix cache
+};
+
+/// One request: `n`/`best_of` samples or beams over one prompt, scheduled together.
+class SequenceGroup {
+ public:
+  SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
+                uint64_t cache_salt_hash);
+
+  const std::string& request_id() const { return request_id_; }
+  double arrival_time() const { return arrival_time_; }
+  const StopConditions& stop_conditions() const { return stop_; }
+  uint64_t cache_salt_hash() const { return cache_salt_hash_; }
+  int32_t num_seqs() const { return static_cast<int32_t>(seqs_.size()); }
+  Sequence& seq(int32_t i) { return *seqs_[i]; }
+  const Sequence& seq(int32_t i) const { return *seqs_[i]; }
+  /// Sequences that have not finished.
+  int32_t num_unfinished() const;
+  bool is_finished() const { return num_unfinished() == 0; }
+  /// Number of preemptions this group went through.
+  int32_t num_preemptions() const { return num_preemptions_; }
+  /// Prompt tokens served from the prefix cache at the last admission.
+  int32_t num_cached_prompt_tokens() const { return num_cached_tokens_; }
+  /// Reason set when the group was finished as ignored.
+  const std::string& ignore_reason() const { return ignore_reason_; }
+
+ private:
+  friend class BlockManager;
+  friend class Scheduler;
+
+  std::string request_id_;
+  double arrival_time_;
+  StopConditions stop_;
+  uint64_t cache_salt_hash_;
+  std::vector<std::unique_ptr<Sequence>> seqs_;
+  // All unfinished sequences hold identical tokens and one set of blocks (a fresh prompt):
+  // only the first unfinished one computes; the others follow its progress and sample from
+  // its last row. Cleared when the first tokens are sampled.
+  bool identical_ = true;
+  int32_t num_preemptions_ = 0;
+  int32_t num_cached_tokens_ = 0;
+  int64_t last_step_ = -1;  // last step that scheduled this group
+  std::string ignore_reason_;
+};
+
+}  // namespace vpage

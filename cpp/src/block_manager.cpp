@@ -1,0 +1,257 @@
+#include "vpage/block_manager.h"
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_map>
+
+#include "vpage/prefix_hash.h"
+
+namespace vpage {
+
+BlockManager::BlockManager(const BlockManagerConfig& config)
+    : config_(config),
+      gpu_(Device::kGpu, config.num_gpu_blocks, config.enable_prefix_caching),
+      cpu_(Device::kCpu, config.num_cpu_blocks, false) {
+  VPAGE_CHECK(config.block_size > 0, "block_size must be > 0, got " << config.block_size);
+  VPAGE_CHECK(config.watermark >= 0.0 && config.watermark < 1.0,
+              "watermark must be in [0, 1), got " << config.watermark);
+  watermark_blocks_ = static_cast<int32_t>(std::ceil(config.watermark * config.num_gpu_blocks));
+}
+
+int32_t BlockManager::blocks_for(int32_t num_tokens) const {
+  return (num_tokens + config_.block_size - 1) / config_.block_size;
+}
+
+void BlockManager::ensure_hashes(Sequence& seq, uint64_t salt, int32_t num_blocks) {
+  const int32_t bs = config_.block_size;
+  auto& hashes = seq.block_hashes_;
+  while (static_cast<int32_t>(hashes.size()) < num_blocks) {
+    const size_t i = hashes.size();
+    const uint64_t parent = i == 0 ? 0 : hashes[i - 1];
+    hashes.push_back(hash_block(parent, seq.tokens_.data() + i * bs, bs, salt));
+  }
+}
+
+int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bool acquire,
+                                   int32_t* num_hits_free) {
+  if (!gpu_.caching_enabled()) return 0;
+  // The last token is always computed (its logits are needed).
+  const int32_t cacheable = (seq.num_tokens() - 1) / config_.block_size;
+  ensure_hashes(seq, group.cache_salt_hash_, cacheable);
+  int32_t hits = 0;
+  while (hits < cacheable) {
+    const BlockId b = gpu_.lookup(seq.block_hashes_[hits], acquire);
+    if (b < 0) break;
+    if (acquire) {
+      gpu_.acquire_cached(b);
+      seq.block_table_.push_back(b);
+    } else if (num_hits_free) {
+      *num_hits_free += gpu_.refcount(b) == 0;
+    }
+    ++hits;
+  }
+  return hits;
+}
+
+BlockManager::AdmissionPlan BlockManager::plan_admission(SequenceGroup& group) {
+  AdmissionPlan plan;
+  Sequence* leader = nullptr;
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    if (!leader) leader = s.get();
+    plan.identical = plan.identical && s->tokens_ == leader->tokens_;
+  }
+  VPAGE_CHECK(leader != nullptr, "group '" << group.request_id() << "' has no unfinished sequence");
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    plan.num_total_blocks += blocks_for(s->num_tokens());
+    plan.num_hits += match_prefix(group, *s, false, &plan.num_hits_free);
+    if (plan.identical) break;
+  }
+  return plan;
+}
+
+AllocStatus BlockManager::can_allocate(SequenceGroup& group) {
+  const AdmissionPlan plan = plan_admission(group);
+  if (plan.num_total_blocks > gpu_.num_blocks() - watermark_blocks_) return AllocStatus::kNever;
+  const int32_t needed = plan.num_total_blocks - plan.num_hits + plan.num_hits_free;
+  if (gpu_.num_free() - needed < watermark_blocks_) return AllocStatus::kLater;
+  return AllocStatus::kOk;
+}
+
+void BlockManager::allocate(SequenceGroup& group) {
+  const AdmissionPlan plan = plan_admission(group);
+  VPAGE_CHECK(gpu_.num_free() >= plan.num_total_blocks - plan.num_hits + plan.num_hits_free,
+              "not enough free GPU blocks to allocate group '" << group.request_id() << "'");
+  const Sequence* leader = nullptr;
+  int32_t cached_tokens = 0;
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    VPAGE_CHECK(s->block_table_.empty(), "sequence " << s->seq_id() << " already has blocks");
+    s->block_device_ = Device::kGpu;
+    if (plan.identical && leader) {
+      for (BlockId b : leader->block_table_) gpu_.incref(b);
+      s->block_table_ = leader->block_table_;
+      s->num_computed_ = leader->num_computed_;
+      s->num_registered_blocks_ = leader->num_registered_blocks_;
+      continue;
+    }
+    const int32_t hits = match_prefix(group, *s, true, nullptr);
+    while (static_cast<int32_t>(s->block_table_.size()) < blocks_for(s->num_tokens())) {
+      s->block_table_.push_back(gpu_.allocate());
+    }
+    s->num_computed_ = hits * config_.block_size;
+    s->num_registered_blocks_ = hits;
+    cached_tokens = std::max(cached_tokens, s->num_computed_);
+    if (!leader) leader = s.get();
+  }
+  group.identical_ = plan.identical;
+  group.num_cached_tokens_ = cached_tokens;
+}
+
+bool BlockManager::can_append_slots(const SequenceGroup& group) const {
+  const int32_t bs = config_.block_size;
+  int32_t needed = 0;
+  for (const auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    const int32_t have = static_cast<int32_t>(s->block_table_.size());
+    const int32_t want = blocks_for(s->num_tokens());
+    if (want > have) {
+      needed += want - have;
+    } else if (!group.identical_ && gpu_.refcount(s->block_table_[(s->num_tokens() - 1) / bs]) > 1) {
+      ++needed;
+    }
+  }
+  return needed <= gpu_.num_free();
+}
+
+void BlockManager::append_slots(SequenceGroup& group, std::vector<BlockPair>& copies) {
+  const int32_t bs = config_.block_size;
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    VPAGE_CHECK(s->block_device_ == Device::kGpu, "append_slots on a swapped sequence");
+    auto& table = s->block_table_;
+    while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) {
+      table.push_back(gpu_.allocate());
+    }
+    if (group.identical_) continue;
+    BlockId& last = table[(s->num_tokens() - 1) / bs];
+    if (gpu_.refcount(last) > 1) {
+      const BlockId copy = gpu_.allocate();
+      copies.emplace_back(last, copy);
+      gpu_.decref(last);
+      last = copy;
+    }
+  }
+}
+
+void BlockManager::fork(const Sequence& parent, Sequence& child) {
+  VPAGE_CHECK(child.block_table_.empty(), "fork target " << child.seq_id() << " already has blocks");
+  BlockPool& p = pool(parent.block_device_);
+  for (BlockId b : parent.block_table_) p.incref(b);
+  child.block_table_ = parent.block_table_;
+  child.block_device_ = parent.block_device_;
+  child.block_hashes_ = parent.block_hashes_;
+  child.num_registered_blocks_ = parent.num_registered_blocks_;
+}
+
+void BlockManager::free(Sequence& seq) {
+  BlockPool& p = pool(seq.block_device_);
+  // Tail first: of one sequence's cached blocks, the end of the chain is evicted first.
+  for (auto it = seq.block_table_.rbegin(); it != seq.block_table_.rend(); ++it) p.decref(*it);
+  seq.block_table_.clear();
+  seq.block_device_ = Device::kGpu;
+}
+
+int32_t BlockManager::num_distinct_blocks(const SequenceGroup& group) const {
+  std::vector<BlockId> blocks;
+  for (const auto& s : group.seqs_) {
+    if (!is_finished(s->status())) blocks.insert(blocks.end(), s->block_table_.begin(), s->block_table_.end());
+  }
+  std::sort(blocks.begin(), blocks.end());
+  return static_cast<int32_t>(std::unique(blocks.begin(), blocks.end()) - blocks.begin());
+}
+
+bool BlockManager::can_swap_out(const SequenceGroup& group) const {
+  return num_distinct_blocks(group) <= cpu_.num_free();
+}
+
+AllocStatus BlockManager::can_swap_in(const SequenceGroup& group) const {
+  const int32_t needed = num_distinct_blocks(group) + group.num_unfinished();
+  if (needed > gpu_.num_blocks() - watermark_blocks_) return AllocStatus::kNever;
+  if (gpu_.num_free() - needed < watermark_blocks_) return AllocStatus::kLater;
+  return AllocStatus::kOk;
+}
+
+void BlockManager::move_group(SequenceGroup& group, Device to, std::vector<BlockPair>& mapping) {
+  const Device from = to == Device::kGpu ? Device::kCpu : Device::kGpu;
+  BlockPool& src = pool(from);
+  BlockPool& dst = pool(to);
+  std::unordered_map<BlockId, BlockId> moved;
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    VPAGE_CHECK(s->block_device_ == from, "sequence " << s->seq_id() << " is not in the source pool");
+    for (BlockId& b : s->block_table_) {
+      auto it = moved.find(b);
+      if (it == moved.end()) {
+        it = moved.emplace(b, dst.allocate()).first;
+        mapping.emplace_back(b, it->second);
+      } else {
+        dst.incref(it->second);
+      }
+      src.decref(b);
+      b = it->second;
+    }
+    s->block_device_ = to;
+  }
+}
+
+void BlockManager::swap_out(SequenceGroup& group, std::vector<BlockPair>& mapping) {
+  VPAGE_CHECK(can_swap_out(group), "not enough CPU blocks to swap out '" << group.request_id() << "'");
+  move_group(group, Device::kCpu, mapping);
+}
+
+void BlockManager::swap_in(SequenceGroup& group, std::vector<BlockPair>& mapping) {
+  VPAGE_CHECK(num_distinct_blocks(group) <= gpu_.num_free(),
+              "not enough GPU blocks to swap in '" << group.request_id() << "'");
+  move_group(group, Device::kGpu, mapping);
+}
+
+void BlockManager::register_computed_blocks(const SequenceGroup& group, Sequence& seq) {
+  if (!gpu_.caching_enabled() || seq.block_device_ != Device::kGpu) return;
+  const int32_t full = seq.num_computed_ / config_.block_size;
+  if (full <= seq.num_registered_blocks_) return;
+  ensure_hashes(seq, group.cache_salt_hash_, full);
+  for (int32_t i = seq.num_registered_blocks_; i < full; ++i) {
+    gpu_.register_hash(seq.block_table_[i], seq.block_hashes_[i]);
+  }
+  seq.num_registered_blocks_ = full;
+}
+
+BlockUsage BlockManager::usage() const {
+  BlockUsage u;
+  u.num_gpu_blocks = gpu_.num_blocks();
+  u.free_gpu_blocks = gpu_.num_free();
+  u.num_cpu_blocks = cpu_.num_blocks();
+  u.free_cpu_blocks = cpu_.num_free();
+  u.prefix_cache = gpu_.cache_stats();
+  return u;
+}
+
+void BlockManager::check_invariants(const std::vector<const Sequence*>& seqs) const {
+  std::vector<int32_t> gpu_refs(gpu_.num_blocks(), 0), cpu_refs(cpu_.num_blocks(), 0);
+  for (const Sequence* s : seqs) {
+    auto& refs = s->block_device_ == Device::kGpu ? gpu_refs : cpu_refs;
+    VPAGE_CHECK(static_cast<int32_t>(s->block_table_.size()) >= blocks_for(s->num_computed_),
+                "sequence " << s->seq_id() << " has computed tokens without blocks");
+    for (BlockId b : s->block_table_) {
+      VPAGE_CHECK(b >= 0 && b < static_cast<BlockId>(refs.size()),
+                  "sequence " << s->seq_id() << " holds out-of-range block " << b);
+      ++refs[b];
+    }
+  }
+  gpu_.check_invariants(gpu_refs);
+  cpu_.check_invariants(cpu_refs);
+}
+
+}  // namespace vpage

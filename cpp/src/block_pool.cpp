@@ -1,0 +1,121 @@
+#include "vpage/block_pool.h"
+
+namespace vpage {
+
+BlockPool::BlockPool(Device device, int32_t num_blocks, bool enable_caching)
+    : device_(device), num_blocks_(num_blocks), caching_(enable_caching) {
+  VPAGE_CHECK(num_blocks >= 0, "number of blocks must be >= 0, got " << num_blocks);
+  const size_t n = static_cast<size_t>(num_blocks);
+  refcount_.assign(n, 0);
+  prev_.assign(n + 1, num_blocks);
+  next_.assign(n + 1, num_blocks);
+  hash_.assign(n, 0);
+  hashed_.assign(n, 0);
+  for (BlockId b = 0; b < num_blocks; ++b) push_back(b);
+}
+
+size_t BlockPool::check_id(BlockId block) const {
+  VPAGE_CHECK(block >= 0 && block < num_blocks_,
+              "block id " << block << " out of range [0, " << num_blocks_ << ")");
+  return static_cast<size_t>(block);
+}
+
+void BlockPool::unlink(BlockId block) {
+  const int32_t p = prev_[block], n = next_[block];
+  next_[p] = n;
+  prev_[n] = p;
+  prev_[block] = next_[block] = -1;
+  --num_free_;
+}
+
+void BlockPool::push_back(BlockId block) {
+  const int32_t sentinel = num_blocks_;
+  const int32_t last = prev_[sentinel];
+  prev_[block] = last;
+  next_[block] = sentinel;
+  next_[last] = block;
+  prev_[sentinel] = block;
+  ++num_free_;
+}
+
+void BlockPool::drop_hash(BlockId block) {
+  if (!hashed_[block]) return;
+  cached_.erase(hash_[block]);
+  hashed_[block] = 0;
+}
+
+BlockId BlockPool::allocate() {
+  VPAGE_CHECK(num_free_ > 0, "no free block in the " << (device_ == Device::kGpu ? "GPU" : "CPU")
+                                                     << " pool");
+  const BlockId block = next_[num_blocks_];
+  unlink(block);
+  if (hashed_[block]) {
+    drop_hash(block);
+    ++stats_.evictions;
+  }
+  refcount_[block] = 1;
+  return block;
+}
+
+void BlockPool::incref(BlockId block) {
+  VPAGE_CHECK(refcount_[check_id(block)] > 0, "incref of free block " << block);
+  ++refcount_[block];
+}
+
+void BlockPool::decref(BlockId block) {
+  VPAGE_CHECK(refcount_[check_id(block)] > 0, "double free of block " << block);
+  if (--refcount_[block] == 0) push_back(block);
+}
+
+BlockId BlockPool::lookup(uint64_t hash, bool count) {
+  const auto it = cached_.find(hash);
+  const BlockId found = it == cached_.end() ? -1 : it->second;
+  if (count) {
+    ++stats_.queries;
+    stats_.hits += found >= 0;
+  }
+  return found;
+}
+
+void BlockPool::acquire_cached(BlockId block) {
+  VPAGE_CHECK(hashed_[check_id(block)], "block " << block << " is not a cached block");
+  if (refcount_[block]++ == 0) unlink(block);
+}
+
+void BlockPool::register_hash(BlockId block, uint64_t hash) {
+  VPAGE_CHECK(refcount_[check_id(block)] > 0, "register_hash on free block " << block);
+  if (!caching_ || hashed_[block]) return;
+  if (!cached_.emplace(hash, block).second) return;
+  hash_[block] = hash;
+  hashed_[block] = 1;
+}
+
+void BlockPool::check_invariants(const std::vector<int32_t>& expected_refcounts) const {
+  VPAGE_CHECK(expected_refcounts.size() == refcount_.size(), "refcount table size mismatch");
+  int32_t in_queue = 0;
+  for (int32_t b = next_[num_blocks_]; b != num_blocks_; b = next_[b]) {
+    VPAGE_CHECK(refcount_[b] == 0, "block " << b << " in the free queue has refcount "
+                                            << refcount_[b]);
+    VPAGE_CHECK(++in_queue <= num_blocks_, "free queue has a cycle");
+  }
+  VPAGE_CHECK(in_queue == num_free_, "free queue holds " << in_queue << " blocks, counter says "
+                                                         << num_free_);
+  int32_t zero = 0;
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    VPAGE_CHECK(refcount_[b] == expected_refcounts[b],
+                "block " << b << " has refcount " << refcount_[b] << " but "
+                         << expected_refcounts[b] << " block tables hold it");
+    zero += refcount_[b] == 0;
+  }
+  VPAGE_CHECK(zero == num_free_, "free + used != total");
+  size_t hashed = 0;
+  for (int32_t b = 0; b < num_blocks_; ++b) {
+    if (!hashed_[b]) continue;
+    ++hashed;
+    const auto it = cached_.find(hash_[b]);
+    VPAGE_CHECK(it != cached_.end() && it->second == b, "cache index misses block " << b);
+  }
+  VPAGE_CHECK(hashed == cached_.size(), "cache index has entries for unhashed blocks");
+}
+
+}  // namespace vpage

@@ -1,0 +1,441 @@
+#include "vpage/scheduler.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "vpage/prefix_hash.h"
+#include "step_builder.h"
+
+namespace vpage {
+
+Scheduler::Scheduler(const SchedulerConfig& config, const BlockManagerConfig& block_config)
+    : config_(config), blocks_(block_config), plan_(std::make_shared<SchedulePlan>()) {
+  VPAGE_CHECK(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0");
+  VPAGE_CHECK(config.max_num_seqs > 0, "max_num_seqs must be > 0");
+  VPAGE_CHECK(config.max_model_len > 0, "max_model_len must be > 0");
+  plan_->step_id = -1;
+}
+
+std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id,
+                                                 std::vector<TokenId> prompt, int32_t num_seqs,
+                                                 const StopConditions& stop, double arrival_time,
+                                                 const std::string& cache_salt) {
+  VPAGE_CHECK(!prompt.empty(), "request '" << request_id << "' has an empty prompt");
+  VPAGE_CHECK(num_seqs >= 1, "request '" << request_id << "' needs at least one sequence");
+  VPAGE_CHECK(stop.max_tokens >= 1, "max_tokens must be >= 1, got " << stop.max_tokens);
+  VPAGE_CHECK(stop.min_tokens >= 0 && stop.min_tokens <= stop.max_tokens,
+              "min_tokens must be in [0, max_tokens], got " << stop.min_tokens);
+  VPAGE_CHECK(!groups_.count(request_id), "request id '" << request_id << "' is already in use");
+  auto group = std::make_unique<SequenceGroup>(request_id, arrival_time, stop,
+                                               hash_cache_salt(cache_salt));
+  std::vector<SeqId> ids;
+  for (int32_t i = 0; i < num_seqs; ++i) {
+    group->seqs_.push_back(std::make_unique<Sequence>(next_seq_id_++, prompt));
+    ids.push_back(group->seqs_.back()->seq_id());
+    seqs_[ids.back()] = SeqRef{group->seqs_.back().get(), group.get()};
+  }
+  insert_by_arrival(waiting_, group.get());
+  groups_.emplace(request_id, std::move(group));
+  return ids;
+}
+
+SequenceGroup* Scheduler::group_of(const std::string& request_id) const {
+  const auto it = groups_.find(request_id);
+  return it == groups_.end() ? nullptr : it->second.get();
+}
+
+const SequenceGroup* Scheduler::find_group(const std::string& request_id) const {
+  return group_of(request_id);
+}
+
+const Sequence* Scheduler::find_sequence(SeqId seq_id) const {
+  const auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? nullptr : it->second.seq;
+}
+
+void Scheduler::insert_by_arrival(std::deque<SequenceGroup*>& queue, SequenceGroup* group) {
+  auto it = std::upper_bound(queue.begin(), queue.end(), group, [](const SequenceGroup* a, const SequenceGroup* b) {
+    return a->arrival_time() < b->arrival_time();
+  });
+  queue.insert(it, group);
+}
+
+void Scheduler::set_status(SequenceGroup& group, SequenceStatus status) {
+  for (auto& s : group.seqs_) {
+    if (!is_finished(s->status_)) s->status_ = status;
+  }
+}
+
+void Scheduler::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status) {
+  (void)group;
+  blocks_.free(seq);
+  seq.status_ = status;
+}
+
+void Scheduler::remove_group(SequenceGroup& group) {
+  SequenceGroup* g = &group;
+  running_.erase(std::remove(running_.begin(), running_.end(), g), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), g), waiting_.end());
+  swapped_.erase(std::remove(swapped_.begin(), swapped_.end(), g), swapped_.end());
+  for (auto& s : group.seqs_) seqs_.erase(s->seq_id());
+  groups_.erase(group.request_id());  // destroys the group
+}
+
+bool Scheduler::abort(const std::string& request_id) {
+  SequenceGroup* group = group_of(request_id);
+  if (!group) return false;
+  for (auto& s : group->seqs_) {
+    if (!is_finished(s->status_)) finish_seq(*group, *s, SequenceStatus::kFinishedAborted);
+  }
+  remove_group(*group);
+  return true;
+}
+
+void Scheduler::ignore(SequenceGroup& group, const std::string& reason, SchedulePlan& plan) {
+  for (auto& s : group.seqs_) {
+    if (!is_finished(s->status_)) finish_seq(group, *s, SequenceStatus::kFinishedIgnored);
+  }
+  group.ignore_reason_ = reason;
+  plan.ignored.emplace_back(group.request_id(), reason);
+  remove_group(group);
+}
+
+void Scheduler::preempt(SequenceGroup& group, SchedulePlan& plan) {
+  const PreemptionMode mode = config_.preemption_mode;
+  bool swap = mode == PreemptionMode::kSwap ||
+              (mode == PreemptionMode::kAuto && group.num_unfinished() > 1);
+  if (swap && !blocks_.can_swap_out(group)) swap = false;  // CPU space short: recompute
+  if (swap) {
+    blocks_.swap_out(group, plan.blocks_to_swap_out);
+    set_status(group, SequenceStatus::kSwapped);
+    insert_by_arrival(swapped_, &group);
+    ++plan.num_preempted_swap;
+    ++stats_.num_preempted_swap;
+  } else {
+    for (auto& s : group.seqs_) {
+      if (is_finished(s->status_)) continue;
+      blocks_.free(*s);
+      s->num_computed_ = 0;
+      s->num_registered_blocks_ = 0;
+    }
+    set_status(group, SequenceStatus::kWaiting);
+    insert_by_arrival(waiting_, &group);
+    ++plan.num_preempted_recompute;
+    ++stats_.num_preempted_recompute;
+  }
+  ++group.num_preemptions_;
+}
+
+bool Scheduler::is_decode(const SequenceGroup& group) {
+  if (group.identical_) return false;
+  for (const auto& s : group.seqs_) {
+    if (!is_finished(s->status_) && s->num_uncomputed_tokens() != 1) return false;
+  }
+  return true;
+}
+
+void Scheduler::schedule_group(SequenceGroup& group, int32_t& token_budget, StepBuilder& step) {
+  std::vector<Sequence*> live;
+  for (auto& s : group.seqs_) {
+    if (!is_finished(s->status_)) live.push_back(s.get());
+  }
+  // Identical sequences: the first computes for all, the rest follow and share its row.
+  const size_t num_computing = group.identical_ ? 1 : live.size();
+  for (size_t i = 0; i < num_computing && token_budget > 0; ++i) {
+    Sequence& seq = *live[i];
+    const int32_t n = std::min(seq.num_uncomputed_tokens(), token_budget);
+    if (n == 0) continue;
+    token_budget -= n;
+    const int64_t last = step.add_row(seq, n);
+    const bool samples = seq.num_computed_ + n == seq.num_tokens();
+    const size_t followers_end = group.identical_ ? live.size() : i + 1;
+    for (size_t j = i; j < followers_end; ++j) {
+      pending_.emplace_back(live[j]->seq_id(), n);
+      if (samples) step.add_sample(live[j]->seq_id(), last);
+    }
+  }
+  group.last_step_ = plan_->step_id;
+}
+
+std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
+  if (plan_.use_count() > 1) {
+    plan_ = std::make_shared<SchedulePlan>();
+  } else {
+    plan_->clear();
+  }
+  SchedulePlan& plan = *plan_;
+  plan.step_id = next_step_id_++;
+  pending_.clear();
+  StepBuilder step(plan, blocks_.block_size());
+  int32_t token_budget = config_.max_num_batched_tokens;
+  int32_t num_running_seqs = 0;
+  for (const SequenceGroup* g : running_) num_running_seqs += g->num_unfinished();
+
+  // 1. Decodes of running groups, FCFS; when blocks run out, preempt the latest arrivals.
+  for (size_t i = 0; i < running_.size(); ++i) {
+    SequenceGroup& group = *running_[i];
+    if (!is_decode(group) || group.num_unfinished() > token_budget) continue;
+    bool preempted_self = false;
+    while (!blocks_.can_append_slots(group)) {
+      size_t victim = running_.size();
+      for (size_t j = running_.size(); j-- > i + 1;) {
+        if (!scheduled_now(*running_[j])) {
+          victim = j;
+          break;
+        }
+      }
+      if (victim == running_.size()) {
+        preempted_self = true;
+        break;
+      }
+      SequenceGroup* v = running_[victim];
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(victim));
+      num_running_seqs -= v->num_unfinished();
+      preempt(*v, plan);
+    }
+    if (preempted_self) {
+      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
+      num_running_seqs -= group.num_unfinished();
+      preempt(group, plan);
+      --i;
+      continue;
+    }
+    blocks_.append_slots(group, plan.blocks_to_copy);
+    schedule_group(group, token_budget, step);
+  }
+  const bool preempted = plan.num_preempted_recompute + plan.num_preempted_swap > 0;
+
+  // 2. Swapped groups come back (FCFS) before any new prompt, unless this step preempted.
+  while (!preempted && !swapped_.empty()) {
+    SequenceGroup& group = *swapped_.front();
+    const AllocStatus status = blocks_.can_swap_in(group);
+    if (status == AllocStatus::kNever) {
+      swapped_.pop_front();
+      ignore(group, "the swapped request no longer fits in the KV cache", plan);
+      continue;
+    }
+    const int32_t k = group.num_unfinished();
+    const bool decode = is_decode(group);
+    if (status == AllocStatus::kLater || num_running_seqs + k > config_.max_num_seqs ||
+        token_budget < (decode ? k : 1)) {
+      break;
+    }
+    swapped_.pop_front();
+    blocks_.swap_in(group, plan.blocks_to_swap_in);
+    set_status(group, SequenceStatus::kRunning);
+    running_.insert(std::upper_bound(running_.begin(), running_.end(), &group,
+                                     [](const SequenceGroup* a, const SequenceGroup* b) {
+                                       return a->arrival_time() < b->arrival_time();
+                                     }),
+                    &group);
+    num_running_seqs += k;
+    if (decode) {
+      blocks_.append_slots(group, plan.blocks_to_copy);
+      schedule_group(group, token_budget, step);
+    }
+  }
+
+  // 3. Prefill chunks of running groups.
+  for (SequenceGroup* g : running_) {
+    if (token_budget == 0) break;
+    if (scheduled_now(*g) || is_decode(*g)) continue;
+    if (!config_.enable_chunked_prefill) {
+      int32_t uncomputed = 0;
+      for (auto& s : g->seqs_) {
+        if (!is_finished(s->status_)) uncomputed += s->num_uncomputed_tokens();
+        if (g->identical_) break;
+      }
+      if (uncomputed > token_budget) continue;
+    }
+    schedule_group(*g, token_budget, step);
+  }
+
+  // 4. New prompts (FCFS) while the budgets and the KV cache allow.
+  while (!preempted && swapped_.empty() && !waiting_.empty() && token_budget > 0) {
+    SequenceGroup& group = *waiting_.front();
+    int32_t len = 0, total = 0;
+    for (auto& s : group.seqs_) {
+      if (is_finished(s->status_)) continue;
+      len = std::max(len, s->num_tokens());
+      total += group.identical_ && total > 0 ? 0 : s->num_tokens();
+    }
+    std::string reason;
+    if (len > config_.max_model_len) {
+      reason = "prompt of " + std::to_string(len) + " tokens exceeds max_model_len " +
+               std::to_string(config_.max_model_len);
+    } else if (!config_.enable_chunked_prefill && len > config_.max_num_batched_tokens) {
+      reason = "prompt of " + std::to_string(len) + " tokens exceeds max_num_batched_tokens " +
+               std::to_string(config_.max_num_batched_tokens) + " and chunked prefill is off";
+    }
+    const AllocStatus status = reason.empty() ? blocks_.can_allocate(group) : AllocStatus::kNever;
+    if (status == AllocStatus::kNever) {
+      if (reason.empty()) {
+        reason = "prompt of " + std::to_string(len) + " tokens needs more KV blocks than the cache holds (" +
+                 std::to_string(blocks_.config().num_gpu_blocks) + " blocks of " +
+                 std::to_string(blocks_.block_size()) + " tokens, minus the watermark)";
+      }
+      waiting_.pop_front();
+      ignore(group, reason, plan);
+      continue;
+    }
+    if (status == AllocStatus::kLater) break;
+    const int32_t k = group.num_unfinished();
+    if (num_running_seqs + k > config_.max_num_seqs) break;
+    if (!config_.enable_chunked_prefill && total > token_budget) break;
+    waiting_.pop_front();
+    blocks_.allocate(group);
+    stats_.num_cached_prompt_tokens += group.num_cached_tokens_;
+    set_status(group, SequenceStatus::kRunning);
+    running_.insert(std::upper_bound(running_.begin(), running_.end(), &group,
+                                     [](const SequenceGroup* a, const SequenceGroup* b) {
+                                       return a->arrival_time() < b->arrival_time();
+                                     }),
+                    &group);
+    num_running_seqs += k;
+    schedule_group(group, token_budget, step);
+  }
+
+  step.finish();
+  ++stats_.num_steps;
+  stats_.num_prefill_tokens += plan.num_prefill_tokens;
+  stats_.num_decode_tokens += plan.num_decode_tokens;
+  return plan_;
+}
+
+SequenceStatus Scheduler::status_after_token(const SequenceGroup& group, const Sequence& seq,
+                                             TokenId token) const {
+  const StopConditions& stop = group.stop_;
+  const int32_t num_out = seq.num_output_tokens();
+  if (num_out >= stop.min_tokens) {
+    const auto has = [token](const std::vector<TokenId>& ids) {
+      return std::find(ids.begin(), ids.end(), token) != ids.end();
+    };
+    if ((!stop.ignore_eos && has(stop.eos_token_ids)) || has(stop.stop_token_ids)) {
+      return SequenceStatus::kFinishedStopped;
+    }
+  }
+  if (num_out >= stop.max_tokens || seq.num_tokens() >= config_.max_model_len) {
+    return SequenceStatus::kFinishedLength;
+  }
+  return SequenceStatus::kRunning;
+}
+
+CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
+  for (const auto& [id, n] : pending_) {
+    const auto it = seqs_.find(id);
+    if (it == seqs_.end() || is_finished(it->second.seq->status_)) continue;
+    Sequence& seq = *it->second.seq;
+    seq.num_computed_ += n;
+    VPAGE_CHECK(seq.num_computed_ <= seq.num_tokens(), "sequence " << id << " computed past its tokens");
+    blocks_.register_computed_blocks(*it->second.group, seq);
+  }
+  pending_.clear();
+
+  CommitResult result;
+  result.statuses.resize(static_cast<size_t>(count));
+  std::vector<SequenceGroup*> touched;
+  for (int64_t i = 0; i < count; ++i) {
+    const auto it = seqs_.find(seq_ids[i]);
+    if (it == seqs_.end()) {
+      result.statuses[i] = static_cast<int32_t>(SequenceStatus::kFinishedAborted);
+      continue;
+    }
+    Sequence& seq = *it->second.seq;
+    SequenceGroup& group = *it->second.group;
+    if (!is_finished(seq.status_)) {
+      VPAGE_CHECK(seq.num_computed_ == seq.num_tokens(),
+                  "sequence " << seq.seq_id() << " has " << seq.num_uncomputed_tokens()
+                              << " uncomputed tokens: it was not scheduled to sample");
+      seq.tokens_.push_back(token_ids[i]);
+      group.identical_ = false;
+      const SequenceStatus status = status_after_token(group, seq, token_ids[i]);
+      if (is_finished(status)) {
+        seq.stop_token_ = status == SequenceStatus::kFinishedStopped ? token_ids[i] : -1;
+        finish_seq(group, seq, status);
+      }
+      touched.push_back(&group);
+    }
+    result.statuses[i] = static_cast<int32_t>(seq.status_);
+  }
+  std::sort(touched.begin(), touched.end());
+  touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+  for (SequenceGroup* g : touched) {
+    if (!g->is_finished()) continue;
+    result.finished_request_ids.push_back(g->request_id());
+    remove_group(*g);
+  }
+  return result;
+}
+
+SeqId Scheduler::fork_sequence(SeqId parent_id) {
+  const auto it = seqs_.find(parent_id);
+  VPAGE_CHECK(it != seqs_.end(), "fork of unknown sequence " << parent_id);
+  const Sequence& parent = *it->second.seq;
+  SequenceGroup& group = *it->second.group;
+  VPAGE_CHECK(!is_finished(parent.status_), "fork of finished sequence " << parent_id);
+  auto child = std::make_unique<Sequence>(next_seq_id_++, parent.tokens_);
+  child->prompt_len_ = parent.prompt_len_;
+  child->num_computed_ = parent.num_computed_;
+  child->status_ = parent.status_;
+  blocks_.fork(parent, *child);
+  const SeqId child_id = child->seq_id();
+  for (size_t i = 0, n = pending_.size(); i < n; ++i) {
+    if (pending_[i].first == parent_id) pending_.emplace_back(child_id, pending_[i].second);
+  }
+  seqs_[child_id] = SeqRef{child.get(), &group};
+  group.seqs_.push_back(std::move(child));
+  return child_id;
+}
+
+bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
+  VPAGE_CHECK(is_finished(status), "finish_sequence needs a finished status");
+  const auto it = seqs_.find(seq_id);
+  VPAGE_CHECK(it != seqs_.end(), "finish of unknown sequence " << seq_id);
+  Sequence& seq = *it->second.seq;
+  SequenceGroup& group = *it->second.group;
+  if (!is_finished(seq.status_)) finish_seq(group, seq, status);
+  if (!group.is_finished()) return false;
+  remove_group(group);
+  return true;
+}
+
+void Scheduler::check_invariants() const {
+  std::unordered_set<const SequenceGroup*> seen;
+  std::vector<const Sequence*> holders;
+  size_t num_seqs = 0;
+  const auto check_queue = [&](const auto& queue, SequenceStatus expected, const char* name) {
+    for (const SequenceGroup* g : queue) {
+      VPAGE_CHECK(seen.insert(g).second, "group '" << g->request_id() << "' is in two queues");
+      VPAGE_CHECK(groups_.count(g->request_id()) && group_of(g->request_id()) == g,
+                  "queued group '" << g->request_id() << "' is not registered");
+      VPAGE_CHECK(!g->is_finished(), "finished group '" << g->request_id() << "' is still queued");
+      for (const auto& s : g->seqs_) {
+        ++num_seqs;
+        VPAGE_CHECK(s->num_computed_ <= s->num_tokens(), "sequence " << s->seq_id() << " over-computed");
+        if (is_finished(s->status_)) {
+          VPAGE_CHECK(s->block_table_.empty(), "finished sequence " << s->seq_id() << " holds blocks");
+          continue;
+        }
+        VPAGE_CHECK(s->status_ == expected, "sequence " << s->seq_id() << " in the " << name
+                                                        << " queue has status " << status_name(s->status_));
+        if (expected == SequenceStatus::kWaiting) {
+          VPAGE_CHECK(s->block_table_.empty() && s->num_computed_ == 0,
+                      "waiting sequence " << s->seq_id() << " holds blocks or computed tokens");
+        } else {
+          const Device want = expected == SequenceStatus::kSwapped ? Device::kCpu : Device::kGpu;
+          VPAGE_CHECK(s->block_device_ == want, "sequence " << s->seq_id() << " in the " << name
+                                                            << " queue holds blocks of the wrong pool");
+        }
+        holders.push_back(s.get());
+      }
+    }
+  };
+  check_queue(waiting_, SequenceStatus::kWaiting, "waiting");
+  check_queue(running_, SequenceStatus::kRunning, "running");
+  check_queue(swapped_, SequenceStatus::kSwapped, "swapped");
+  VPAGE_CHECK(seen.size() == groups_.size(), "a registered group is in no queue");
+  VPAGE_CHECK(num_seqs == seqs_.size(), "sequence index out of sync");
+  blocks_.check_invariants(holders);
+}
+
+}  // namespace vpage

@@ -1,0 +1,144 @@
+// Block pool and block manager: refcounts, copy-on-write, fork, swap, watermark, prefix cache.
+#include <memory>
+#include <vector>
+
+#include "check.h"
+#include "vpage/block_manager.h"
+#include "vpage/scheduler.h"
+
+using namespace vpage;
+
+namespace {
+
+std::vector<TokenId> tokens(int n, int start = 1) {
+  std::vector<TokenId> t(n);
+  for (int i = 0; i < n; ++i) t[i] = start + i;
+  return t;
+}
+
+BlockManagerConfig pools(int gpu, int cpu, bool caching = false, double watermark = 0.0) {
+  BlockManagerConfig c;
+  c.block_size = 4;
+  c.num_gpu_blocks = gpu;
+  c.num_cpu_blocks = cpu;
+  c.watermark = watermark;
+  c.enable_prefix_caching = caching;
+  return c;
+}
+
+StopConditions stop(int max_tokens) {
+  StopConditions s;
+  s.max_tokens = max_tokens;
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("pool: allocate, refcount, double free") {
+  BlockPool pool(Device::kGpu, 3, false);
+  const BlockId a = pool.allocate();
+  EXPECT(pool.num_free() == 2 && pool.refcount(a) == 1);
+  pool.incref(a);
+  pool.decref(a);
+  pool.decref(a);
+  EXPECT(pool.num_free() == 3);
+  EXPECT_THROWS(pool.decref(a));
+  EXPECT_THROWS(pool.incref(a));
+  pool.allocate();
+  pool.allocate();
+  pool.allocate();
+  EXPECT_THROWS(pool.allocate());
+}
+
+TEST_CASE("pool: LRU eviction takes the least recently freed cached block") {
+  BlockPool pool(Device::kGpu, 2, true);
+  const BlockId a = pool.allocate();
+  const BlockId b = pool.allocate();
+  pool.register_hash(a, 111);
+  pool.register_hash(b, 222);
+  pool.decref(b);  // freed first: evicted first
+  pool.decref(a);
+  EXPECT(pool.lookup(111, true) == a && pool.lookup(222, true) == b);
+  EXPECT(pool.allocate() == b);
+  EXPECT(pool.lookup(222, true) == -1);
+  EXPECT(pool.cache_stats().evictions == 1 && pool.cache_stats().hits == 2);
+  pool.acquire_cached(a);  // a hit on a free cached block takes it out of the free queue
+  EXPECT(pool.num_free() == 0 && pool.refcount(a) == 1);
+}
+
+TEST_CASE("copy-on-write on a shared last block") {
+  Scheduler s(SchedulerConfig{}, pools(8, 0));
+  // Two samples of a 6-token prompt share 2 blocks; the second block is half full.
+  s.add_sequence_group("r", tokens(6), 2, stop(8), 0.0);
+  auto plan = s.schedule();
+  EXPECT(plan->num_tokens() == 6 && plan->sample_seq_ids.size() == 2);
+  EXPECT(s.block_manager().gpu_pool().num_used() == 2);
+  std::vector<SeqId> ids = plan->sample_seq_ids;
+  std::vector<TokenId> toks{50, 60};
+  s.commit(ids.data(), toks.data(), 2);
+  plan = s.schedule();
+  // Each sample writes position 6 into the shared block: the first one copies it.
+  EXPECT(plan->blocks_to_copy.size() == 1);
+  EXPECT(plan->num_tokens() == 2);
+  const Sequence* a = s.find_sequence(ids[0]);
+  const Sequence* b = s.find_sequence(ids[1]);
+  EXPECT(a->block_table()[0] == b->block_table()[0]);
+  EXPECT(a->block_table()[1] != b->block_table()[1]);
+  EXPECT(plan->blocks_to_copy[0].first == b->block_table()[1] || plan->blocks_to_copy[0].first == a->block_table()[1]);
+  s.check_invariants();
+}
+
+TEST_CASE("fork shares every block and frees cleanly") {
+  Scheduler s(SchedulerConfig{}, pools(8, 0));
+  s.add_sequence_group("r", tokens(5), 1, stop(8), 0.0);
+  auto plan = s.schedule();
+  const SeqId parent = plan->sample_seq_ids[0];
+  const SeqId child = s.fork_sequence(parent);
+  const Sequence* p = s.find_sequence(parent);
+  const Sequence* c = s.find_sequence(child);
+  EXPECT(p->block_table() == c->block_table());
+  EXPECT(s.block_manager().gpu_pool().refcount(p->block_table()[0]) == 2);
+  std::vector<SeqId> ids{parent, child};
+  std::vector<TokenId> toks{7, 8};
+  s.commit(ids.data(), toks.data(), 2);
+  s.check_invariants();
+  EXPECT(s.abort("r"));
+  EXPECT(s.block_manager().gpu_pool().num_free() == 8);
+  s.check_invariants();
+}
+
+TEST_CASE("watermark holds back blocks; NEVER for a prompt longer than the pool") {
+  Scheduler s(SchedulerConfig{}, pools(10, 0, false, 0.2));  // watermark: 2 blocks
+  s.add_sequence_group("too-long", tokens(40), 1, stop(4), 0.0);  // 10 blocks > 10 - 2
+  s.add_sequence_group("fits", tokens(32), 1, stop(4), 1.0);      // 8 blocks
+  s.add_sequence_group("later", tokens(4), 1, stop(4), 2.0);      // 1 block: 2 left == watermark... LATER
+  auto plan = s.schedule();
+  EXPECT(plan->ignored.size() == 1 && plan->ignored[0].first == "too-long");
+  EXPECT(plan->seq_ids.size() == 1);
+  EXPECT(s.num_waiting() == 1);
+  s.check_invariants();
+}
+
+TEST_CASE("prefix cache: shared prefix hit, salt isolation") {
+  SchedulerConfig cfg;
+  Scheduler s(cfg, pools(16, 0, true));
+  auto prompt = tokens(10);  // blocks [1..4] [5..8] [9,10]
+  s.add_sequence_group("a", prompt, 1, stop(1), 0.0);
+  auto plan = s.schedule();
+  std::vector<SeqId> ids = plan->sample_seq_ids;
+  std::vector<TokenId> t{99};
+  s.commit(ids.data(), t.data(), 1);  // finishes (max_tokens 1); full blocks stay cached
+  EXPECT(!s.has_unfinished());
+  s.add_sequence_group("b", prompt, 1, stop(1), 1.0);
+  plan = s.schedule();
+  EXPECT(plan->num_tokens() == 2);  // 8 of 10 prompt tokens came from the cache
+  EXPECT(s.find_group("b")->num_cached_prompt_tokens() == 8);
+  ids = plan->sample_seq_ids;
+  s.commit(ids.data(), t.data(), 1);
+  s.add_sequence_group("c", prompt, 1, stop(1), 2.0, "tenant-2");
+  plan = s.schedule();
+  EXPECT(plan->num_tokens() == 10);  // another salt never hits
+  s.check_invariants();
+}
+
+TEST_MAIN()

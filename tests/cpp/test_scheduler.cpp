@@ -1,0 +1,208 @@
+// Scheduler: FCFS, budgets, chunked prefill, preemption by recompute and swap, stops, abort.
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "check.h"
+#include "vpage/scheduler.h"
+
+using namespace vpage;
+
+namespace {
+
+std::vector<TokenId> tokens(int n, int start = 1) {
+  std::vector<TokenId> t(n);
+  for (int i = 0; i < n; ++i) t[i] = start + i;
+  return t;
+}
+
+BlockManagerConfig pools(int gpu, int cpu, int block_size = 4) {
+  BlockManagerConfig c;
+  c.block_size = block_size;
+  c.num_gpu_blocks = gpu;
+  c.num_cpu_blocks = cpu;
+  c.watermark = 0.0;
+  c.enable_prefix_caching = false;
+  return c;
+}
+
+StopConditions stop(int max_tokens) {
+  StopConditions s;
+  s.max_tokens = max_tokens;
+  s.eos_token_ids = {0};
+  return s;
+}
+
+// Schedules one step and commits `token` for every sampling sequence.
+std::shared_ptr<const SchedulePlan> step(Scheduler& s, TokenId token, CommitResult* out = nullptr) {
+  auto plan = s.schedule();
+  std::vector<SeqId> ids = plan->sample_seq_ids;
+  std::vector<TokenId> toks(ids.size(), token);
+  CommitResult r = s.commit(ids.data(), toks.data(), static_cast<int64_t>(ids.size()));
+  if (out) *out = r;
+  s.check_invariants();
+  return plan;
+}
+
+}  // namespace
+
+TEST_CASE("FCFS: earlier arrivals are admitted first") {
+  SchedulerConfig cfg;
+  cfg.max_num_seqs = 2;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("late", tokens(3), 1, stop(4), 5.0);
+  s.add_sequence_group("early", tokens(3), 1, stop(4), 1.0);
+  s.add_sequence_group("middle", tokens(3), 1, stop(4), 3.0);
+  auto plan = s.schedule();
+  EXPECT(plan->num_seqs() == 2);
+  EXPECT(s.find_group("early")->seq(0).status() == SequenceStatus::kRunning);
+  EXPECT(s.find_group("middle")->seq(0).status() == SequenceStatus::kRunning);
+  EXPECT(s.find_group("late")->seq(0).status() == SequenceStatus::kWaiting);
+}
+
+TEST_CASE("chunked prefill: the token budget holds and decodes go first") {
+  SchedulerConfig cfg;
+  cfg.max_num_batched_tokens = 8;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("short", tokens(3), 1, stop(20), 0.0);
+  s.add_sequence_group("long", tokens(30), 1, stop(20), 1.0);
+  int steps = 0;
+  while (s.has_unfinished() && steps < 100) {
+    const bool short_decoding = s.find_group("short") &&
+                                s.find_group("short")->seq(0).num_computed_tokens() > 0;
+    auto plan = step(s, 5);
+    EXPECT(plan->num_tokens() <= 8);
+    if (short_decoding && s.find_group("short")) {
+      // The running decode gets its token in every step while the long prompt is prefilled.
+      EXPECT(std::find(plan->seq_ids.begin(), plan->seq_ids.end(), 0) != plan->seq_ids.end());
+    }
+    ++steps;
+  }
+  EXPECT(!s.has_unfinished());
+  EXPECT(s.block_manager().gpu_pool().num_free() == 64);
+}
+
+TEST_CASE("chunked prefill off: a prompt is admitted whole or waits") {
+  SchedulerConfig cfg;
+  cfg.max_num_batched_tokens = 10;
+  cfg.enable_chunked_prefill = false;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("a", tokens(6), 1, stop(2), 0.0);
+  s.add_sequence_group("b", tokens(6), 1, stop(2), 1.0);
+  s.add_sequence_group("huge", tokens(11), 1, stop(2), 2.0);
+  auto plan = step(s, 5);
+  EXPECT(plan->num_tokens() == 6);
+  plan = step(s, 5);
+  EXPECT(plan->num_tokens() == 7);  // a's decode + b's whole prompt
+  EXPECT(plan->ignored.size() == 1 && plan->ignored[0].first == "huge");
+}
+
+TEST_CASE("preemption by recompute picks the latest arrival") {
+  SchedulerConfig cfg;
+  cfg.preemption_mode = PreemptionMode::kRecompute;
+  Scheduler s(cfg, pools(4, 0));
+  s.add_sequence_group("first", tokens(4), 1, stop(8), 0.0);
+  s.add_sequence_group("second", tokens(4), 1, stop(8), 1.0);
+  step(s, 5);  // both prompts: 1 block each
+  int preempted = 0;
+  for (int i = 0; i < 30 && s.has_unfinished(); ++i) {
+    auto plan = step(s, 5);
+    preempted += plan->num_preempted_recompute;
+    if (plan->num_preempted_recompute) {
+      const SequenceGroup* second = s.find_group("second");
+      EXPECT(second && second->num_preemptions() == 1);
+      EXPECT(s.find_group("first")->seq(0).status() == SequenceStatus::kRunning);
+    }
+  }
+  EXPECT(preempted >= 1);
+  EXPECT(!s.has_unfinished());
+  EXPECT(s.block_manager().gpu_pool().num_free() == 4);
+}
+
+TEST_CASE("preemption by swap moves a block shared inside the group once, then swaps back") {
+  Scheduler s(SchedulerConfig{}, pools(6, 8));
+  s.add_sequence_group("a", tokens(7), 1, stop(12), 0.0);
+  s.add_sequence_group("b", tokens(6), 2, stop(4), 1.0);
+  bool swapped_out = false, swapped_in = false;
+  for (int i = 0; i < 40 && s.has_unfinished(); ++i) {
+    auto plan = step(s, 5);
+    if (!plan->blocks_to_swap_out.empty()) {
+      swapped_out = true;
+      EXPECT(plan->num_preempted_swap == 1);
+      EXPECT(s.num_swapped() == 1);
+      const SequenceGroup* b = s.find_group("b");
+      int entries = 0;
+      for (int k = 0; k < b->num_seqs(); ++k) entries += static_cast<int>(b->seq(k).block_table().size());
+      EXPECT(entries == 4 && plan->blocks_to_swap_out.size() == 3);
+    }
+    if (!plan->blocks_to_swap_in.empty()) {
+      swapped_in = true;
+      EXPECT(plan->blocks_to_swap_in.size() == 3);
+    }
+  }
+  EXPECT(swapped_out && swapped_in);
+  EXPECT(!s.has_unfinished());
+  EXPECT(s.block_manager().gpu_pool().num_free() == 6 && s.block_manager().cpu_pool().num_free() == 8);
+}
+
+TEST_CASE("swap preemption falls back to recompute when CPU space is short") {
+  SchedulerConfig cfg;
+  cfg.preemption_mode = PreemptionMode::kSwap;
+  Scheduler s(cfg, pools(4, 0));
+  s.add_sequence_group("first", tokens(4), 1, stop(8), 0.0);
+  s.add_sequence_group("second", tokens(4), 1, stop(8), 1.0);
+  int64_t recomputed = 0;
+  for (int i = 0; i < 40 && s.has_unfinished(); ++i) recomputed += step(s, 5)->num_preempted_recompute;
+  EXPECT(recomputed >= 1 && s.stats().num_preempted_swap == 0);
+  EXPECT(!s.has_unfinished());
+}
+
+TEST_CASE("stop conditions: EOS after min_tokens, ignore_eos, max_tokens, max_model_len") {
+  SchedulerConfig cfg;
+  cfg.max_model_len = 10;
+  Scheduler s(cfg, pools(64, 0));
+  StopConditions eos = stop(8);
+  eos.min_tokens = 2;
+  s.add_sequence_group("eos", tokens(3), 1, eos, 0.0);
+  StopConditions ign = stop(3);
+  ign.ignore_eos = true;
+  s.add_sequence_group("ignore", tokens(3), 1, ign, 1.0);
+  s.add_sequence_group("len", tokens(8), 1, stop(100), 2.0);
+  CommitResult r;
+  step(s, 0, &r);  // EOS as the first token: min_tokens keeps "eos" going
+  EXPECT(s.find_group("eos") != nullptr);
+  step(s, 0, &r);  // second EOS: stops
+  EXPECT(s.find_group("eos") == nullptr);
+  EXPECT(std::find(r.finished_request_ids.begin(), r.finished_request_ids.end(), "eos") != r.finished_request_ids.end());
+  EXPECT(s.find_group("len") == nullptr);  // 8 + 2 = max_model_len
+  step(s, 0, &r);
+  EXPECT(s.find_group("ignore") == nullptr);  // max_tokens 3, EOS ignored
+  EXPECT(r.statuses.size() == 1 && r.statuses[0] == static_cast<int32_t>(SequenceStatus::kFinishedLength));
+}
+
+TEST_CASE("abort from every queue frees everything") {
+  SchedulerConfig cfg;
+  cfg.max_num_seqs = 3;
+  Scheduler s(cfg, pools(6, 8));
+  s.add_sequence_group("a", tokens(7), 1, stop(12), 0.0);
+  s.add_sequence_group("b", tokens(6), 2, stop(12), 1.0);
+  s.add_sequence_group("w", tokens(3), 1, stop(12), 2.0);
+  for (int i = 0; i < 6 && s.num_swapped() == 0; ++i) step(s, 5);
+  EXPECT(s.num_swapped() == 1 && s.num_waiting() == 1 && s.num_running() == 1);
+  EXPECT(s.abort("b") && s.abort("w") && s.abort("a"));
+  EXPECT(!s.abort("a"));
+  s.check_invariants();
+  EXPECT(s.block_manager().gpu_pool().num_free() == 6 && s.block_manager().cpu_pool().num_free() == 8);
+}
+
+TEST_CASE("a step that is never committed is planned again") {
+  Scheduler s(SchedulerConfig{}, pools(16, 0));
+  s.add_sequence_group("r", tokens(5), 1, stop(4), 0.0);
+  auto first = s.schedule();
+  const std::vector<int64_t> ids = first->input_ids;
+  auto again = s.schedule();  // the forward of the first plan failed
+  EXPECT(again->input_ids == ids);
+  s.check_invariants();
+}
+
+TEST_MAIN()
