@@ -1,0 +1,143 @@
+// vpage._core: enums, configs, stop conditions, read-only views of sequences and groups.
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "vpage/block_manager.h"
+#include "vpage/scheduler.h"
+#include "vpage/sequence.h"
+
+namespace py = pybind11;
+
+namespace vpage::bindings {
+
+void bind_types(py::module_& m) {
+  py::enum_<Device>(m, "Device", "Pool a block lives in.")
+      .value("GPU", Device::kGpu)
+      .value("CPU", Device::kCpu);
+  py::enum_<AllocStatus>(m, "AllocStatus", "Answer of can_allocate / can_swap_in.")
+      .value("OK", AllocStatus::kOk)
+      .value("LATER", AllocStatus::kLater)
+      .value("NEVER", AllocStatus::kNever);
+  py::enum_<SequenceStatus>(m, "SequenceStatus", "Lifecycle of a sequence; FINISHED_* say why it ended.")
+      .value("WAITING", SequenceStatus::kWaiting)
+      .value("RUNNING", SequenceStatus::kRunning)
+      .value("SWAPPED", SequenceStatus::kSwapped)
+      .value("FINISHED_STOPPED", SequenceStatus::kFinishedStopped)
+      .value("FINISHED_LENGTH", SequenceStatus::kFinishedLength)
+      .value("FINISHED_ABORTED", SequenceStatus::kFinishedAborted)
+      .value("FINISHED_IGNORED", SequenceStatus::kFinishedIgnored);
+  m.def("is_finished", &is_finished, py::arg("status"), "True for the FINISHED_* statuses.");
+  m.def("status_name", &status_name, py::arg("status"),
+        "vLLM's finish reason ('stop', 'length', 'abort', 'ignored') or the state name.");
+  py::enum_<PreemptionMode>(m, "PreemptionMode", "How running groups are preempted when blocks run out.")
+      .value("AUTO", PreemptionMode::kAuto)
+      .value("RECOMPUTE", PreemptionMode::kRecompute)
+      .value("SWAP", PreemptionMode::kSwap);
+
+  py::class_<StopConditions>(m, "StopConditions", "When the C++ side finishes a sequence by itself.")
+      .def(py::init([](int32_t max_tokens, int32_t min_tokens, std::vector<TokenId> eos_token_ids,
+                       std::vector<TokenId> stop_token_ids, bool ignore_eos) {
+             StopConditions s;
+             s.max_tokens = max_tokens;
+             s.min_tokens = min_tokens;
+             s.eos_token_ids = std::move(eos_token_ids);
+             s.stop_token_ids = std::move(stop_token_ids);
+             s.ignore_eos = ignore_eos;
+             return s;
+           }),
+           py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
+           py::arg("eos_token_ids") = std::vector<TokenId>{},
+           py::arg("stop_token_ids") = std::vector<TokenId>{}, py::arg("ignore_eos") = false)
+      .def_readwrite("max_tokens", &StopConditions::max_tokens)
+      .def_readwrite("min_tokens", &StopConditions::min_tokens)
+      .def_readwrite("eos_token_ids", &StopConditions::eos_token_ids)
+      .def_readwrite("stop_token_ids", &StopConditions::stop_token_ids)
+      .def_readwrite("ignore_eos", &StopConditions::ignore_eos);
+
+  py::class_<BlockManagerConfig>(m, "BlockManagerConfig", "Sizes of the KV pools and the admission watermark.")
+      .def(py::init([](int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks,
+                       double watermark, bool enable_prefix_caching) {
+             return BlockManagerConfig{block_size, num_gpu_blocks, num_cpu_blocks, watermark,
+                                       enable_prefix_caching};
+           }),
+           py::arg("block_size") = 16, py::arg("num_gpu_blocks") = 0, py::arg("num_cpu_blocks") = 0,
+           py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true)
+      .def_readwrite("block_size", &BlockManagerConfig::block_size)
+      .def_readwrite("num_gpu_blocks", &BlockManagerConfig::num_gpu_blocks)
+      .def_readwrite("num_cpu_blocks", &BlockManagerConfig::num_cpu_blocks)
+      .def_readwrite("watermark", &BlockManagerConfig::watermark)
+      .def_readwrite("enable_prefix_caching", &BlockManagerConfig::enable_prefix_caching);
+
+  py::class_<SchedulerConfig>(m, "SchedulerConfig", "Budgets and policies of the scheduler.")
+      .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,
+                       bool enable_chunked_prefill, PreemptionMode preemption_mode) {
+             return SchedulerConfig{max_num_batched_tokens, max_num_seqs, max_model_len,
+                                    enable_chunked_prefill, preemption_mode};
+           }),
+           py::arg("max_num_batched_tokens") = 2048, py::arg("max_num_seqs") = 256,
+           py::arg("max_model_len") = 2048, py::arg("enable_chunked_prefill") = true,
+           py::arg("preemption_mode") = PreemptionMode::kAuto)
+      .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
+      .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
+      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
+      .def_readwrite("enable_chunked_prefill", &SchedulerConfig::enable_chunked_prefill)
+      .def_readwrite("preemption_mode", &SchedulerConfig::preemption_mode);
+
+  py::class_<Sequence>(m, "Sequence", "Read-only view of one sequence (valid while its group is unfinished).")
+      .def_property_readonly("seq_id", &Sequence::seq_id)
+      .def_property_readonly("status", &Sequence::status)
+      .def_property_readonly("tokens", &Sequence::tokens)
+      .def_property_readonly("prompt_len", &Sequence::prompt_len)
+      .def_property_readonly("num_tokens", &Sequence::num_tokens)
+      .def_property_readonly("num_output_tokens", &Sequence::num_output_tokens)
+      .def_property_readonly("num_computed_tokens", &Sequence::num_computed_tokens)
+      .def_property_readonly("block_table", &Sequence::block_table)
+      .def_property_readonly("block_device", &Sequence::block_device)
+      .def_property_readonly("stop_token", &Sequence::stop_token);
+
+  py::class_<SequenceGroup>(m, "SequenceGroup", "Read-only view of one request (valid while unfinished).")
+      .def_property_readonly("request_id", &SequenceGroup::request_id)
+      .def_property_readonly("arrival_time", &SequenceGroup::arrival_time)
+      .def_property_readonly("num_seqs", &SequenceGroup::num_seqs)
+      .def_property_readonly("num_unfinished", &SequenceGroup::num_unfinished)
+      .def_property_readonly("num_preemptions", &SequenceGroup::num_preemptions)
+      .def_property_readonly("num_cached_prompt_tokens", &SequenceGroup::num_cached_prompt_tokens)
+      .def("seq", py::overload_cast<int32_t>(&SequenceGroup::seq, py::const_),
+           py::return_value_policy::reference_internal, py::arg("index"));
+
+  py::class_<PrefixCacheStats>(m, "PrefixCacheStats", "Prefix-cache counters.")
+      .def_readonly("queries", &PrefixCacheStats::queries)
+      .def_readonly("hits", &PrefixCacheStats::hits)
+      .def_readonly("evictions", &PrefixCacheStats::evictions);
+  py::class_<BlockUsage>(m, "BlockUsage", "Occupancy of both pools.")
+      .def_readonly("num_gpu_blocks", &BlockUsage::num_gpu_blocks)
+      .def_readonly("free_gpu_blocks", &BlockUsage::free_gpu_blocks)
+      .def_readonly("num_cpu_blocks", &BlockUsage::num_cpu_blocks)
+      .def_readonly("free_cpu_blocks", &BlockUsage::free_cpu_blocks)
+      .def_readonly("prefix_cache", &BlockUsage::prefix_cache);
+  py::class_<SchedulerStats>(m, "SchedulerStats", "Running totals of the scheduler.")
+      .def_readonly("num_steps", &SchedulerStats::num_steps)
+      .def_readonly("num_preempted_recompute", &SchedulerStats::num_preempted_recompute)
+      .def_readonly("num_preempted_swap", &SchedulerStats::num_preempted_swap)
+      .def_readonly("num_prefill_tokens", &SchedulerStats::num_prefill_tokens)
+      .def_readonly("num_decode_tokens", &SchedulerStats::num_decode_tokens)
+      .def_readonly("num_cached_prompt_tokens", &SchedulerStats::num_cached_prompt_tokens);
+
+  py::class_<BlockPool>(m, "BlockPool", "One pool of KV blocks with refcounts and an O(1) LRU free queue.")
+      .def(py::init<Device, int32_t, bool>(), py::arg("device"), py::arg("num_blocks"),
+           py::arg("enable_caching") = false)
+      .def_property_readonly("num_blocks", &BlockPool::num_blocks)
+      .def_property_readonly("num_free", &BlockPool::num_free)
+      .def_property_readonly("num_used", &BlockPool::num_used)
+      .def("allocate", &BlockPool::allocate, "Takes the least recently freed block (refcount 1).")
+      .def("incref", &BlockPool::incref, py::arg("block"))
+      .def("decref", &BlockPool::decref, py::arg("block"), "Drops a reference; raises on a double free.")
+      .def("refcount", &BlockPool::refcount, py::arg("block"))
+      .def("lookup", &BlockPool::lookup, py::arg("hash"), py::arg("count") = true,
+           "Cached block holding content `hash`, or -1.")
+      .def("acquire_cached", &BlockPool::acquire_cached, py::arg("block"))
+      .def("register_hash", &BlockPool::register_hash, py::arg("block"), py::arg("hash"))
+      .def_property_readonly("cache_stats", &BlockPool::cache_stats);
+}
+
+}  // namespace vpage::bindings
