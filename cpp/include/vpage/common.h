@@ -31,8 +31,11 @@ class CheckError : public std::logic_error {
 namespace detail {
 [[noreturn]] inline void check_failed(const char* expr, const char* file, int line,
                                       const std::string& message) {
+  std::string name(file);  // file name only: no build-machine paths in messages
+  const size_t slash = name.find_last_of("/\\");
+  if (slash != std::string::npos) name = name.substr(slash + 1);
   std::ostringstream os;
-  os << message << " [check '" << expr << "' failed at " << file << ":" << line << "]";
+  os << message << " [check '" << expr << "' failed at " << name << ":" << line << "]";
   throw CheckError(os.str());
 }
 }  // namespace detail

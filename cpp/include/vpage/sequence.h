@@ -85,6 +85,8 @@ class SequenceGroup {
  public:
   SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
                 uint64_t cache_salt_hash);
+  SequenceGroup(const SequenceGroup&) = delete;
+  SequenceGroup& operator=(const SequenceGroup&) = delete;
 
   const std::string& request_id() const { return request_id_; }
   double arrival_time() const { return arrival_time_; }
