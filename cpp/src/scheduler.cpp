@@ -171,10 +171,13 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
   int32_t num_running_seqs = 0;
   for (const SequenceGroup* g : running_) num_running_seqs += g->num_unfinished();
 
-  // 1. Decodes of running groups, FCFS; when blocks run out, preempt the latest arrivals.
+  // 1. Slots for the newest tokens of running groups, FCFS, preempting the latest arrivals
+  //    when blocks run out; decodes are scheduled right away. (Groups still computing one
+  //    shared prompt hold all their blocks since admission.)
   for (size_t i = 0; i < running_.size(); ++i) {
     SequenceGroup& group = *running_[i];
-    if (!is_decode(group) || group.num_unfinished() > token_budget) continue;
+    const bool decode = is_decode(group);
+    if (group.identical_ || (decode && group.num_unfinished() > token_budget)) continue;
     bool preempted_self = false;
     while (!blocks_.can_append_slots(group)) {
       size_t victim = running_.size();
@@ -201,7 +204,7 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
       continue;
     }
     blocks_.append_slots(group, plan.blocks_to_copy);
-    schedule_group(group, token_budget, step);
+    if (decode) schedule_group(group, token_budget, step);
   }
   const bool preempted = plan.num_preempted_recompute + plan.num_preempted_swap > 0;
 
@@ -229,10 +232,8 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
                                      }),
                     &group);
     num_running_seqs += k;
-    if (decode) {
-      blocks_.append_slots(group, plan.blocks_to_copy);
-      schedule_group(group, token_budget, step);
-    }
+    blocks_.append_slots(group, plan.blocks_to_copy);
+    if (decode) schedule_group(group, token_budget, step);
   }
 
   // 3. Prefill chunks of running groups.

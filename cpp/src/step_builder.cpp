@@ -30,6 +30,8 @@ int64_t StepBuilder::add_row(const Sequence& seq, int32_t num_tokens) {
   const int32_t end = start + num_tokens;
   const auto& tokens = seq.tokens();
   const auto& table = seq.block_table();
+  VPAGE_CHECK(static_cast<int64_t>(table.size()) * block_size_ >= end,
+              "sequence " << seq.seq_id() << " has no slot for token " << end - 1);
   for (int32_t pos = start; pos < end; ++pos) {
     plan_.input_ids.push_back(tokens[pos]);
     plan_.positions.push_back(pos);

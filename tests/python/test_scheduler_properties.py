@@ -1,0 +1,238 @@
+"""Property tests: random traces of add / schedule / commit / abort / fork / finish drive the
+scheduler and block manager under tiny pools; the invariants hold after every operation and
+every block is free once every request has finished or been aborted."""
+
+import numpy as np
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from vpage import _core as core
+
+EOS = 0
+
+
+def check_plan(plan, config, block_size):
+    assert plan.num_tokens <= config.max_num_batched_tokens
+    qsl = plan.query_start_loc
+    assert qsl[0] == 0 and qsl[-1] == plan.num_tokens and np.all(np.diff(qsl) >= 1)
+    assert len(plan.sample_seq_ids) == len(plan.sample_token_indices)
+    assert np.all(plan.sample_token_indices < max(plan.num_tokens, 1))
+    tables = plan.block_tables
+    for row in range(plan.num_seqs):
+        for t in range(qsl[row], qsl[row + 1]):
+            pos = plan.positions[t]
+            assert pos < plan.context_lens[row]
+            block = tables[row, pos // block_size]
+            assert plan.slot_mapping[t] == block * block_size + pos % block_size
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        num_gpu_blocks=st.integers(6, 24),
+        num_cpu_blocks=st.sampled_from([0, 4, 16, 32]),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(4, 48),
+        max_num_seqs=st.integers(1, 8),
+        chunked=st.booleans(),
+        caching=st.booleans(),
+        mode=st.sampled_from(list(core.PreemptionMode.__members__.values())),
+    )
+    def setup(self, num_gpu_blocks, num_cpu_blocks, block_size, budget, max_num_seqs, chunked, caching, mode):
+        self.config = core.SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=64,
+            enable_chunked_prefill=chunked, preemption_mode=mode)
+        self.blocks = core.BlockManagerConfig(
+            block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+            watermark=0.0, enable_prefix_caching=caching)
+        self.block_size = block_size
+        self.scheduler = core.Scheduler(self.config, self.blocks)
+        self.next_request = 0
+        self.live = set()
+        self.plan = None
+        self.clock = 0.0
+
+    @rule(data=st.data(), num_seqs=st.integers(1, 3), prompt_len=st.integers(1, 20),
+          max_tokens=st.integers(1, 24), salt=st.sampled_from(["", "", "tenant"]))
+    def add(self, data, num_seqs, prompt_len, max_tokens, salt):
+        # Prompts share prefixes (small vocabulary, common start) so the prefix cache hits.
+        prefix = [7, 8, 9, 10, 11, 12, 13, 14][: prompt_len]
+        rest = data.draw(st.lists(st.integers(1, 4), min_size=prompt_len - len(prefix),
+                                  max_size=prompt_len - len(prefix)))
+        request_id = f"r{self.next_request}"
+        self.next_request += 1
+        self.clock += 1.0
+        stop = core.StopConditions(max_tokens=max_tokens, eos_token_ids=[EOS])
+        self.scheduler.add_sequence_group(request_id, prefix + rest, num_seqs, stop, self.clock, salt)
+        self.live.add(request_id)
+
+    @rule(data=st.data())
+    def step(self, data):
+        plan = self.scheduler.schedule()
+        check_plan(plan, self.config, self.block_size)
+        for request_id, _reason in plan.ignored:
+            self.live.discard(request_id)
+        self.scheduler.check_invariants()
+        for name in ("num_preempted_swap", "num_preempted_recompute"):
+            if getattr(plan, name):
+                event(name)
+        if len(plan.blocks_to_copy):
+            event("copy-on-write")
+        if len(plan.blocks_to_swap_in):
+            event("swap-in")
+        if plan.ignored:
+            event("ignored")
+        if data.draw(st.booleans()):  # most steps are committed; some forwards "fail"
+            ids = np.array(plan.sample_seq_ids, dtype=np.int64)
+            tokens = np.array(data.draw(st.lists(st.integers(0, 20), min_size=len(ids), max_size=len(ids))),
+                              dtype=np.int32)
+            result = self.scheduler.commit(ids, tokens)
+            assert len(result.statuses) == len(ids)
+            for request_id in result.finished_request_ids:
+                self.live.discard(request_id)
+
+    @rule(data=st.data(), repeat=st.integers(2, 6))
+    def steps(self, data, repeat):
+        for _ in range(repeat):
+            self.step(data)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        assert self.scheduler.abort(request_id)
+        self.live.discard(request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork_then_commit(self, data):
+        plan = self.scheduler.schedule()
+        check_plan(plan, self.config, self.block_size)
+        for request_id, _reason in plan.ignored:
+            self.live.discard(request_id)
+        ids = list(plan.sample_seq_ids)
+        if ids:
+            parent = data.draw(st.sampled_from(ids))
+            if self.scheduler.find_sequence(parent) is not None:
+                ids.append(self.scheduler.fork_sequence(parent))
+        self.scheduler.check_invariants()
+        result = self.scheduler.commit(np.array(ids, dtype=np.int64), np.full(len(ids), 3, dtype=np.int32))
+        for request_id in result.finished_request_ids:
+            self.live.discard(request_id)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish_one(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.live)))
+        group = self.scheduler.find_group(request_id)
+        seq = group.seq(data.draw(st.integers(0, group.num_seqs - 1)))
+        if core.is_finished(seq.status):
+            return
+        if self.scheduler.finish_sequence(seq.seq_id, core.SequenceStatus.FINISHED_STOPPED):
+            self.live.discard(request_id)
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "scheduler"):
+            self.scheduler.check_invariants()
+            assert {r for r in self.live if self.scheduler.find_group(r) is None} == set()
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        # Run to completion (bounded), then abort what is left: every block must be free.
+        for _ in range(200):
+            if not self.scheduler.has_unfinished():
+                break
+            plan = self.scheduler.schedule()
+            ids = np.array(plan.sample_seq_ids, dtype=np.int64)
+            self.scheduler.commit(ids, np.full(len(ids), 2, dtype=np.int32))
+            self.scheduler.check_invariants()
+        for request_id in list(self.live):
+            self.scheduler.abort(request_id)
+        self.scheduler.check_invariants()
+        usage = self.scheduler.usage()
+        assert not self.scheduler.has_unfinished()
+        assert usage.free_gpu_blocks == usage.num_gpu_blocks
+        assert usage.free_cpu_blocks == usage.num_cpu_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_scheduler_traces = SchedulerMachine.TestCase
+
+
+def test_block_pool_trace_keeps_counts():
+    """Random allocate / incref / decref on a pool: free + used = total, no double free."""
+    rng = np.random.default_rng(0)
+    pool = core.BlockPool(core.Device.GPU, 16, True)
+    held = []
+    for i in range(2000):
+        op = rng.integers(0, 3)
+        if op == 0 and pool.num_free:
+            block = pool.allocate()
+            if rng.random() < 0.3:
+                pool.register_hash(block, int(rng.integers(1, 40)))
+            held.append(block)
+        elif op == 1 and held:
+            block = held[rng.integers(0, len(held))]
+            pool.incref(block)
+            held.append(block)
+        elif held:
+            block = held.pop(rng.integers(0, len(held)))
+            pool.decref(block)
+        assert pool.num_free + pool.num_used == 16
+        assert pool.num_used == len(set(held))
+    for block in held:
+        pool.decref(block)
+    assert pool.num_free == 16
+    try:
+        pool.decref(0)
+    except ValueError as e:
+        assert "double free" in str(e)
+    else:
+        raise AssertionError("double free was not detected")
+
+
+def test_seeded_traces_exercise_every_mechanism():
+    """Long seeded traces under tiny pools: preemption by swap and by recompute, swap-in,
+    copy-on-write and prefix-cache hits all happen, and the invariants hold throughout."""
+    seen = dict(swap=0, recompute=0, swap_in=0, copy=0, cached=0)
+    for seed in range(24):
+        rng = np.random.default_rng(seed)
+        config = core.SchedulerConfig(max_num_batched_tokens=int(rng.integers(8, 64)), max_num_seqs=8,
+                                      max_model_len=96, enable_chunked_prefill=bool(seed % 2),
+                                      preemption_mode=list(core.PreemptionMode.__members__.values())[seed % 3])
+        blocks = core.BlockManagerConfig(block_size=4, num_gpu_blocks=int(rng.integers(10, 24)),
+                                         num_cpu_blocks=int(rng.choice([0, 8, 64])), watermark=0.0,
+                                         enable_prefix_caching=True)
+        s = core.Scheduler(config, blocks)
+        live = set()
+        for i in range(300):
+            if rng.random() < 0.15:
+                prompt = [5, 6, 7, 8, 9, 10, 11, 12][: int(rng.integers(1, 9))] + list(rng.integers(1, 30, int(rng.integers(0, 12))))
+                stop = core.StopConditions(max_tokens=int(rng.integers(4, 40)), eos_token_ids=[EOS])
+                s.add_sequence_group(f"r{i}", prompt, int(rng.integers(1, 4)), stop, float(i))
+                live.add(f"r{i}")
+            if live and rng.random() < 0.02:
+                request_id = sorted(live)[int(rng.integers(0, len(live)))]
+                s.abort(request_id)
+                live.discard(request_id)
+            plan = s.schedule()
+            check_plan(plan, config, 4)
+            seen["swap"] += plan.num_preempted_swap
+            seen["recompute"] += plan.num_preempted_recompute
+            seen["swap_in"] += len(plan.blocks_to_swap_in)
+            seen["copy"] += len(plan.blocks_to_copy)
+            live -= {r for r, _ in plan.ignored}
+            ids = np.array(plan.sample_seq_ids, dtype=np.int64)
+            result = s.commit(ids, rng.integers(0, 60, len(ids)).astype(np.int32))
+            live -= set(result.finished_request_ids)
+            s.check_invariants()
+        seen["cached"] += s.stats.num_cached_prompt_tokens
+        for request_id in list(live):
+            s.abort(request_id)
+        s.check_invariants()
+        usage = s.usage()
+        assert usage.free_gpu_blocks == usage.num_gpu_blocks and usage.free_cpu_blocks == usage.num_cpu_blocks
+    assert all(v > 0 for v in seen.values()), seen
