@@ -1,0 +1,51 @@
+// Paged attention on the GPU: decode (v1 one pass, v2 split context + reduce) and
+// prefill (several query tokens per sequence, causal). Layout: see vpage/kernels/kernel_args.h.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+#include "vpage/kernels/kernel_args.h"
+
+namespace vpage::cuda {
+
+/// Tokens per partition of the split (v2) kernels; a multiple of every block size.
+inline constexpr int kAttentionPartitionSize = 512;
+
+/// Which attention kernel runs: kAuto applies choose_attention_version, kV1/kV2 force one.
+enum class AttentionVersion : int { kAuto = 0, kV1 = 1, kV2 = 2 };
+
+/// The heuristic behind kAuto. v1 (one thread block per query row and head, whole context)
+/// is chosen when the context fits one partition (<= kAttentionPartitionSize tokens), or when
+/// there are at least 2 thread blocks per SM (num_rows * num_heads >= 2 * num_sms) and the
+/// context is at most 8192 tokens. Otherwise v2: the context is split into partitions of
+/// kAttentionPartitionSize tokens, giving more parallelism to small batches and bounding the
+/// work and shared memory per thread block for long contexts. v1 is also never chosen when
+/// its logits (4 bytes per token) do not fit the shared memory of `max_smem_bytes`.
+AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads,
+                                          int32_t max_context_len, int num_sms,
+                                          size_t max_smem_bytes);
+
+/// Bytes of device scratch that paged_attention_decode / paged_prefill_attention need for
+/// `args` and `version` (0 when v1 runs). Queries the current device's SM count for kAuto.
+size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args,
+                                       AttentionVersion version = AttentionVersion::kAuto);
+
+/// Decode attention: one query token per sequence (args.query_start_loc == nullptr).
+/// `workspace` is device memory of at least paged_attention_workspace_bytes(args, version)
+/// bytes (may be null when that is 0), used by v2 only, aligned to 16 bytes.
+/// Supports head sizes 64, 80, 96, 128, 256 and block sizes 8, 16, 32; returns
+/// cudaErrorInvalidValue for other shapes or a forced v1 whose context does not fit.
+cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspace,
+                                   size_t workspace_bytes, cudaStream_t stream,
+                                   AttentionVersion version = AttentionVersion::kAuto);
+
+/// Prefill / chunked-prefill attention (args.query_start_loc != nullptr): query row j of a
+/// sequence with q query tokens and context L attends causally to positions [0, L - q + j].
+/// Same workspace and shape rules as paged_attention_decode.
+cudaError_t paged_prefill_attention(const PagedAttentionArgs& args, void* workspace,
+                                    size_t workspace_bytes, cudaStream_t stream,
+                                    AttentionVersion version = AttentionVersion::kAuto);
+
+}  // namespace vpage::cuda

@@ -1,0 +1,170 @@
+// Host side of paged attention: argument checks, the v1/v2 choice, workspace layout and
+// dispatch to the per-dtype launchers.
+#include "vpage/cuda/attention.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "attention_params.h"
+
+namespace vpage::cuda {
+namespace {
+
+constexpr int kV1MaxContextLen = 8192;
+constexpr int kMinBlocksPerSm = 2;
+constexpr int kMaxBlockSize = 32;
+constexpr size_t kWorkspaceAlign = 256;
+// Static shared memory of the attention kernel stays below this; the rest is for logits.
+constexpr size_t kStaticSmemReserve = 8 * 1024;
+
+size_t align_up(size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
+
+bool supported_shape(const PagedAttentionArgs& a) {
+  const int h = a.cache.head_size;
+  const int b = a.cache.block_size;
+  const bool head_ok = h == 64 || h == 80 || h == 96 || h == 128 || h == 256;
+  const bool block_ok = b == 8 || b == 16 || b == 32;
+  const bool dtype_ok = a.cache.dtype == DType::kFloat32 || a.cache.dtype == DType::kFloat16 ||
+                        a.cache.dtype == DType::kBFloat16;
+  return head_ok && block_ok && dtype_ok && a.cache.num_kv_heads > 0 && a.num_heads > 0 &&
+         a.num_heads % a.cache.num_kv_heads == 0 && a.max_context_len >= 0;
+}
+
+int64_t num_rows(const PagedAttentionArgs& a) {
+  return a.query_start_loc == nullptr ? a.num_seqs : a.num_query_tokens;
+}
+
+int num_partitions(int32_t max_context_len) {
+  return std::max(1, (max_context_len + kAttentionPartitionSize - 1) / kAttentionPartitionSize);
+}
+
+struct DeviceLimits {
+  int num_sms = 1;
+  size_t max_smem_bytes = 48 * 1024;
+};
+
+cudaError_t query_device_limits(DeviceLimits* limits) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&limits->num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  int smem = 0;
+  err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  limits->max_smem_bytes = static_cast<size_t>(smem) - std::min<size_t>(smem, kStaticSmemReserve);
+  return err;
+}
+
+size_t v1_smem_bytes(const PagedAttentionArgs& a) {
+  const int b = std::max(a.cache.block_size, 1);
+  return static_cast<size_t>((std::max(a.max_context_len, 1) + b - 1) / b * b) * sizeof(float);
+}
+
+cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion requested, AttentionVersion* out) {
+  if (requested != AttentionVersion::kAuto) {
+    *out = requested;
+    return cudaSuccess;
+  }
+  DeviceLimits limits;
+  const cudaError_t err = query_device_limits(&limits);
+  if (err != cudaSuccess) return err;
+  *out = choose_attention_version(num_rows(a), a.num_heads, a.max_context_len, limits.num_sms,
+                                  limits.max_smem_bytes);
+  return cudaSuccess;
+}
+
+size_t workspace_bytes_for(const PagedAttentionArgs& a, AttentionVersion version) {
+  if (version != AttentionVersion::kV2) return 0;
+  const size_t slots = static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(a.max_context_len);
+  return align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
+}
+
+cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream, AttentionVersion requested) {
+  if (!supported_shape(a)) return cudaErrorInvalidValue;
+  AttentionVersion version = AttentionVersion::kV1;
+  cudaError_t err = resolve_version(a, requested, &version);
+  if (err != cudaSuccess) return err;
+  const int64_t rows = num_rows(a);
+  if (rows == 0) return cudaSuccess;
+
+  detail::AttentionParams p;
+  p.out = a.out;
+  p.query = a.query;
+  p.key_cache = a.key_cache;
+  p.value_cache = a.value_cache;
+  p.block_tables = a.block_tables;
+  p.context_lens = a.context_lens;
+  p.query_start_loc = a.query_start_loc;
+  p.num_rows = rows;
+  p.query_stride = a.query_stride;
+  p.num_seqs = a.num_seqs;
+  p.num_heads = a.num_heads;
+  p.num_kv_heads = a.cache.num_kv_heads;
+  p.head_size = a.cache.head_size;
+  p.block_size = a.cache.block_size;
+  p.max_blocks_per_seq = a.max_blocks_per_seq;
+  p.scale = a.scale;
+  if (version == AttentionVersion::kV1) {
+    DeviceLimits limits;
+    err = query_device_limits(&limits);
+    if (err != cudaSuccess) return err;
+    const size_t smem = v1_smem_bytes(a);
+    if (smem > limits.max_smem_bytes) return cudaErrorInvalidValue;
+    p.partition_size = static_cast<int32_t>(smem / sizeof(float));
+  } else {
+    const size_t needed = workspace_bytes_for(a, version);
+    if (workspace == nullptr || workspace_bytes < needed) return cudaErrorInvalidValue;
+    const size_t slots = static_cast<size_t>(rows) * a.num_heads * num_partitions(a.max_context_len);
+    char* base = static_cast<char*>(workspace);
+    p.partial_out = reinterpret_cast<float*>(base);
+    base += align_up(slots * a.cache.head_size * sizeof(float));
+    p.partial_max = reinterpret_cast<float*>(base);
+    base += align_up(slots * sizeof(float));
+    p.partial_sum = reinterpret_cast<float*>(base);
+    p.partition_size = kAttentionPartitionSize;
+    p.num_partitions = num_partitions(a.max_context_len);
+    p.split = true;
+  }
+  switch (a.cache.dtype) {
+    case DType::kFloat32: return detail::launch_paged_attention_typed<float>(p, stream);
+    case DType::kFloat16: return detail::launch_paged_attention_typed<__half>(p, stream);
+    case DType::kBFloat16: return detail::launch_paged_attention_typed<__nv_bfloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads, int32_t max_context_len,
+                                          int num_sms, size_t max_smem_bytes) {
+  // v1 keeps one logit per token, rounded up to a whole block (at most kMaxBlockSize more).
+  if (static_cast<size_t>(max_context_len + kMaxBlockSize) * sizeof(float) > max_smem_bytes) {
+    return AttentionVersion::kV2;
+  }
+  if (max_context_len <= kAttentionPartitionSize) return AttentionVersion::kV1;
+  const bool enough_blocks = num_rows * num_heads >= int64_t{kMinBlocksPerSm} * num_sms;
+  return enough_blocks && max_context_len <= kV1MaxContextLen ? AttentionVersion::kV1 : AttentionVersion::kV2;
+}
+
+size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args, AttentionVersion version) {
+  AttentionVersion resolved = AttentionVersion::kV1;
+  if (resolve_version(args, version, &resolved) != cudaSuccess) return 0;
+  return workspace_bytes_for(args, resolved);
+}
+
+cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,
+                                   cudaStream_t stream, AttentionVersion version) {
+  if (args.query_start_loc != nullptr) return cudaErrorInvalidValue;
+  return launch(args, workspace, workspace_bytes, stream, version);
+}
+
+cudaError_t paged_prefill_attention(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,
+                                    cudaStream_t stream, AttentionVersion version) {
+  if (args.query_start_loc == nullptr) return cudaErrorInvalidValue;
+  return launch(args, workspace, workspace_bytes, stream, version);
+}
+
+}  // namespace vpage::cuda

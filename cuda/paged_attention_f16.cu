@@ -1,0 +1,8 @@
+// Attention kernels instantiated for __half (one dtype per file keeps the build parallel).
+#include "attention_kernel.cuh"
+
+namespace vpage::cuda::detail {
+
+template cudaError_t launch_paged_attention_typed<__half>(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace vpage::cuda::detail

@@ -1,0 +1,138 @@
+"""CUDA backend of :mod:`vpage.ops`: thin calls into ``vpage._cuda`` for CUDA tensors.
+
+``vpage.ops`` validates dtype, device, shape and contiguity before calling these functions;
+here tensors become raw device pointers, sizes and strides, and every launch goes onto
+``torch.cuda.current_stream()``.
+
+Overlapping swaps with compute: run :func:`swap_blocks` under
+``with torch.cuda.stream(swap_stream):`` (host pools pinned), record a ``torch.cuda.Event``
+on ``swap_stream`` afterwards, and ``torch.cuda.current_stream().wait_event(event)`` before
+the first kernel that reads the swapped-in blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+try:
+    from . import _cuda
+except ImportError:  # built without CUDA
+    _cuda = None
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_VERSIONS = {"auto": 0, "v1": 1, "v2": 2}
+_attention_version = "auto"
+
+
+def is_available() -> bool:
+    """True when vpage was built with CUDA and a CUDA device is present."""
+    return _cuda is not None and _cuda.is_available()
+
+
+def set_attention_version(version: str) -> str:
+    """Selects the decode/prefill kernel: "auto" (heuristic), "v1" (one pass) or "v2"
+    (split context + reduce). Returns the previous setting. For tests and benchmarks."""
+    global _attention_version
+    if version not in _VERSIONS:
+        raise ValueError(f"attention version must be one of {sorted(_VERSIONS)}, got {version!r}")
+    previous, _attention_version = _attention_version, version
+    return previous
+
+
+@contextlib.contextmanager
+def attention_version(version: str) -> Iterator[None]:
+    """Context manager form of :func:`set_attention_version`."""
+    previous = set_attention_version(version)
+    try:
+        yield
+    finally:
+        set_attention_version(previous)
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _cache_geometry(key_cache: torch.Tensor) -> dict:
+    # key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x]
+    num_blocks, num_kv_heads, packs, block_size, x = key_cache.shape
+    return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=packs * x,
+                block_size=block_size, dtype=_DTYPE_CODES[key_cache.dtype])
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_size] (rows may be strided) into
+    their slots (int64 slot_mapping [num_tokens], slot < 0 skips)."""
+    _cuda.reshape_and_cache(
+        key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(),
+        value_cache=value_cache.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+        num_tokens=key.shape[0], key_stride=key.stride(0), value_stride=value.stride(0),
+        stream=_stream(), **_cache_geometry(key_cache))
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
+                    scale: float, max_context_len: Optional[int]) -> torch.Tensor:
+    """Paged attention into ``out`` [num_query_tokens, num_heads, head_size]. Decode when
+    ``query_start_loc`` is None (one query row per sequence), else causal prefill with the
+    rows of sequence s in [query_start_loc[s], query_start_loc[s + 1]). int32 tables."""
+    if max_context_len is None:
+        max_context_len = int(context_lens.max().item()) if context_lens.numel() else 0
+    geometry = _cache_geometry(key_cache)
+    num_seqs = block_tables.shape[0]
+    num_query_tokens = query.shape[0]
+    num_heads = query.shape[1]
+    version = _VERSIONS[_attention_version]
+    prefill = query_start_loc is not None
+    workspace_bytes = _cuda.paged_attention_workspace_bytes(
+        num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
+        max_context_len=max_context_len, prefill=prefill, version=version, **geometry)
+    workspace = None
+    if workspace_bytes:
+        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=query.device)
+    _cuda.paged_attention(
+        out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
+        value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
+        context_lens=context_lens.data_ptr(),
+        query_start_loc=query_start_loc.data_ptr() if prefill else 0,
+        num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
+        query_stride=query.stride(0), max_blocks_per_seq=block_tables.shape[1],
+        max_context_len=max_context_len, scale=float(scale),
+        workspace=workspace.data_ptr() if workspace is not None else 0,
+        workspace_bytes=workspace_bytes, version=version, stream=_stream(), **geometry)
+    return out
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copies blocks src -> dst (int64 block_mapping [num_pairs, 2], any device) in every
+    layer's key and value cache, in one launch."""
+    if not key_caches or block_mapping.numel() == 0:
+        return
+    device = key_caches[0].device
+    mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
+    key_ptrs = torch.tensor([t.data_ptr() for t in key_caches], dtype=torch.int64).to(device)
+    value_ptrs = torch.tensor([t.data_ptr() for t in value_caches], dtype=torch.int64).to(device)
+    _cuda.copy_blocks(
+        key_caches=key_ptrs.data_ptr(), value_caches=value_ptrs.data_ptr(),
+        num_layers=len(key_caches), block_mapping=mapping.data_ptr(),
+        num_pairs=mapping.shape[0], stream=_stream(), **_cache_geometry(key_caches[0]))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies whole blocks src[i] -> dst[j] for (i, j) in block_mapping (int64 [num_pairs, 2],
+    on the CPU) between a CUDA cache and a (pinned) CPU cache of the same block layout,
+    asynchronously on the current stream."""
+    mapping = block_mapping.to(dtype=torch.int64).contiguous()
+    if mapping.numel() == 0:
+        return
+    if mapping.device.type != "cpu":
+        mapping = mapping.cpu()
+    _cuda.swap_blocks(
+        src=src.data_ptr(), dst=dst.data_ptr(), block_bytes=src.stride(0) * src.element_size(),
+        block_mapping=mapping.data_ptr(), num_pairs=mapping.shape[0], stream=_stream())

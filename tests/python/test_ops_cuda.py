@@ -1,0 +1,304 @@
+"""CUDA kernels through vpage.ops against a float64 reference and the CPU twin.
+
+Everything marked ``cuda`` is skipped unless torch sees a GPU and vpage._cuda reports one.
+The float64 reference here gathers K/V through the block table and runs plain attention.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+try:
+    from vpage import _cuda
+except ImportError:
+    _cuda = None
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and _cuda is not None and _cuda.is_available()
+
+
+def requires_cuda(test):
+    """Marks `test` as a CUDA test, skipped where there is no GPU or no vpage._cuda."""
+    skip = pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and vpage._cuda")
+    return pytest.mark.cuda(skip(test))
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 3e-2)}
+CONTEXTS = [1, 17, 54, 97, 1030]
+
+
+def test_module_imports_without_gpu():
+    """vpage._cuda imports everywhere it was built; without a device it reports False."""
+    if _cuda is None:
+        pytest.skip("vpage built without CUDA")
+    assert _cuda.is_available() == (_cuda.device_count() > 0)
+    if not os.path.exists("/dev/nvidiactl"):
+        assert _cuda.is_available() is False
+        assert _cuda.device_count() == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers: caches with NaN outside the written tokens, block tables, float64 reference.
+
+
+def _ops():
+    return pytest.importorskip("vpage.ops")
+
+
+def _make_kv(context_lens, num_kv_heads, head_size, block_size, dtype, device, seed=0):
+    """Random caches whose slots past each context (and unused blocks) hold NaN, so a
+    kernel that lets them into a sum fails. Returns key_cache, value_cache, block_tables."""
+    g = torch.Generator().manual_seed(seed)
+    x = 16 // torch.tensor([], dtype=dtype).element_size()
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    max_blocks = max(blocks_per_seq)
+    block_tables = torch.zeros(len(context_lens), max_blocks, dtype=torch.int32)
+    key_cache = torch.full((num_blocks, num_kv_heads, head_size // x, block_size, x), float("nan"))
+    value_cache = torch.full((num_blocks, num_kv_heads, head_size, block_size), float("nan"))
+    used = 0
+    for s, (n, nb) in enumerate(zip(context_lens, blocks_per_seq)):
+        block_tables[s, :nb] = perm[used:used + nb]
+        used += nb
+        for pos in range(n):
+            b, off = int(block_tables[s, pos // block_size]), pos % block_size
+            key_cache[b, :, :, off, :] = torch.randn(num_kv_heads, head_size // x, x, generator=g)
+            value_cache[b, :, :, off] = torch.randn(num_kv_heads, head_size, generator=g)
+    return (key_cache.to(dtype).to(device), value_cache.to(dtype).to(device), block_tables.to(device))
+
+
+def _gather(key_cache, value_cache, block_table, n):
+    _, num_kv_heads, packs, block_size, x = key_cache.shape
+    blocks = block_table[: math.ceil(n / block_size)].long().cpu()
+    k = key_cache.cpu()[blocks].double().permute(0, 3, 1, 2, 4).reshape(-1, num_kv_heads, packs * x)[:n]
+    v = value_cache.cpu()[blocks].double().permute(0, 3, 1, 2).reshape(-1, num_kv_heads, packs * x)[:n]
+    return k, v
+
+
+def _reference(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale):
+    """float64 attention; query rows of a sequence are the last tokens of its context."""
+    q = query.double().cpu()
+    out = torch.zeros_like(q)
+    lens = context_lens.cpu().tolist()
+    starts = (query_start_loc.cpu().tolist() if query_start_loc is not None else list(range(len(lens) + 1)))
+    group = q.shape[1] // key_cache.shape[1]
+    for s, n in enumerate(lens):
+        first, last = starts[s], starts[s + 1]
+        if last == first:
+            continue
+        k, v = _gather(key_cache, value_cache, block_tables[s], n)
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        logits = torch.einsum("qhd,thd->hqt", q[first:last], k) * scale
+        q_len = last - first
+        visible = torch.arange(n)[None, :] <= (n - q_len + torch.arange(q_len))[:, None]
+        logits = logits.masked_fill(~visible[None], float("-inf"))
+        out[first:last] = torch.einsum("hqt,thd->qhd", torch.softmax(logits, dim=-1), v)
+    return out
+
+
+def _assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
+def _cpu_or_skip(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (NotImplementedError, TypeError, ValueError, RuntimeError) as err:
+        pytest.skip(f"CPU twin unavailable for this case: {err}")
+
+
+# ---------------------------------------------------------------------------------------
+# Attention
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_decode_attention(version, dtype, block_size, head_size, num_heads, num_kv_heads):
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    dev = torch.device("cuda")
+    key_cache, value_cache, block_tables = _make_kv(CONTEXTS, num_kv_heads, head_size, block_size, dtype, dev)
+    context_lens = torch.tensor(CONTEXTS, dtype=torch.int32, device=dev)
+    query = torch.randn(len(CONTEXTS), num_heads, head_size, dtype=dtype, device=dev)
+    scale = head_size ** -0.5
+    with _ops_cuda.attention_version(version):
+        out = ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+    torch.cuda.synchronize()
+    expected = _reference(query, key_cache, value_cache, block_tables, context_lens, None, scale)
+    _assert_close(out, expected, dtype)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [80, 96, 256])
+def test_decode_other_head_sizes(version, dtype, head_size):
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    dev = torch.device("cuda")
+    contexts = [3, 600]
+    key_cache, value_cache, block_tables = _make_kv(contexts, 2, head_size, 16, dtype, dev, seed=1)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=dev)
+    query = torch.randn(2, 6, head_size, dtype=dtype, device=dev)
+    with _ops_cuda.attention_version(version):
+        out = ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, 0.1)
+    _assert_close(out, _reference(query, key_cache, value_cache, block_tables, context_lens, None, 0.1), dtype)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_long_context_auto_and_strided_query(dtype, block_size):
+    """Contexts past 8k (the heuristic takes v2) with a query slice of a fused qkv tensor."""
+    ops = _ops()
+    dev = torch.device("cuda")
+    contexts = [9000, 4100]
+    key_cache, value_cache, block_tables = _make_kv(contexts, 2, 64, block_size, dtype, dev, seed=2)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=dev)
+    qkv = torch.randn(2, 8 + 2 * 2, 64, dtype=dtype, device=dev)
+    query = qkv[:, :8]
+    out = ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, 0.125,
+                              max_context_len=9000)
+    _assert_close(out, _reference(query, key_cache, value_cache, block_tables, context_lens, None, 0.125), dtype)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_decode_matches_cpu_twin(version, dtype, block_size, num_heads, num_kv_heads):
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    dev = torch.device("cuda")
+    key_cache, value_cache, block_tables = _make_kv(CONTEXTS, num_kv_heads, 64, block_size, dtype, dev, seed=3)
+    context_lens = torch.tensor(CONTEXTS, dtype=torch.int32, device=dev)
+    query = torch.randn(len(CONTEXTS), num_heads, 64, dtype=dtype, device=dev)
+    with _ops_cuda.attention_version(version):
+        out = ops.paged_attention(query, key_cache, value_cache, block_tables, context_lens, 0.125)
+    cpu = _cpu_or_skip(ops.paged_attention, query.cpu(), key_cache.cpu(), value_cache.cpu(),
+                       block_tables.cpu(), context_lens.cpu(), 0.125)
+    _assert_close(out, cpu, dtype)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_prefill_attention(version, dtype, block_size, head_size, num_heads, num_kv_heads):
+    """Whole prompts, chunked prefill over cached blocks, a decode-like row, a long chunk."""
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    dev = torch.device("cuda")
+    contexts = [17, 54, 97, 1, 1030]
+    query_lens = [17, 5, 1, 1, 70]
+    key_cache, value_cache, block_tables = _make_kv(contexts, num_kv_heads, head_size, block_size, dtype, dev, seed=4)
+    context_lens = torch.tensor(contexts, dtype=torch.int32, device=dev)
+    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32, device=dev)
+    query = torch.randn(sum(query_lens), num_heads, head_size, dtype=dtype, device=dev)
+    scale = head_size ** -0.5
+    with _ops_cuda.attention_version(version):
+        out = ops.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                                          context_lens, scale)
+    expected = _reference(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale)
+    _assert_close(out, expected, dtype)
+    cpu = _cpu_or_skip(ops.paged_prefill_attention, query.cpu(), key_cache.cpu(), value_cache.cpu(),
+                       block_tables.cpu(), query_start_loc.cpu(), context_lens.cpu(), scale)
+    _assert_close(out, cpu, dtype)
+
+
+
+# ---------------------------------------------------------------------------------------
+# Cache writes, copies and swaps (bit-exact)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_reshape_and_cache_matches_cpu_twin(dtype, block_size):
+    ops = _ops()
+    dev = torch.device("cuda")
+    num_tokens, num_kv_heads, head_size, num_blocks = 37, 3, 64, 12
+    x = 16 // torch.tensor([], dtype=dtype).element_size()
+    qkv = torch.randn(num_tokens, 4 + 2 * num_kv_heads, head_size, dtype=dtype, device=dev)
+    key, value = qkv[:, 4:4 + num_kv_heads], qkv[:, 4 + num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[5] = -1
+    slot_mapping = slots.to(torch.int64).to(dev)
+    key_cache = torch.zeros(num_blocks, num_kv_heads, head_size // x, block_size, x, dtype=dtype, device=dev)
+    value_cache = torch.zeros(num_blocks, num_kv_heads, head_size, block_size, dtype=dtype, device=dev)
+    cpu_key_cache, cpu_value_cache = key_cache.cpu(), value_cache.cpu()
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        b, off = divmod(slot, block_size)
+        assert torch.equal(key_cache[b, :, :, off, :].reshape(num_kv_heads, head_size), key[t])
+        assert torch.equal(value_cache[b, :, :, off], value[t])
+    _cpu_or_skip(ops.reshape_and_cache, key.cpu(), value.cpu(), cpu_key_cache, cpu_value_cache, slot_mapping.cpu())
+    assert torch.equal(key_cache.cpu(), cpu_key_cache)
+    assert torch.equal(value_cache.cpu(), cpu_value_cache)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_copy_blocks_all_layers(dtype):
+    ops = _ops()
+    dev = torch.device("cuda")
+    x = 16 // torch.tensor([], dtype=dtype).element_size()
+    key_caches = [torch.randn(10, 2, 64 // x, 16, x, device=dev).to(dtype) for _ in range(3)]
+    value_caches = [torch.randn(10, 2, 64, 16, device=dev).to(dtype) for _ in range(3)]
+    expected_k = [k.clone() for k in key_caches]
+    expected_v = [v.clone() for v in value_caches]
+    mapping = torch.tensor([[0, 7], [3, 8], [3, 9], [5, 1]], dtype=torch.int64)
+    for caches in (expected_k, expected_v):
+        for c in caches:
+            c[mapping[:, 1]] = c[mapping[:, 0]]
+    ops.copy_blocks(key_caches, value_caches, mapping)
+    for got, want in zip(key_caches + value_caches, expected_k + expected_v):
+        assert torch.equal(got, want)
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_round_trip_pinned(dtype):
+    ops = _ops()
+    dev = torch.device("cuda")
+    gpu = torch.randn(16, 4, 64, 16, device=dev).to(dtype)
+    host = torch.zeros(12, 4, 64, 16, dtype=dtype).pin_memory()
+    out_map = torch.tensor([[3, 0], [4, 1], [5, 2], [9, 7], [1, 11]], dtype=torch.int64)
+    ops.swap_blocks(gpu, host, out_map)
+    torch.cuda.synchronize()
+    for src, dst in out_map.tolist():
+        assert torch.equal(host[dst], gpu[src].cpu())
+    back = torch.zeros_like(gpu)
+    in_map = torch.tensor([[0, 10], [1, 11], [2, 12], [7, 2], [11, 0]], dtype=torch.int64)
+    ops.swap_blocks(host, back, in_map)
+    torch.cuda.synchronize()
+    for (src, _), (_, dst) in zip(out_map.tolist(), in_map.tolist()):
+        assert torch.equal(back[dst], gpu[src])
+
