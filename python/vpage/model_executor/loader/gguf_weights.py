@@ -89,4 +89,6 @@ def iterate_gguf(reader: Any, path: Path, num_heads: int, num_kv_heads: int) -> 
             w = unpermute_rotary_rows(w, num_heads)
         elif permuted and ".k_proj." in name:
             w = unpermute_rotary_rows(w, num_kv_heads)
+        if not w.flags.writeable:  # unquantized tensors come as read-only file mappings
+            w = w.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(w))
