@@ -22,12 +22,21 @@ def vpage_model():
 
 
 @pytest.fixture(scope="module")
-def hf_model(vpage_model):
+def hf_config():
+    """transformers' own reading of the GGUF metadata."""
+    from transformers import AutoConfig
+
+    path = default_model_path()
+    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_model(hf_config):
     """transformers' Llama built from its own GGUF conversion (dequantize + un-permute)."""
     from transformers import LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    model = LlamaForCausalLM(vpage_model.hf_config).eval()
+    model = LlamaForCausalLM(hf_config).eval()
     tensors = load_gguf_checkpoint(str(default_model_path()), return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected
@@ -43,6 +52,14 @@ def test_config_and_tokenizer(vpage_model):
     assert 2 in c.eos_token_ids
     assert vpage_model.tokenizer.decode(vpage_model.tokenizer.encode("Hello world")) == "Hello world"
     assert vpage_model.model.lm_head is vpage_model.model.model.embed_tokens
+
+
+def test_gguf_config_matches_transformers(vpage_model, hf_config):
+    ours = vpage_model.hf_config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "rope_parameters"):
+        assert getattr(ours, key) == getattr(hf_config, key), key
 
 
 def test_logits_and_greedy_match_transformers(vpage_model, hf_model):

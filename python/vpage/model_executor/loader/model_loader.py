@@ -11,6 +11,7 @@ import torch
 
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
 from vpage.model_executor.loader.gguf_weights import iterate_gguf, open_gguf
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
 from vpage.model_executor.models import get_model_class
@@ -65,11 +66,14 @@ def _resolve(model: str | None) -> _Source:
     raise FileNotFoundError(f"{path}: neither config.json nor exactly one .gguf file in this folder")
 
 
-def _load_hf_config(source: _Source) -> Any:
+def _load_hf_config(source: _Source, reader: Any) -> Any:
+    """The transformers config: from GGUF metadata (``reader``) or the folder's config.json."""
     from transformers import AutoConfig
 
+    if reader is not None:
+        return hf_config_from_gguf(reader, source.path)
     try:
-        return AutoConfig.from_pretrained(str(source.folder), gguf_file=source.gguf_file, local_files_only=True)
+        return AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
     except Exception as e:  # transformers raises many types for bad or missing files
         raise ValueError(f"{source.path}: cannot read model config ({type(e).__name__}: {e})") from e
 
@@ -134,9 +138,8 @@ def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]
     return sorted(set(ids))
 
 
-def _weights(source: _Source, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    if source.gguf_file:
-        reader = open_gguf(source.path)
+def _weights(source: _Source, hf_config: Any, reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if reader is not None:
         return iterate_gguf(reader, source.path, hf_config.num_attention_heads, num_kv_heads_of(hf_config))
     return iterate_safetensors(safetensors_files(source.folder))
 
@@ -158,14 +161,15 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     """
     source = _resolve(model)
     torch_device = _resolve_device(device)
-    hf_config = _load_hf_config(source)
+    reader = open_gguf(source.path) if source.gguf_file else None
+    hf_config = _load_hf_config(source, reader)
     architecture = _architecture(hf_config)
     model_class = get_model_class(architecture)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
     with torch.device(torch_device):
         net = model_class(hf_config, torch_dtype)
     try:
-        net.load_weights(_weights(source, hf_config))
+        net.load_weights(_weights(source, hf_config, reader))
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
