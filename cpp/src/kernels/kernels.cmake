@@ -1,1 +1,25 @@
-# CPU kernels of vpage_core (owned by the kernels work; sources and per-ISA flags go here).
+# CPU kernels of vpage_core. The attention task kernel (attention_impl.h) is compiled once
+# per instruction set, each build in its own namespace with its own -m flags; cpu_isa.cpp
+# picks one at run time with __builtin_cpu_supports. Everything else uses baseline flags.
+set(_vpage_kernels_dir ${CMAKE_CURRENT_LIST_DIR})
+target_sources(vpage_core PRIVATE
+  ${_vpage_kernels_dir}/thread_pool.cpp
+  ${_vpage_kernels_dir}/cpu_isa.cpp
+  ${_vpage_kernels_dir}/paged_attention.cpp
+  ${_vpage_kernels_dir}/cache_ops.cpp
+  ${_vpage_kernels_dir}/attention_generic.cpp)
+
+if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
+   AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  target_sources(vpage_core PRIVATE
+    ${_vpage_kernels_dir}/attention_avx2.cpp
+    ${_vpage_kernels_dir}/attention_avx512.cpp)
+  set_source_files_properties(${_vpage_kernels_dir}/attention_avx2.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
+  # -Wno-maybe-uninitialized: GCC 12 false positives inside its own AVX-512 headers.
+  set_source_files_properties(${_vpage_kernels_dir}/attention_avx512.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES
+    COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized")
+  set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS VPAGE_X86_KERNELS=1)
+endif()

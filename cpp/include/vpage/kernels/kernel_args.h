@@ -81,6 +81,8 @@ struct SwapBlocksArgs {
   int64_t block_bytes = 0;    // bytes of one block in this tensor
   const int64_t* block_mapping = nullptr;  // [num_pairs, 2] (src block, dst block)
   int64_t num_pairs = 0;
+  int64_t src_num_blocks = 0;  // blocks in src: block ids are checked against it
+  int64_t dst_num_blocks = 0;  // blocks in dst
 };
 
 }  // namespace vpage

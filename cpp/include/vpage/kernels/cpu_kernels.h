@@ -1,0 +1,42 @@
+// CPU kernels of vpage_core: the engine's CPU backend, twins of the CUDA kernels with the
+// same cache layout (see kernel_args.h). Vectorised per CPU (the widest instruction set
+// the processor supports is chosen once at run time) and multi-threaded on vpage's own
+// persistent thread pool. Broken preconditions throw std::invalid_argument.
+#pragma once
+
+#include <string>
+
+#include "vpage/kernels/kernel_args.h"
+
+namespace vpage::cpu {
+
+/// Writes the key/value rows of new tokens into their cache slots (bit-exact copies;
+/// key/value have the cache's dtype). Tokens with slot < 0 are skipped.
+/// Threads: tokens are split into contiguous ranges, one per thread.
+void reshape_and_cache(const ReshapeAndCacheArgs& args, int num_threads);
+
+/// Paged attention, decode (args.query_start_loc == nullptr, one query per sequence) or
+/// prefill/chunked prefill (causal; the queries are the last tokens of each context).
+/// Requires head_size % 16 == 0 and num_heads % num_kv_heads == 0; fp32 accumulation.
+/// Threads: one task per (sequence, kv head[, query tile][, context partition]); each
+/// task reads a K/V block once for all query heads of its GQA group. Decode splits long
+/// contexts into partitions when there are too few tasks for the threads, then reduces.
+void paged_attention(const PagedAttentionArgs& args, int num_threads);
+
+/// Copies whole blocks src -> dst in every layer's key and value cache (bit-exact).
+/// Threads: one task per (layer, pair).
+void copy_blocks(const CopyBlocksArgs& args, int num_threads);
+
+/// Copies whole blocks between two cache tensors of one per-block layout (bit-exact).
+/// Threads: one task per pair.
+void swap_blocks(const SwapBlocksArgs& args, int num_threads);
+
+/// Instruction set used by paged_attention: "avx512", "avx2" or "generic".
+std::string cpu_isa();
+
+/// Restricts paged_attention to `isa` ("avx512", "avx2", "generic" or "auto" = best).
+/// Throws std::invalid_argument when the name is unknown or the CPU lacks the set.
+/// Meant for tests and benchmarks; not thread-safe against running kernels.
+void set_cpu_isa(const std::string& isa);
+
+}  // namespace vpage::cpu

@@ -1,0 +1,56 @@
+// Work unit of the CPU paged attention and the per-ISA kernel entry points. Included by
+// the dispatcher (paged_attention.cpp) and by every ISA build of attention_impl.h, so it
+// holds declarations only: no inline code that could be compiled with ISA flags.
+#pragma once
+
+#include <cstdint>
+
+#include "vpage/kernels/kernel_args.h"
+
+namespace vpage::cpu {
+
+/// One task: the query rows of `num_queries` consecutive query tokens x `num_heads`
+/// consecutive query heads of one GQA group, over context tokens [ctx_begin, ctx_end)
+/// of one sequence. Row r = query q * num_heads + head h.
+struct AttentionTask {
+  int32_t seq = 0;
+  int32_t kv_head = 0;
+  int32_t first_head = 0;       // first query head (absolute index) of the task
+  int32_t num_heads = 0;        // query heads of the task, all in kv_head's group
+  int64_t first_query = 0;      // query token (row of query/out) of the first query
+  int32_t num_queries = 0;      // 1 for decode
+  int32_t first_visible_end = 0;  // first query sees context positions [0, this); +1 per query
+  int32_t ctx_begin = 0;        // multiple of block_size
+  int32_t ctx_end = 0;          // <= context length
+  float* partial = nullptr;     // nullptr: write normalised rows to out; else
+                                // [rows][2 + head_size] = (max logit, exp sum, unnormalised o)
+};
+
+/// Runs one task; `scratch` holds at least scratch_floats(...) floats (64-byte aligned).
+using AttentionTaskFn = void (*)(const PagedAttentionArgs& args, const AttentionTask& task,
+                                 float* scratch);
+/// Floats of scratch that a task of `rows` rows needs.
+using ScratchFloatsFn = int64_t (*)(int32_t rows, int32_t head_size, int32_t block_size);
+
+/// The entry points of one ISA build.
+struct AttentionKernels {
+  const char* name;
+  AttentionTaskFn run_task;
+  ScratchFloatsFn scratch_floats;
+};
+
+// One build per instruction set, each in its own namespace (see kernels.cmake).
+namespace generic {
+extern const AttentionKernels kKernels;
+}
+namespace avx2 {
+extern const AttentionKernels kKernels;
+}
+namespace avx512 {
+extern const AttentionKernels kKernels;
+}
+
+/// The build paged_attention uses: the best one the CPU supports, or set_cpu_isa's choice.
+const AttentionKernels& selected_kernels();
+
+}  // namespace vpage::cpu

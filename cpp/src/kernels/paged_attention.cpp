@@ -1,0 +1,239 @@
+// paged_attention: checks the arguments, cuts the work into tasks (attention_task.h),
+// runs them on the thread pool with the selected ISA build, and for partitioned decode
+// merges the partial softmax results.
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention_task.h"
+#include "thread_pool.h"
+#include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/half.h"
+
+namespace vpage::cpu {
+namespace {
+
+constexpr int kMaxRowsPerTask = 16;         // query rows (queries x heads) of one task
+constexpr int kTasksPerThread = 4;          // decode: split contexts below this many tasks
+constexpr int kMinPartitionTokens = 256;    // decode: smallest context partition
+
+void check(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument("paged_attention: " + message);
+}
+
+// Checks everything the kernels rely on; returns the longest context.
+int32_t validate(const PagedAttentionArgs& a, int num_threads) {
+  const CacheShape& c = a.cache;
+  check(num_threads >= 1, "num_threads must be >= 1, got " + std::to_string(num_threads));
+  check(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16,
+        "unknown dtype code " + std::to_string(static_cast<int>(c.dtype)));
+  check(c.head_size > 0 && c.head_size % 16 == 0,
+        "head_size must be a positive multiple of 16, got " + std::to_string(c.head_size));
+  check(c.block_size > 0, "block_size must be positive, got " + std::to_string(c.block_size));
+  check(c.num_kv_heads > 0, "num_kv_heads must be positive");
+  check(c.num_blocks >= 0, "num_blocks must be >= 0");
+  check(a.num_heads > 0 && a.num_heads % c.num_kv_heads == 0,
+        "num_heads (" + std::to_string(a.num_heads) + ") must be a positive multiple of num_kv_heads (" +
+            std::to_string(c.num_kv_heads) + ")");
+  check(a.num_seqs >= 0 && a.max_blocks_per_seq >= 0, "num_seqs and max_blocks_per_seq must be >= 0");
+  check(a.query_stride >= static_cast<int64_t>(a.num_heads) * c.head_size,
+        "query_stride must be >= num_heads * head_size");
+  if (a.num_seqs == 0) return 0;
+  check(a.out && a.query && a.key_cache && a.value_cache && a.block_tables && a.context_lens,
+        "null data pointer");
+  if (a.query_start_loc == nullptr) {
+    check(a.num_query_tokens == a.num_seqs, "decode needs num_query_tokens == num_seqs");
+  } else {
+    check(a.query_start_loc[0] == 0, "query_start_loc[0] must be 0");
+    check(a.query_start_loc[a.num_seqs] == a.num_query_tokens,
+          "query_start_loc[num_seqs] must equal num_query_tokens (" + std::to_string(a.num_query_tokens) + ")");
+  }
+  int32_t longest = 0;
+  for (int32_t s = 0; s < a.num_seqs; ++s) {
+    const int32_t len = a.context_lens[s];
+    const std::string where = " (sequence " + std::to_string(s) + ")";
+    check(len >= 0 && static_cast<int64_t>(len) <= static_cast<int64_t>(a.max_blocks_per_seq) * c.block_size,
+          "context length " + std::to_string(len) + " outside [0, max_blocks_per_seq * block_size]" + where);
+    check(len <= a.max_context_len, "context length " + std::to_string(len) + " exceeds max_context_len " +
+                                        std::to_string(a.max_context_len) + where);
+    if (a.query_start_loc != nullptr) {
+      const int32_t queries = a.query_start_loc[s + 1] - a.query_start_loc[s];
+      check(queries >= 0, "query_start_loc must be non-decreasing" + where);
+      check(queries <= len, "more query tokens (" + std::to_string(queries) + ") than context length (" +
+                                std::to_string(len) + ")" + where);
+    }
+    const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
+    const int32_t used = (len + c.block_size - 1) / c.block_size;
+    for (int32_t b = 0; b < used; ++b) {
+      check(table[b] >= 0 && table[b] < c.num_blocks, "block id " + std::to_string(table[b]) +
+                                                          " out of range [0, " + std::to_string(c.num_blocks) +
+                                                          ")" + where + ", logical block " + std::to_string(b));
+    }
+    longest = std::max(longest, len);
+  }
+  return longest;
+}
+
+// Rows of tasks: a GQA group is split into ceil(group / kMaxRowsPerTask) equal parts.
+int32_t heads_per_task(const PagedAttentionArgs& a) {
+  const int32_t group = a.num_heads / a.cache.num_kv_heads;
+  const int32_t splits = (group + kMaxRowsPerTask - 1) / kMaxRowsPerTask;
+  return (group + splits - 1) / splits;
+}
+
+template <typename Fn>
+void for_each_head_part(const PagedAttentionArgs& a, int32_t per_task, Fn&& fn) {
+  const int32_t group = a.num_heads / a.cache.num_kv_heads;
+  for (int32_t kv = 0; kv < a.cache.num_kv_heads; ++kv) {
+    for (int32_t h = 0; h < group; h += per_task) fn(kv, kv * group + h, std::min(per_task, group - h));
+  }
+}
+
+// Writes one output row (query token x head) of head_size values in the output dtype.
+void store_row(const PagedAttentionArgs& a, int64_t row, const float* values) {
+  const int32_t hs = a.cache.head_size;
+  if (a.cache.dtype == DType::kFloat32) {
+    std::copy(values, values + hs, static_cast<float*>(a.out) + row * hs);
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(a.out) + row * hs;
+  for (int32_t d = 0; d < hs; ++d) {
+    dst[d] = a.cache.dtype == DType::kFloat16 ? float_to_half(values[d]) : float_to_bfloat16(values[d]);
+  }
+}
+
+// Merges the per-partition (max, sum, o) of every (sequence, head) into out.
+void reduce_partitions(const PagedAttentionArgs& a, const std::vector<float>& partial, int32_t partitions,
+                       int32_t partition_tokens, int num_threads) {
+  const int32_t hs = a.cache.head_size;
+  const int64_t stride = 2 + hs;
+  ThreadPool::instance().parallel_for(
+      static_cast<int64_t>(a.num_seqs) * a.num_heads, num_threads, [&](int64_t item, int) {
+        const int64_t s = item / a.num_heads;
+        const int64_t head = item % a.num_heads;
+        const int32_t used = std::max(1, (a.context_lens[s] + partition_tokens - 1) / partition_tokens);
+        const float* first = partial.data() + (s * partitions * a.num_heads + head) * stride;
+        const int64_t step = a.num_heads * stride;
+        float global_max = -INFINITY;
+        for (int32_t p = 0; p < used; ++p) global_max = std::max(global_max, first[p * step]);
+        std::vector<float> o(hs, 0.0f);
+        float sum = 0.0f;
+        for (int32_t p = 0; p < used; ++p) {
+          const float* part = first + p * step;
+          if (part[1] == 0.0f) continue;
+          const float weight = std::exp(part[0] - global_max);
+          sum += part[1] * weight;
+          for (int32_t d = 0; d < hs; ++d) o[d] += part[2 + d] * weight;
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (float& v : o) v *= inv;
+        store_row(a, s * a.num_heads + head, o.data());
+      });
+}
+
+void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads) {
+  std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
+    return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
+  });
+  const AttentionKernels& kernels = selected_kernels();
+  int32_t max_rows = 0;
+  for (const AttentionTask& t : tasks) max_rows = std::max(max_rows, t.num_queries * t.num_heads);
+  const int64_t scratch_floats = kernels.scratch_floats(max_rows, a.cache.head_size, a.cache.block_size);
+  ThreadPool::instance().parallel_for(static_cast<int64_t>(tasks.size()), num_threads,
+                                      [&](int64_t index, int) {
+                                        thread_local std::vector<float> scratch;
+                                        if (static_cast<int64_t>(scratch.size()) < scratch_floats) {
+                                          scratch.resize(scratch_floats);
+                                        }
+                                        kernels.run_task(a, tasks[index], scratch.data());
+                                      });
+}
+
+void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
+  const int32_t per_task = heads_per_task(a);
+  const int64_t base_tasks = static_cast<int64_t>(a.num_seqs) * (a.num_heads / per_task);
+  int32_t partitions = 1;
+  if (num_threads > 1 && base_tasks < static_cast<int64_t>(kTasksPerThread) * num_threads) {
+    const int64_t wanted = (static_cast<int64_t>(kTasksPerThread) * num_threads + base_tasks - 1) / base_tasks;
+    const int64_t most = std::max<int64_t>(1, longest / kMinPartitionTokens);
+    partitions = static_cast<int32_t>(std::min(wanted, most));
+  }
+  const int32_t bs = a.cache.block_size;
+  const int32_t partition_tokens =
+      partitions == 1 ? std::max(longest, 1) : ((longest + partitions - 1) / partitions + bs - 1) / bs * bs;
+  if (partitions > 1) partitions = (longest + partition_tokens - 1) / partition_tokens;
+
+  std::vector<float> partial;
+  if (partitions > 1) {
+    partial.resize(static_cast<size_t>(a.num_seqs) * partitions * a.num_heads * (2 + a.cache.head_size));
+  }
+  std::vector<AttentionTask> tasks;
+  for (int32_t s = 0; s < a.num_seqs; ++s) {
+    const int32_t len = a.context_lens[s];
+    const int32_t used = partitions == 1 ? 1 : std::max(1, (len + partition_tokens - 1) / partition_tokens);
+    for_each_head_part(a, per_task, [&](int32_t kv, int32_t first_head, int32_t heads) {
+      for (int32_t p = 0; p < used; ++p) {
+        AttentionTask t;
+        t.seq = s;
+        t.kv_head = kv;
+        t.first_head = first_head;
+        t.num_heads = heads;
+        t.first_query = s;
+        t.num_queries = 1;
+        t.first_visible_end = len;
+        t.ctx_begin = std::min(len, p * partition_tokens);
+        t.ctx_end = partitions == 1 ? len : std::min(len, (p + 1) * partition_tokens);
+        if (partitions > 1) {
+          t.partial = partial.data() +
+                      ((static_cast<int64_t>(s) * partitions + p) * a.num_heads + first_head) * (2 + a.cache.head_size);
+        }
+        tasks.push_back(t);
+      }
+    });
+  }
+  run(a, tasks, num_threads);
+  if (partitions > 1) reduce_partitions(a, partial, partitions, partition_tokens, num_threads);
+}
+
+void prefill(const PagedAttentionArgs& a, int num_threads) {
+  const int32_t per_task = heads_per_task(a);
+  const int32_t queries_per_task = std::max(1, kMaxRowsPerTask / per_task);
+  std::vector<AttentionTask> tasks;
+  for (int32_t s = 0; s < a.num_seqs; ++s) {
+    const int32_t begin = a.query_start_loc[s];
+    const int32_t queries = a.query_start_loc[s + 1] - begin;
+    const int32_t len = a.context_lens[s];
+    for_each_head_part(a, per_task, [&](int32_t kv, int32_t first_head, int32_t heads) {
+      for (int32_t q = 0; q < queries; q += queries_per_task) {
+        AttentionTask t;
+        t.seq = s;
+        t.kv_head = kv;
+        t.first_head = first_head;
+        t.num_heads = heads;
+        t.first_query = begin + q;
+        t.num_queries = std::min(queries_per_task, queries - q);
+        t.first_visible_end = len - queries + q + 1;
+        t.ctx_begin = 0;
+        t.ctx_end = t.first_visible_end + t.num_queries - 1;
+        tasks.push_back(t);
+      }
+    });
+  }
+  run(a, tasks, num_threads);
+}
+
+}  // namespace
+
+void paged_attention(const PagedAttentionArgs& args, int num_threads) {
+  const int32_t longest = validate(args, num_threads);
+  if (args.num_seqs == 0) return;
+  if (args.query_start_loc == nullptr) {
+    decode(args, longest, num_threads);
+  } else {
+    prefill(args, num_threads);
+  }
+}
+
+}  // namespace vpage::cpu

@@ -1,0 +1,219 @@
+// A minimal fp32 vector type for the attention kernel, one implementation per instruction
+// set, chosen by the compiler's target macros: AVX-512 (16 lanes), AVX2+FMA+F16C (8 lanes)
+// or portable C++ (8 lanes, left to the auto-vectoriser: SSE2 on x86-64, NEON on aarch64).
+// Everything lives in namespace VPAGE_ISA_NAMESPACE, so builds with different flags
+// never share an inline function (no ODR mix-up of AVX-512 code into the generic path).
+// 16-bit storage types are loaded/stored with conversion to/from fp32.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define VPAGE_SIMD_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VPAGE_SIMD_AVX2 1
+#include <immintrin.h>
+#else
+#include <math.h>
+
+#include "vpage/kernels/half.h"
+#endif
+
+#ifndef VPAGE_ISA_NAMESPACE
+#error "define VPAGE_ISA_NAMESPACE before including simd_vec.h"
+#endif
+
+namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
+
+/// float16 storage (IEEE binary16 bits).
+struct F16 {
+  uint16_t bits;
+};
+/// bfloat16 storage.
+struct BF16 {
+  uint16_t bits;
+};
+
+// exp(x) for x <= 0 (softmax after subtracting the max): exp(x) = 2^n * e^r with
+// n = round(x / ln 2), |r| <= ln2 / 2, e^r by a degree-6 polynomial; x < -87 gives 0.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpUnderflow = -87.0f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(VPAGE_SIMD_AVX512)
+
+constexpr int kLanes = 16;
+struct Vec {
+  __m512 v;
+};
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec set1(float a) { return {_mm512_set1_ps(a)}; }
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec load(const F16* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline Vec load(const BF16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline void store(F16* p, Vec a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store(BF16* p, Vec a) {
+  const __m512i bits = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline Vec exp_nonpositive(Vec x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x.v, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x.v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpUnderflow), _CMP_GE_OQ);
+  return {_mm512_maskz_scalef_ps(keep, p, n)};
+}
+
+#elif defined(VPAGE_SIMD_AVX2)
+
+constexpr int kLanes = 8;
+struct Vec {
+  __m256 v;
+};
+inline Vec zero() { return {_mm256_setzero_ps()}; }
+inline Vec set1(float a) { return {_mm256_set1_ps(a)}; }
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline Vec load(const F16* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+}
+inline Vec load(const BF16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+}
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline void store(F16* p, Vec a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store(BF16* p, Vec a) {
+  const __m256i bits = _mm256_castps_si256(a.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q));
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  rounded = _mm256_blendv_epi8(rounded, quiet, nan);
+  const __m256i high = _mm256_srli_epi32(rounded, 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline Vec exp_nonpositive(Vec x) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x.v, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x.v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  p = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+  const __m256 keep = _mm256_cmp_ps(x.v, _mm256_set1_ps(kExpUnderflow), _CMP_GE_OQ);
+  return {_mm256_and_ps(p, keep)};
+}
+
+#else
+
+constexpr int kLanes = 8;
+struct Vec {
+  float v[kLanes];
+};
+inline Vec zero() { return Vec{}; }
+inline Vec set1(float a) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = a;
+  return r;
+}
+inline Vec load(const float* p) {
+  Vec r;
+  std::memcpy(r.v, p, sizeof(r.v));
+  return r;
+}
+inline Vec load(const F16* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = half_to_float(p[i].bits);
+  return r;
+}
+inline Vec load(const BF16* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = bfloat16_to_float(p[i].bits);
+  return r;
+}
+inline void store(float* p, Vec a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline void store(F16* p, Vec a) {
+  for (int i = 0; i < kLanes; ++i) p[i].bits = float_to_half(a.v[i]);
+}
+inline void store(BF16* p, Vec a) {
+  for (int i = 0; i < kLanes; ++i) p[i].bits = float_to_bfloat16(a.v[i]);
+}
+inline Vec add(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline Vec mul(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec max(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+  return a;
+}
+inline Vec fma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float reduce_add(Vec a) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += a.v[i];
+  return s;
+}
+inline Vec exp_nonpositive(Vec x) {
+  for (int i = 0; i < kLanes; ++i) x.v[i] = x.v[i] < kExpUnderflow ? 0.0f : expf(x.v[i]);
+  return x;
+}
+
+#endif
+
+/// Loads the first n (< kLanes) elements, the other lanes are zero.
+template <typename T>
+inline Vec load_partial(const T* p, int n) {
+  T tmp[kLanes];
+  std::memset(tmp, 0, sizeof(tmp));
+  std::memcpy(tmp, p, sizeof(T) * n);
+  return load(tmp);
+}
+
+}  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE

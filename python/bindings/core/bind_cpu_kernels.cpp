@@ -1,0 +1,142 @@
+// vpage._core CPU kernel functions: flat wrappers over vpage::cpu taking data pointers as
+// Python ints (tensor.data_ptr()), sizes, strides and a dtype code. vpage.ops checks the
+// tensors first; the kernels still check sizes and indices and throw ValueError.
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "bindings.h"
+#include "vpage/kernels/cpu_kernels.h"
+
+namespace py = pybind11;
+
+namespace vpage::bindings {
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+CacheShape cache_shape(int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size,
+                       int32_t dtype) {
+  return CacheShape{num_blocks, num_kv_heads, head_size, block_size, static_cast<DType>(dtype)};
+}
+
+}  // namespace
+
+void bind_cpu_kernels(py::module_& m) {
+  m.def(
+      "cpu_reshape_and_cache",
+      [](uintptr_t key, uintptr_t value, uintptr_t key_cache, uintptr_t value_cache, uintptr_t slot_mapping,
+         int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_blocks, int32_t num_kv_heads,
+         int32_t head_size, int32_t block_size, int32_t dtype, int num_threads) {
+        ReshapeAndCacheArgs args;
+        args.key = ptr<const void>(key);
+        args.value = ptr<const void>(value);
+        args.key_cache = ptr<void>(key_cache);
+        args.value_cache = ptr<void>(value_cache);
+        args.slot_mapping = ptr<const int64_t>(slot_mapping);
+        args.num_tokens = num_tokens;
+        args.key_stride = key_stride;
+        args.value_stride = value_stride;
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        py::gil_scoped_release release;
+        cpu::reshape_and_cache(args, num_threads);
+      },
+      py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+      py::arg("num_tokens"), py::arg("key_stride"), py::arg("value_stride"), py::arg("num_blocks"),
+      py::arg("num_kv_heads"), py::arg("head_size"), py::arg("block_size"), py::arg("dtype"),
+      py::arg("num_threads"),
+      "Writes key/value rows [num_tokens, num_kv_heads, head_size] (row strides in elements) into\n"
+      "their cache slots (int64 slot_mapping, slot < 0 skipped). Pointers are data_ptr() ints;\n"
+      "dtype: 0 float32, 1 float16, 2 bfloat16.");
+
+  m.def(
+      "cpu_paged_attention",
+      [](uintptr_t out, uintptr_t query, uintptr_t key_cache, uintptr_t value_cache, uintptr_t block_tables,
+         uintptr_t context_lens, uintptr_t query_start_loc, int32_t num_seqs, int64_t num_query_tokens,
+         int32_t num_heads, int32_t max_blocks_per_seq, int32_t max_context_len, int64_t query_stride, float scale,
+         int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size, int32_t dtype,
+         int num_threads) {
+        PagedAttentionArgs args;
+        args.out = ptr<void>(out);
+        args.query = ptr<const void>(query);
+        args.key_cache = ptr<const void>(key_cache);
+        args.value_cache = ptr<const void>(value_cache);
+        args.block_tables = ptr<const int32_t>(block_tables);
+        args.context_lens = ptr<const int32_t>(context_lens);
+        args.query_start_loc = ptr<const int32_t>(query_start_loc);
+        args.num_seqs = num_seqs;
+        args.num_query_tokens = num_query_tokens;
+        args.num_heads = num_heads;
+        args.max_blocks_per_seq = max_blocks_per_seq;
+        args.max_context_len = max_context_len;
+        args.query_stride = query_stride;
+        args.scale = scale;
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        py::gil_scoped_release release;
+        cpu::paged_attention(args, num_threads);
+      },
+      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
+      py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_seqs"), py::arg("num_query_tokens"),
+      py::arg("num_heads"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("query_stride"),
+      py::arg("scale"), py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"),
+      py::arg("block_size"), py::arg("dtype"), py::arg("num_threads"),
+      "Paged attention into out [num_query_tokens, num_heads, head_size] (contiguous). query_start_loc\n"
+      "= 0 means decode (one query per sequence); else int32 [num_seqs + 1] for causal prefill.\n"
+      "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].");
+
+  m.def(
+      "cpu_copy_blocks",
+      [](const std::vector<uintptr_t>& key_caches, const std::vector<uintptr_t>& value_caches,
+         uintptr_t block_mapping, int64_t num_pairs, int64_t num_blocks, int32_t num_kv_heads, int32_t head_size,
+         int32_t block_size, int32_t dtype, int num_threads) {
+        if (key_caches.size() != value_caches.size()) {
+          throw py::value_error("cpu_copy_blocks: key_caches and value_caches differ in length");
+        }
+        std::vector<void*> keys, values;
+        for (uintptr_t p : key_caches) keys.push_back(ptr<void>(p));
+        for (uintptr_t p : value_caches) values.push_back(ptr<void>(p));
+        CopyBlocksArgs args;
+        args.key_caches = keys.data();
+        args.value_caches = values.data();
+        args.num_layers = static_cast<int32_t>(keys.size());
+        args.block_mapping = ptr<const int64_t>(block_mapping);
+        args.num_pairs = num_pairs;
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        py::gil_scoped_release release;
+        cpu::copy_blocks(args, num_threads);
+      },
+      py::arg("key_caches"), py::arg("value_caches"), py::arg("block_mapping"), py::arg("num_pairs"),
+      py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("block_size"),
+      py::arg("dtype"), py::arg("num_threads"),
+      "Copies blocks (int64 block_mapping [num_pairs, 2] of (src, dst)) within every layer's key and\n"
+      "value cache; key_caches/value_caches are lists of data_ptr() ints of one cache shape.");
+
+  m.def(
+      "cpu_swap_blocks",
+      [](uintptr_t src, uintptr_t dst, int64_t block_bytes, uintptr_t block_mapping, int64_t num_pairs,
+         int64_t src_num_blocks, int64_t dst_num_blocks, int num_threads) {
+        SwapBlocksArgs args;
+        args.src = ptr<const void>(src);
+        args.dst = ptr<void>(dst);
+        args.block_bytes = block_bytes;
+        args.block_mapping = ptr<const int64_t>(block_mapping);
+        args.num_pairs = num_pairs;
+        args.src_num_blocks = src_num_blocks;
+        args.dst_num_blocks = dst_num_blocks;
+        py::gil_scoped_release release;
+        cpu::swap_blocks(args, num_threads);
+      },
+      py::arg("src"), py::arg("dst"), py::arg("block_bytes"), py::arg("block_mapping"), py::arg("num_pairs"),
+      py::arg("src_num_blocks"), py::arg("dst_num_blocks"), py::arg("num_threads"),
+      "Copies whole blocks of block_bytes bytes from src to dst (int64 block_mapping [num_pairs, 2]).");
+
+  m.def("cpu_isa", &cpu::cpu_isa, "Instruction set the CPU attention kernel uses: avx512, avx2 or generic.");
+  m.def("set_cpu_isa", &cpu::set_cpu_isa, py::arg("isa"),
+        "Restricts the CPU attention kernel to 'avx512', 'avx2', 'generic' or 'auto' (tests, benchmarks).");
+}
+
+}  // namespace vpage::bindings

@@ -1,0 +1,87 @@
+"""CPU backend of :mod:`vpage.ops` (calls the kernels of ``vpage._core``).
+
+Backend contract, shared with ``vpage._ops_cuda`` (same functions, same signatures):
+
+* ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None``
+* ``paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
+  query_start_loc_or_None, scale, max_context_len) -> None`` (decode when
+  ``query_start_loc_or_None`` is None, causal prefill otherwise)
+* ``copy_blocks(key_caches, value_caches, block_mapping) -> None``
+* ``swap_blocks(src, dst, block_mapping) -> None``
+
+Every tensor has already been checked by :mod:`vpage.ops` (dtype, device, shape,
+contiguity; key/value/query rows may be strided, their inner dims are contiguous) and
+``out`` is preallocated. Here all tensors are CPU tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from vpage import _core
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_num_threads: Optional[int] = None
+
+
+def set_num_threads(num_threads: Optional[int]) -> None:
+    """Threads of the CPU kernels; None restores the default (torch.get_num_threads())."""
+    global _num_threads
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
+    _num_threads = num_threads
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels run on."""
+    return _num_threads if _num_threads is not None else torch.get_num_threads()
+
+
+def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> dict:
+    num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
+    return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size,
+                block_size=block_size, dtype=_DTYPE_CODES[key_cache.dtype])
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _core.cpu_reshape_and_cache(
+        key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        slot_mapping.data_ptr(), num_tokens=key.shape[0], key_stride=key.stride(0),
+        value_stride=value.stride(0), num_threads=get_num_threads(),
+        **_cache_geometry(key_cache, value_cache))
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
+                    scale: float, max_context_len: int) -> None:
+    _core.cpu_paged_attention(
+        out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(),
+        0 if query_start_loc is None else query_start_loc.data_ptr(),
+        num_seqs=context_lens.shape[0], num_query_tokens=query.shape[0],
+        num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
+        max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
+        num_threads=get_num_threads(), **_cache_geometry(key_cache, value_cache))
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    if not key_caches:
+        return
+    _core.cpu_copy_blocks(
+        [t.data_ptr() for t in key_caches], [t.data_ptr() for t in value_caches],
+        block_mapping.data_ptr(), num_pairs=block_mapping.shape[0],
+        num_threads=get_num_threads(), **_cache_geometry(key_caches[0], value_caches[0]))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    block_bytes = math.prod(src.shape[1:]) * src.element_size()
+    _core.cpu_swap_blocks(
+        src.data_ptr(), dst.data_ptr(), block_bytes, block_mapping.data_ptr(),
+        num_pairs=block_mapping.shape[0], src_num_blocks=src.shape[0],
+        dst_num_blocks=dst.shape[0], num_threads=get_num_threads())

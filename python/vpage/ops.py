@@ -1,0 +1,243 @@
+"""Paged-attention kernels with vLLM-like names and shapes, for CPU and CUDA tensors.
+
+KV cache layout per layer (``x = 16 // element_size``)::
+
+    key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]
+    value_cache [num_blocks, num_kv_heads, head_size, block_size]
+    slot = block_id * block_size + offset_in_block
+
+Every function checks dtype, device, shape and contiguity (raising ``TypeError`` or
+``ValueError``) before any kernel runs, then dispatches on the device: CPU tensors go to
+``vpage._ops_cpu``, CUDA tensors to ``vpage._ops_cuda`` (imported on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from types import ModuleType
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from vpage import _ops_cpu
+
+__all__ = [
+    "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
+    "swap_blocks", "key_cache_shape", "value_cache_shape", "set_num_threads", "get_num_threads",
+]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def set_num_threads(num_threads: Optional[int]) -> None:
+    """Threads of the CPU kernels (None: torch.get_num_threads(), read at each call)."""
+    _ops_cpu.set_num_threads(num_threads)
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels run on."""
+    return _ops_cpu.get_num_threads()
+
+
+def _pack_size(dtype: torch.dtype) -> int:
+    if dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported KV cache dtype {dtype}; expected float32, float16 or bfloat16")
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def key_cache_shape(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
+                    dtype: torch.dtype) -> Tuple[int, int, int, int, int]:
+    """Shape of one layer's key cache: [num_blocks, num_kv_heads, head_size // x, block_size, x]."""
+    x = _pack_size(dtype)
+    if head_size % x:
+        raise ValueError(f"head_size {head_size} must be a multiple of {x} for {dtype}")
+    return (num_blocks, num_kv_heads, head_size // x, block_size, x)
+
+
+def value_cache_shape(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
+                      dtype: torch.dtype) -> Tuple[int, int, int, int]:
+    """Shape of one layer's value cache: [num_blocks, num_kv_heads, head_size, block_size]."""
+    _pack_size(dtype)
+    return (num_blocks, num_kv_heads, head_size, block_size)
+
+
+def _backend(device: torch.device) -> ModuleType:
+    if device.type == "cpu":
+        return _ops_cpu
+    if device.type == "cuda":
+        try:
+            return importlib.import_module("vpage._ops_cuda")
+        except ImportError as exc:
+            raise RuntimeError("CUDA tensors need vpage built with CUDA (vpage._ops_cuda)") from exc
+    raise ValueError(f"unsupported device {device}; vpage.ops runs on cpu and cuda")
+
+
+def _check_tensor(name: str, t: object, dtype: Optional[torch.dtype] = None,
+                  ndim: Optional[int] = None, device: Optional[torch.device] = None,
+                  contiguous: bool = True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """A [tokens, heads, head_size] tensor whose inner two dims are contiguous."""
+    if t.dim() != 3:
+        raise ValueError(f"{name} must have shape [tokens, heads, head_size], got {tuple(t.shape)}")
+    if t.shape[0] > 0 and (t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.stride(0) < t.shape[1] * t.shape[2]):
+        raise ValueError(f"{name} must have contiguous [heads, head_size] rows (strides {t.stride()})")
+
+
+def _check_caches(key_cache: object, value_cache: object) -> Tuple[int, int, int, int]:
+    """Returns (num_blocks, num_kv_heads, head_size, block_size) of a key/value cache pair."""
+    _check_tensor("key_cache", key_cache, ndim=5)
+    _check_tensor("value_cache", value_cache, ndim=4, dtype=key_cache.dtype, device=key_cache.device)
+    num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
+    expected = key_cache_shape(num_blocks, num_kv_heads, head_size, block_size, key_cache.dtype)
+    if tuple(key_cache.shape) != expected:
+        raise ValueError(f"key_cache shape {tuple(key_cache.shape)} does not match value_cache shape "
+                         f"{tuple(value_cache.shape)}; expected {expected}")
+    return num_blocks, num_kv_heads, head_size, block_size
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_size] into their cache slots.
+
+    slot_mapping: int64 [num_tokens], slot < 0 skips the token. key/value have the caches'
+    dtype and device; their rows may be strided (e.g. slices of a fused QKV output).
+    """
+    _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
+    device = key_cache.device
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(name, t, dtype=key_cache.dtype, device=device, contiguous=False)
+        _check_rows(name, t)
+        if tuple(t.shape[1:]) != (num_kv_heads, head_size):
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match the cache "
+                             f"[num_tokens, {num_kv_heads}, {head_size}]")
+    _check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
+    if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
+        raise ValueError(f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
+                         f"{value.shape[0]}, {slot_mapping.shape[0]}")
+    _backend(device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
+               scale, max_context_len, out) -> torch.Tensor:
+    _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
+    device = key_cache.device
+    _check_tensor("query", query, dtype=key_cache.dtype, device=device, contiguous=False)
+    _check_rows("query", query)
+    num_heads = query.shape[1]
+    if query.shape[2] != head_size:
+        raise ValueError(f"query head_size {query.shape[2]} != cache head_size {head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    _check_tensor("block_tables", block_tables, dtype=torch.int32, ndim=2, device=device)
+    _check_tensor("context_lens", context_lens, dtype=torch.int32, ndim=1, device=device)
+    num_seqs = context_lens.shape[0]
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, context_lens {num_seqs}")
+    if query_start_loc is None:
+        if query.shape[0] != num_seqs:
+            raise ValueError(f"decode query has {query.shape[0]} tokens for {num_seqs} sequences")
+    else:
+        _check_tensor("query_start_loc", query_start_loc, dtype=torch.int32, ndim=1, device=device)
+        if query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError(f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, "
+                             f"got {query_start_loc.shape[0]}")
+    if not isinstance(scale, (float, int)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float, got {scale!r}")
+    if max_context_len is None:
+        max_context_len = int(context_lens.max()) if num_seqs else 0
+    elif not isinstance(max_context_len, int) or max_context_len < 0:
+        raise ValueError(f"max_context_len must be a non-negative int, got {max_context_len!r}")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    else:
+        _check_tensor("out", out, dtype=query.dtype, device=device)
+        if out.shape != query.shape:
+            raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
+                                     context_lens, query_start_loc, float(scale), max_context_len)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                    max_context_len: Optional[int] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode attention: one query token per sequence over its cached K/V.
+
+    query [num_seqs, num_heads, head_size] (cache dtype; num_heads a multiple of
+    num_kv_heads), block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs]
+    (tokens in the cache, including the query's). Returns out [num_seqs, num_heads, head_size].
+    """
+    return _attention(query, key_cache, value_cache, block_tables, context_lens, None, scale,
+                      max_context_len, out)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, max_context_len: Optional[int] = None,
+                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Causal (chunked) prefill attention over cached K/V.
+
+    query [num_tokens, num_heads, head_size]; the tokens of sequence s are rows
+    [query_start_loc[s], query_start_loc[s+1]) (int32 [num_seqs + 1]) and are the last
+    tokens of its context_lens[s] tokens, whose K/V are already in the cache.
+    """
+    return _attention(query, key_cache, value_cache, block_tables, context_lens,
+                      query_start_loc, scale, max_context_len, out)
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copies blocks src -> dst (int64 block_mapping [num_pairs, 2]) in every layer's caches.
+
+    All caches share one shape, dtype and device; block_mapping is on that device or the CPU.
+    """
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"{len(key_caches)} key caches but {len(value_caches)} value caches")
+    _check_tensor("block_mapping", block_mapping, dtype=torch.int64, ndim=2)
+    if block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}")
+    if not key_caches:
+        return
+    _check_caches(key_caches[0], value_caches[0])
+    device = key_caches[0].device
+    for i, (k, v) in enumerate(zip(key_caches, value_caches)):
+        _check_caches(k, v)
+        if k.shape != key_caches[0].shape or k.dtype != key_caches[0].dtype or k.device != device:
+            raise ValueError(f"layer {i} caches differ in shape, dtype or device from layer 0")
+    if block_mapping.device not in (device, torch.device("cpu")):
+        raise ValueError(f"block_mapping is on {block_mapping.device}, expected {device} or cpu")
+    if device.type == "cpu" and block_mapping.device.type != "cpu":
+        raise ValueError("block_mapping must be on the CPU for CPU caches")
+    _backend(device).copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copies whole blocks of one cache tensor to another (int64 CPU block_mapping [num_pairs, 2]).
+
+    src and dst have the same dtype and per-block shape (shape[1:]); e.g. GPU <-> pinned CPU.
+    """
+    _check_tensor("src", src)
+    _check_tensor("dst", dst, dtype=src.dtype)
+    if src.dim() < 2 or tuple(src.shape[1:]) != tuple(dst.shape[1:]):
+        raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must share the per-block shape")
+    _check_tensor("block_mapping", block_mapping, dtype=torch.int64, ndim=2, device=torch.device("cpu"))
+    if block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}")
+    device = src.device if src.device.type != "cpu" else dst.device
+    _backend(device).swap_blocks(src, dst, block_mapping)

@@ -1,0 +1,247 @@
+// CPU kernels against a float64 reference: random caches written with reshape_and_cache
+// through shuffled block tables, poisoned (NaN) outputs and unused cache slots, decode and
+// chunked prefill, every instruction set this CPU has; bit-exact copy/swap; bad arguments.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/half.h"
+
+namespace {
+
+int g_failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    ++g_failures;
+    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+  }
+}
+
+// Values stored in a byte buffer of the given dtype.
+struct Buffer {
+  vpage::DType dtype;
+  std::vector<uint8_t> bytes;
+  Buffer(vpage::DType d, size_t n, uint8_t fill = 0xff) : dtype(d), bytes(n * vpage::dtype_size(d), fill) {}
+  void* data() { return bytes.data(); }
+  double get(size_t i) const {
+    if (dtype == vpage::DType::kFloat32) {
+      float f;
+      std::memcpy(&f, bytes.data() + 4 * i, 4);
+      return f;
+    }
+    uint16_t h;
+    std::memcpy(&h, bytes.data() + 2 * i, 2);
+    return dtype == vpage::DType::kFloat16 ? vpage::half_to_float(h) : vpage::bfloat16_to_float(h);
+  }
+  void set(size_t i, float f) {
+    if (dtype == vpage::DType::kFloat32) {
+      std::memcpy(bytes.data() + 4 * i, &f, 4);
+      return;
+    }
+    const uint16_t h = dtype == vpage::DType::kFloat16 ? vpage::float_to_half(f) : vpage::float_to_bfloat16(f);
+    std::memcpy(bytes.data() + 2 * i, &h, 2);
+  }
+};
+
+struct Case {
+  vpage::DType dtype;
+  int num_heads, num_kv_heads, head_size, block_size;
+  std::vector<int> context_lens;
+  std::vector<int> query_lens;  // empty: decode
+};
+
+void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
+  const int num_seqs = static_cast<int>(c.context_lens.size());
+  const bool decode = c.query_lens.empty();
+  const int hs = c.head_size, bs = c.block_size, nkv = c.num_kv_heads;
+  int max_blocks = 0, total_blocks = 0, max_len = 0;
+  for (int len : c.context_lens) {
+    max_blocks = std::max(max_blocks, (len + bs - 1) / bs);
+    total_blocks += (len + bs - 1) / bs;
+    max_len = std::max(max_len, len);
+  }
+  const int num_blocks = total_blocks + 3;
+  std::vector<int32_t> physical(num_blocks);
+  for (int i = 0; i < num_blocks; ++i) physical[i] = i;
+  std::shuffle(physical.begin(), physical.end(), rng);
+  std::vector<int32_t> tables(static_cast<size_t>(num_seqs) * max_blocks, -1);
+  int next = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    for (int b = 0; b < (c.context_lens[s] + bs - 1) / bs; ++b) tables[s * max_blocks + b] = physical[next++];
+  }
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  const size_t cache_elems = static_cast<size_t>(num_blocks) * nkv * hs * bs;
+  Buffer key_cache(c.dtype, cache_elems), value_cache(c.dtype, cache_elems);  // 0xff.. = NaN
+  std::vector<std::vector<double>> keys(num_seqs), values(num_seqs);  // [len][nkv][hs]
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = c.context_lens[s];
+    Buffer k(c.dtype, static_cast<size_t>(len) * nkv * hs), v(c.dtype, static_cast<size_t>(len) * nkv * hs);
+    std::vector<int64_t> slots(len);
+    for (size_t i = 0; i < static_cast<size_t>(len) * nkv * hs; ++i) {
+      k.set(i, dist(rng));
+      v.set(i, dist(rng));
+      keys[s].push_back(k.get(i));
+      values[s].push_back(v.get(i));
+    }
+    for (int t = 0; t < len; ++t) slots[t] = static_cast<int64_t>(tables[s * max_blocks + t / bs]) * bs + t % bs;
+    vpage::ReshapeAndCacheArgs r;
+    r.key = k.data();
+    r.value = v.data();
+    r.key_cache = key_cache.data();
+    r.value_cache = value_cache.data();
+    r.slot_mapping = slots.data();
+    r.num_tokens = len;
+    r.key_stride = r.value_stride = static_cast<int64_t>(nkv) * hs;
+    r.cache = {num_blocks, nkv, hs, bs, c.dtype};
+    vpage::cpu::reshape_and_cache(r, 2);
+  }
+  std::vector<int32_t> query_start(num_seqs + 1, 0);
+  for (int s = 0; s < num_seqs; ++s) query_start[s + 1] = query_start[s] + (decode ? 1 : c.query_lens[s]);
+  const int num_tokens = query_start[num_seqs];
+  Buffer query(c.dtype, static_cast<size_t>(num_tokens) * c.num_heads * hs);
+  for (size_t i = 0; i < static_cast<size_t>(num_tokens) * c.num_heads * hs; ++i) query.set(i, dist(rng));
+  Buffer out(c.dtype, static_cast<size_t>(num_tokens) * c.num_heads * hs);
+
+  vpage::PagedAttentionArgs a;
+  a.out = out.data();
+  a.query = query.data();
+  a.key_cache = key_cache.data();
+  a.value_cache = value_cache.data();
+  a.block_tables = tables.data();
+  a.context_lens = c.context_lens.data();
+  a.query_start_loc = decode ? nullptr : query_start.data();
+  a.num_seqs = num_seqs;
+  a.num_query_tokens = num_tokens;
+  a.num_heads = c.num_heads;
+  a.max_blocks_per_seq = max_blocks;
+  a.max_context_len = max_len;
+  a.query_stride = static_cast<int64_t>(c.num_heads) * hs;
+  a.scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  a.cache = {num_blocks, nkv, hs, bs, c.dtype};
+  vpage::cpu::paged_attention(a, 2);
+
+  const double tol = c.dtype == vpage::DType::kFloat32 ? 1e-4 : c.dtype == vpage::DType::kFloat16 ? 4e-3 : 2e-2;
+  double worst = 0.0;
+  const int group = c.num_heads / nkv;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = c.context_lens[s];
+    const int queries = query_start[s + 1] - query_start[s];
+    for (int q = 0; q < queries; ++q) {
+      const int visible = len - queries + q + 1;
+      for (int h = 0; h < c.num_heads; ++h) {
+        const int kv = h / group;
+        const size_t row = (static_cast<size_t>(query_start[s] + q) * c.num_heads + h) * hs;
+        std::vector<double> logits(visible);
+        double m = -INFINITY;
+        for (int t = 0; t < visible; ++t) {
+          double dot = 0.0;
+          for (int d = 0; d < hs; ++d) dot += query.get(row + d) * keys[s][(static_cast<size_t>(t) * nkv + kv) * hs + d];
+          logits[t] = dot * a.scale;
+          m = std::max(m, logits[t]);
+        }
+        double sum = 0.0;
+        for (double& l : logits) sum += (l = std::exp(l - m));
+        for (int d = 0; d < hs; ++d) {
+          double o = 0.0;
+          for (int t = 0; t < visible; ++t) o += logits[t] * values[s][(static_cast<size_t>(t) * nkv + kv) * hs + d];
+          const double err = std::fabs(out.get(row + d) - o / sum);
+          worst = std::isnan(err) ? INFINITY : std::max(worst, err);
+        }
+      }
+    }
+  }
+  char what[256];
+  std::snprintf(what, sizeof(what), "%s %s dtype=%d heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)",
+                isa.c_str(), decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.num_heads, nkv, hs, bs,
+                num_seqs, max_len, worst, tol);
+  expect(worst <= tol, what);
+  std::printf("%s %s\n", worst <= tol ? "ok  " : "FAIL", what);
+}
+
+void test_copy_and_swap(std::mt19937& rng) {
+  const vpage::CacheShape shape{6, 2, 64, 16, vpage::DType::kBFloat16};
+  const size_t block_bytes = 2 * 64 * 16 * 2;
+  std::vector<uint8_t> a(6 * block_bytes), b(6 * block_bytes), original;
+  for (uint8_t& byte : a) byte = static_cast<uint8_t>(rng());
+  for (uint8_t& byte : b) byte = static_cast<uint8_t>(rng());
+  original = a;
+  const int64_t mapping[] = {0, 3, 5, 1};
+  void* keys[] = {a.data()};
+  void* values[] = {b.data()};
+  const std::vector<uint8_t> b_before = b;
+  vpage::CopyBlocksArgs copy{keys, values, 1, mapping, 2, shape};
+  vpage::cpu::copy_blocks(copy, 2);
+  expect(std::memcmp(a.data() + 3 * block_bytes, original.data(), block_bytes) == 0, "copy_blocks key 0->3");
+  expect(std::memcmp(b.data() + 1 * block_bytes, b_before.data() + 5 * block_bytes, block_bytes) == 0,
+         "copy_blocks value 5->1");
+  std::vector<uint8_t> pool(4 * block_bytes, 0);
+  vpage::SwapBlocksArgs out{a.data(), pool.data(), static_cast<int64_t>(block_bytes), mapping, 2, 6, 4};
+  const int64_t bad[] = {0, 4};
+  vpage::SwapBlocksArgs wrong = out;
+  wrong.block_mapping = bad;
+  wrong.num_pairs = 1;
+  bool threw = false;
+  try {
+    vpage::cpu::swap_blocks(wrong, 2);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  expect(threw, "swap_blocks rejects an out-of-range block id");
+  out.num_pairs = 1;
+  vpage::cpu::swap_blocks(out, 2);
+  expect(std::memcmp(pool.data() + 3 * block_bytes, a.data(), block_bytes) == 0, "swap_blocks 0->3");
+}
+
+void test_bad_arguments() {
+  vpage::PagedAttentionArgs a;
+  a.num_heads = 3;
+  a.cache = {4, 2, 64, 16, vpage::DType::kFloat32};
+  a.query_stride = 192;
+  bool threw = false;
+  try {
+    vpage::cpu::paged_attention(a, 1);
+  } catch (const std::invalid_argument& e) {
+    threw = std::string(e.what()).find("multiple of num_kv_heads") != std::string::npos;
+  }
+  expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1234);
+  std::vector<std::string> isas = {"generic"};
+  for (const char* isa : {"avx2", "avx512"}) {
+    try {
+      vpage::cpu::set_cpu_isa(isa);
+      isas.push_back(isa);
+    } catch (const std::invalid_argument&) {
+    }
+  }
+  const std::vector<Case> cases = {
+      {vpage::DType::kFloat32, 4, 4, 64, 16, {1, 17, 54}, {}},
+      {vpage::DType::kFloat32, 9, 3, 64, 8, {97, 1030}, {}},
+      {vpage::DType::kFloat16, 8, 1, 128, 32, {33, 300}, {}},
+      {vpage::DType::kBFloat16, 6, 2, 80, 16, {5, 1200}, {}},
+      {vpage::DType::kFloat32, 9, 3, 64, 16, {17, 60}, {17, 7}},
+      {vpage::DType::kBFloat16, 8, 1, 96, 8, {40}, {40}},
+      {vpage::DType::kFloat16, 4, 2, 256, 12, {30, 19}, {3, 19}},
+  };
+  for (const std::string& isa : isas) {
+    vpage::cpu::set_cpu_isa(isa);
+    for (const Case& c : cases) run_case(c, rng, isa);
+  }
+  vpage::cpu::set_cpu_isa("auto");
+  test_copy_and_swap(rng);
+  test_bad_arguments();
+  std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
