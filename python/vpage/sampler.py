@@ -58,7 +58,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab = logits.shape[1]
     dev = logits.device
     out_ids = _padded([r.output_token_ids for r in rows], vocab, dev)
-    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))[:, :vocab]
+    ones = torch.ones_like(out_ids, dtype=torch.float32)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, out_ids, ones)[:, :vocab]
     in_prompt = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
     in_prompt.scatter_(1, _padded([r.prompt_token_ids for r in rows], vocab, dev), True)
     seen = in_prompt[:, :vocab] | (counts > 0)
@@ -117,7 +118,8 @@ class Sampler:
             apply_penalties(sub, [rows[i] for i in penalised])
             logits[penalised] = sub
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in (SamplingType.RANDOM, SamplingType.RANDOM_SEED)]
+        random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]

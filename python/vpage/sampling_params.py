@@ -79,8 +79,10 @@ class SamplingParams:
         check(isinstance(self.best_of, int) and self.best_of >= self.n,
               f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        check(0.0 < self.repetition_penalty <= 2.0, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(0.0 < self.repetition_penalty <= 2.0,
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
@@ -95,7 +97,8 @@ class SamplingParams:
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               f"logprobs must be non-negative, got {self.logprobs}")
-        check(all(isinstance(s, str) and s for s in self.stop), f"stop strings must be non-empty strings, got {self.stop!r}")
+        check(all(isinstance(s, str) and s for s in self.stop),
+              f"stop strings must be non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
 

@@ -35,7 +35,8 @@ def tiny_hf_config(kind: str):
     """A tiny transformers config of ``kind`` (llama, mistral, qwen2), float32."""
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[kind]
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+    cls = getattr(transformers, classes[kind])
     extra = {"rope_theta": 500.0} if kind == "llama" else {}
     return cls(**_TINY, **extra)
 

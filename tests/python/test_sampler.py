@@ -112,7 +112,10 @@ def test_seeded_rows_independent_of_batch():
     def draw(extra: int) -> list[int]:
         sampler = Sampler()
         gen = make_generator(1234)
-        others = [SamplingParams(temperature=1.0, seed=s) if s % 2 else SamplingParams(temperature=0.5) for s in range(extra)]
+        others = [
+            SamplingParams(temperature=1.0, seed=s) if s % 2 else SamplingParams(temperature=0.5)
+            for s in range(extra)
+        ]
         tokens = []
         for step in range(20):
             batch = torch.cat([random_logits(extra, seed=100 + step), logits]) if extra else logits

@@ -209,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
             names = sorted({name for name, _ in needed})
             raise ValueError(f"checkpoint lacks {len(needed)} tensors, e.g. for {names[:4]}")
 
-    def _target(self, name: str, params: dict[str, nn.Parameter]):
+    def _target(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[nn.Parameter, tuple[int, int] | None, tuple[str, int | None]]:
         """(parameter, (row offset, rows) or None, loaded key) for a checkpoint tensor name."""
         for fused, part, shard in _STACKED:
             fused_name = name.replace(f".{part}.", f".{fused}.")
