@@ -1,0 +1,7 @@
+"""Model execution: the step's inputs, model classes, and loading them from disk."""
+
+from vpage.model_executor.config import ModelConfig
+from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.loader.model_loader import LoadedModel, load_model
+
+__all__ = ["ForwardBatch", "LoadedModel", "ModelConfig", "load_model"]

@@ -1,0 +1,24 @@
+"""The small, architecture-neutral description of a loaded model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """What the engine needs to know about a model to size and drive the KV cache."""
+
+    architecture: str  # e.g. "LlamaForCausalLM"
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_size: int
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int  # longest context the model supports
+    dtype: torch.dtype  # dtype of weights, activations and the KV cache
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None

@@ -1,0 +1,1 @@
+"""Building blocks of the decoder models: norms, rotary, linear layers, paged attention."""

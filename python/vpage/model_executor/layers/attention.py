@@ -1,0 +1,49 @@
+"""Paged attention layer: writes the step's K/V into the cache, then attends through it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vpage import ops
+from vpage.model_executor.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """Multi-head attention (MHA/GQA/MQA) over the paged KV cache of one layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Attend and return ``[num_tokens, num_heads * head_size]``.
+
+        query ``[num_tokens, num_heads, head_size]`` (contiguous); key/value
+        ``[num_tokens, num_kv_heads, head_size]`` (rows may be strided views).
+        kv_cache: (key_cache, value_cache) in the layout of ``vpage.ops``.
+        """
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping)
+        out = torch.empty_like(query)
+        if batch.is_decode:
+            ops.paged_attention(
+                query, key_cache, value_cache, batch.block_tables, batch.context_lens,
+                self.scale, max_context_len=batch.max_context_len, out=out,
+            )
+        else:
+            ops.paged_prefill_attention(
+                query, key_cache, value_cache, batch.block_tables, batch.query_start_loc,
+                batch.context_lens, self.scale, max_context_len=batch.max_context_len, out=out,
+            )
+        return out.view(query.shape[0], self.num_heads * self.head_size)

@@ -1,0 +1,190 @@
+"""``load_model``: resolve a model name or path, build the model, load its weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from vpage.model_executor.config import ModelConfig
+from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
+from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
+from vpage.model_executor.loader.gguf_weights import iterate_gguf, open_gguf
+from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
+from vpage.model_executor.models import get_model_class
+from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
+from vpage.tokenizer import get_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the engine needs around it."""
+
+    model: LlamaForCausalLM  # call model(batch, kv_caches), then model.compute_logits
+    config: ModelConfig
+    tokenizer: Any  # transformers tokenizer; None for a folder that ships none
+    device: torch.device
+    hf_config: Any  # the transformers config the model was built from
+
+
+@dataclass
+class _Source:
+    """Where the weights are: a Hugging Face folder, or a GGUF file (``gguf_file`` set)."""
+
+    folder: Path
+    gguf_file: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.gguf_file if self.gguf_file else self.folder
+
+
+def _resolve(model: str | None) -> _Source:
+    """Map a model argument (None/"smollm2", a folder, or a .gguf file) to its files."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        path = default_model_path()
+        return _Source(path.parent, path.name)
+    path = Path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be .gguf (or pass a Hugging Face folder)")
+        return _Source(path.parent, path.name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such model folder or GGUF file (vpage never downloads models)")
+    if (path / "config.json").is_file():
+        return _Source(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _Source(path, ggufs[0].name)
+    raise FileNotFoundError(f"{path}: neither config.json nor exactly one .gguf file in this folder")
+
+
+def _load_hf_config(source: _Source, reader: Any) -> Any:
+    """The transformers config: from GGUF metadata (``reader``) or the folder's config.json."""
+    from transformers import AutoConfig
+
+    if reader is not None:
+        return hf_config_from_gguf(reader, source.path)
+    try:
+        return AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
+    except Exception as e:  # transformers raises many types for bad or missing files
+        raise ValueError(f"{source.path}: cannot read model config ({type(e).__name__}: {e})") from e
+
+
+def _architecture(hf_config: Any) -> str:
+    archs = getattr(hf_config, "architectures", None)
+    if archs:
+        return archs[0]
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in _MODEL_TYPE_ARCHS:
+        raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(_MODEL_TYPE_ARCHS)}")
+    return _MODEL_TYPE_ARCHS[model_type]
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, source: _Source, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype (GGUF: float32 on CPU, bfloat16 on GPU); float16
+    becomes bfloat16 on CPU, where half-precision matmuls are slow."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+        return _DTYPES[dtype]
+    if source.gguf_file:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    stored = _DTYPES.get(str(stored).removeprefix("torch."), torch.float32)
+    return torch.bfloat16 if stored == torch.float16 and device.type == "cpu" else stored
+
+
+def _max_model_len(hf_config: Any) -> int:
+    """``max_position_embeddings``, capped at the sliding window the kernels do not implement."""
+    max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]:
+    """End-of-sequence ids from the config, generation_config.json and the tokenizer."""
+    ids = _as_list(getattr(hf_config, "eos_token_id", None))
+    gen_path = source.folder / "generation_config.json"
+    if not source.gguf_file and gen_path.is_file():
+        ids += _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _as_list(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _weights(source: _Source, hf_config: Any, reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if reader is not None:
+        return iterate_gguf(reader, source.path, hf_config.num_attention_heads, num_kv_heads_of(hf_config))
+    return iterate_safetensors(safetensors_files(source.folder))
+
+
+def _load_tokenizer(source: _Source) -> Any:
+    if source.gguf_file or any((source.folder / f).is_file() for f in _TOKENIZER_FILES):
+        return get_tokenizer(source.folder, source.gguf_file)
+    return None
+
+
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+    """Load a model for inference.
+
+    model: None or "smollm2" (the default SmolLM2-135M-Instruct GGUF), a Hugging Face
+    folder (config.json + safetensors, sharded or not), or a .gguf file (or a folder
+    holding exactly one). dtype: auto|float32|bfloat16|float16. device: auto|cpu|cuda.
+    Raises FileNotFoundError for missing files and ValueError for corrupt files,
+    unsupported architectures or options; the message names the path.
+    """
+    source = _resolve(model)
+    torch_device = _resolve_device(device)
+    reader = open_gguf(source.path) if source.gguf_file else None
+    hf_config = _load_hf_config(source, reader)
+    architecture = _architecture(hf_config)
+    model_class = get_model_class(architecture)
+    torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
+    with torch.device(torch_device):
+        net = model_class(hf_config, torch_dtype)
+    try:
+        net.load_weights(_weights(source, hf_config, reader))
+    except ValueError as e:
+        raise ValueError(f"{source.path}: {e}") from e
+    net.eval()
+    tokenizer = _load_tokenizer(source)
+    config = ModelConfig(
+        architecture=architecture,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=num_kv_heads_of(hf_config),
+        head_size=head_size_of(hf_config),
+        hidden_size=hf_config.hidden_size,
+        vocab_size=hf_config.vocab_size,
+        max_model_len=_max_model_len(hf_config),
+        dtype=torch_dtype,
+        eos_token_ids=_eos_token_ids(hf_config, source, tokenizer),
+        bos_token_id=getattr(hf_config, "bos_token_id", None),
+    )
+    return LoadedModel(net, config, tokenizer, torch_device, hf_config)

@@ -1,0 +1,223 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a flattened, paged batch."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.layers.attention import PagedAttention
+from vpage.model_executor.layers.linear import Embedding, Linear
+from vpage.model_executor.layers.rms_norm import RMSNorm
+from vpage.model_executor.layers.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# (fused parameter, checkpoint part, shard index) for projections stored fused here.
+_STACKED = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+def head_size_of(hf_config: Any) -> int:
+    """Per-head size: ``head_dim`` when the config sets it, else hidden / heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def num_kv_heads_of(hf_config: Any) -> int:
+    """Key/value heads (GQA); equal to the query heads when the config omits it."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a transformers 4.x or 5.x config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return float(params.get("rope_theta", 10000.0)), dict(params)
+    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, rotary, paged attention, output projection."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
+        super().__init__()
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = num_kv_heads_of(hf_config)
+        self.head_size = head_size_of(hf_config)
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, hf_config.hidden_size, o_bias, dtype)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+
+    def shard_sizes(self) -> list[int]:
+        """Rows of the q, k and v parts inside ``qkv_proj``."""
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
+    ) -> torch.Tensor:
+        """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = RotaryEmbedding.apply(q.view(n, self.num_heads, self.head_size), cos, sin)
+        k = RotaryEmbedding.apply(k.view(n, self.num_kv_heads, self.head_size), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_size)
+        return self.o_proj(self.attn(q, k, v, batch, kv_cache))
+
+
+class LlamaMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, bias: bool):
+        super().__init__()
+        self.intermediate_size = hf_config.intermediate_size
+        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias, dtype)
+        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias, dtype)
+
+    def shard_sizes(self) -> list[int]:
+        """Rows of the gate and up parts inside ``gate_up_proj``."""
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        gate, up = self.gate_up_proj(x).split(self.shard_sizes(), dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, residual adds fused into the norms."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(hf_config, dtype, qkv_bias, o_bias)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(hf_config, dtype, mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (block output, residual stream), both ``[num_tokens, hidden_size]``."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, batch, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, dtype, qkv_bias, o_bias, mlp_bias)
+            for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        theta, scaling = rope_settings(hf_config)
+        self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), theta, scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model the engine calls: ``model(batch, kv_caches)`` then ``compute_logits``.
+
+    Parameter names mirror Hugging Face's, except the fused ``qkv_proj``/``gate_up_proj``.
+    """
+
+    qkv_bias = False
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        self.model = LlamaModel(
+            hf_config,
+            dtype,
+            qkv_bias=self.qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+        """Run one step; returns final-normed hidden states ``[num_tokens, hidden_size]``.
+
+        kv_caches: one (key_cache, value_cache) per layer, in ``vpage.ops``'s layout and
+        this model's dtype. The step's K/V are written into the slots of ``batch``.
+        """
+        model = self.model
+        if len(kv_caches) != len(model.layers):
+            raise ValueError(f"expected {len(model.layers)} KV caches, got {len(kv_caches)}")
+        cos, sin = model.rotary_emb.cos_sin(batch.positions, self.dtype)
+        h, residual = model.embed_tokens(batch.input_ids), None
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            h, residual = layer(h, residual, cos, sin, batch, kv_cache)
+        h, _ = model.norm(h, residual)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[n, hidden_size]`` (rows to sample) -> logits ``[n, vocab_size]`` float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names, any float dtype) into the parameters.
+
+        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        """
+        params = dict(self.named_parameters())
+        needed = set()
+        for name in params:
+            shards = [shard for fused, _, shard in _STACKED if f".{fused}." in name]
+            needed.update((name, shard) for shard in shards or [None])
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            param, rows, key = self._target(name, params)
+            dest = param.data if rows is None else param.data.narrow(0, *rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            needed.discard(key)
+        if needed:
+            names = sorted({name for name, _ in needed})
+            raise ValueError(f"checkpoint lacks {len(needed)} tensors, e.g. for {names[:4]}")
+
+    def _target(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[nn.Parameter, tuple[int, int] | None, tuple[str, int | None]]:
+        """(parameter, (row offset, rows) or None, loaded key) for a checkpoint tensor name."""
+        for fused, part, shard in _STACKED:
+            fused_name = name.replace(f".{part}.", f".{fused}.")
+            if fused_name != name and fused_name in params:
+                sizes = self.get_submodule(fused_name.rsplit(".", 2)[0]).shard_sizes()
+                return params[fused_name], (sum(sizes[:shard]), sizes[shard]), (fused_name, shard)
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+        return params[name], None, (name, None)

@@ -1,0 +1,174 @@
+"""Turns the logits of a step into tokens: penalties, temperature, top-k/p, min-p, seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from vpage.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None  # set for seeded requests (see make_generator)
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one ``Sampler.sample`` call over n rows.
+
+    Log-probabilities are those of the model's own distribution (log-softmax of the raw
+    logits, before penalties, temperature and truncation), as beam search needs.
+    """
+
+    token_ids: torch.Tensor  # [n] int64, the chosen tokens
+    logprobs: torch.Tensor  # [n] float32, log-probability of each chosen token
+    # Per row: the top (token id, logprob) pairs, best first, when the row asked for them
+    # (``params.logprobs``; beam rows get 2 * best_of candidates), else None.
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator of a seeded request; keep it for the request's lifetime."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _padded(rows: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Token lists -> ``[len(rows), max_len]`` int64 padded with ``pad``."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place on ``logits`` ``[len(rows), vocab]`` float32, vLLM/HF definitions:
+
+    repetition (tokens of prompt or output): positive logits / p, negative logits * p;
+    frequency: minus f * count in output; presence: minus p if the token is in the output.
+    """
+    vocab = logits.shape[1]
+    dev = logits.device
+    out_ids = _padded([r.output_token_ids for r in rows], vocab, dev)
+    ones = torch.ones_like(out_ids, dtype=torch.float32)
+    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, out_ids, ones)[:, :vocab]
+    in_prompt = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev)
+    in_prompt.scatter_(1, _padded([r.prompt_token_ids for r in rows], vocab, dev), True)
+    seen = in_prompt[:, :vocab] | (counts > 0)
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits.sub_(freq * counts + pres * (counts > 0))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """In place: keep each row's ``top_k`` best logits, then the smallest set whose
+    probability reaches ``top_p`` (always at least one token); others become -inf.
+
+    logits ``[n, vocab]`` float32; top_k ``[n]`` int64 (vocab = off); top_p ``[n]`` float32.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    sorted_logits.masked_fill_(rank >= top_k[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits.masked_fill_((mass_before >= top_p[:, None]) & (rank > 0), float("-inf"))
+    logits.scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """In place: -inf where prob < min_p * (max prob of the row); min_p ``[n]`` float32."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Samples one token per row, batched over the rows of a step."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()):
+        self.eos_token_ids = list(eos_token_ids)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits ``[len(rows), vocab]`` float32 (not modified) -> one token per row.
+
+        Greedy and beam rows take the exact argmax of the penalised logits. Random rows
+        draw by the exponential race ``argmax(probs / E)``, E ~ Exp(1); a row with its own
+        generator draws E from it alone, so its tokens do not depend on the other rows.
+        """
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
+        raw_logprobs = logits.float().log_softmax(dim=-1)
+        logits = logits.to(torch.float32, copy=True)
+        self._mask_early_stop_tokens(logits, rows)
+        penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
+        if penalised:
+            sub = logits[penalised]
+            apply_penalties(sub, [rows[i] for i in penalised])
+            logits[penalised] = sub
+        token_ids = logits.argmax(dim=-1)
+        random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
+        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+        return SamplerOutput(token_ids, chosen, self._top_logprobs(raw_logprobs, rows))
+
+    @staticmethod
+    def _has_penalties(p: SamplingParams) -> bool:
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+    def _mask_early_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Forbid EOS (unless ignore_eos) and stop_token_ids while output < min_tokens."""
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits ``[m, vocab]`` of random rows -> sampled ids ``[m]`` int64."""
+        dev = logits.device
+        logits.div_(torch.tensor([r.params.temperature for r in rows], device=dev)[:, None])
+        vocab = logits.shape[1]
+        top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            apply_top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        if any(r.params.min_p > 0.0 for r in rows):
+            apply_min_p(logits, torch.tensor([r.params.min_p for r in rows], device=dev))
+        probs = logits.softmax(dim=-1)
+        race = torch.empty_like(probs).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                race[i].exponential_(generator=r.generator)
+        return probs.div_(race).argmax(dim=-1)
+
+    @staticmethod
+    def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
+        wanted = [
+            max(r.params.logprobs or 0, 2 * r.params.best_of if r.params.use_beam_search else 0)
+            for r in rows
+        ]
+        result: list[list[tuple[int, float]] | None] = [None] * len(rows)
+        k = min(max(wanted, default=0), raw_logprobs.shape[1])
+        if k == 0:
+            return result
+        values, ids = raw_logprobs.topk(k, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            if r.params.logprobs is not None or r.params.use_beam_search:
+                result[i] = list(zip(ids[i][: wanted[i]], values[i][: wanted[i]]))
+        return result

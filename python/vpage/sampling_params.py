@@ -1,0 +1,136 @@
+"""Per-request sampling settings, with vLLM's field names and validation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Union
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler picks tokens for a request."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    BEAM = 3
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings of one request; invalid combinations raise ValueError.
+
+    temperature 0 means greedy; top_k 0 or -1 and top_p 1 and min_p 0 mean "off".
+    ``best_of`` defaults to ``n``; with beam search it is the beam width.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._verify_args()
+        if self.use_beam_search:
+            self._verify_beam_search()
+        else:
+            self._verify_non_beam_search()
+            if self.temperature < _GREEDY_EPS:
+                self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+                self._verify_greedy_sampling()
+
+    def _verify_args(self) -> None:
+        def check(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
+        check(isinstance(self.best_of, int) and self.best_of >= self.n,
+              f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+        check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        check(-2.0 <= self.frequency_penalty <= 2.0,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        check(0.0 < self.repetition_penalty <= 2.0,
+              f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        check(self.temperature >= 0.0, f"temperature must be non-negative, got {self.temperature}")
+        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+              f"top_k must be -1 or 0 (disable), or at least 1, got {self.top_k}")
+        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              f"max_tokens must be at least 1, got {self.max_tokens}")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+              f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+              f"logprobs must be non-negative, got {self.logprobs}")
+        check(all(isinstance(s, str) and s for s in self.stop),
+              f"stop strings must be non-empty strings, got {self.stop!r}")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+
+    def _verify_beam_search(self) -> None:
+        if self.best_of == 1:
+            raise ValueError(f"best_of must be greater than 1 when using beam search, got {self.best_of}")
+        if self.temperature > _GREEDY_EPS:
+            raise ValueError("temperature must be 0 when using beam search")
+        if self.top_p < 1.0 - _GREEDY_EPS:
+            raise ValueError("top_p must be 1 when using beam search")
+        if self.top_k != -1:
+            raise ValueError("top_k must be -1 (or 0) when using beam search")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}")
+
+    def _verify_non_beam_search(self) -> None:
+        if self.early_stopping is not False:
+            raise ValueError("early_stopping is not effective and must be False when not using beam search")
+        if not (1.0 - _GREEDY_EPS <= self.length_penalty <= 1.0 + _GREEDY_EPS):
+            raise ValueError("length_penalty is not effective and must be 1.0 when not using beam search")
+
+    def _verify_greedy_sampling(self) -> None:
+        if self.best_of > 1:
+            raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """BEAM, GREEDY (temperature 0), RANDOM_SEED (seed set) or RANDOM."""
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.temperature < _GREEDY_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM

@@ -1,0 +1,119 @@
+"""Tokenizer loading, incremental detokenization and stop-string matching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+# Tokens decoded before the unread ones, so that a token's leading space or merged
+# bytes decode the same as in the full text.
+_CONTEXT_TOKENS = 6
+
+
+def get_tokenizer(folder: str | Path, gguf_file: str | None = None) -> Any:
+    """A transformers tokenizer from a local model folder, or from a GGUF file inside it.
+
+    Never downloads. Raises ValueError naming the path when it cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    where = Path(folder) / gguf_file if gguf_file else Path(folder)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+    except Exception as e:  # transformers raises many types for bad or missing files
+        raise ValueError(f"{where}: cannot load tokenizer ({type(e).__name__}: {e})") from e
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text deltas, one token at a time.
+
+    Each call decodes a small window (a few earlier tokens plus the unread ones) and emits
+    only the new characters, so leading spaces and UTF-8 characters split over several
+    byte tokens come out right; an incomplete character (U+FFFD at the end) is held back
+    until the tokens that complete it arrive.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_text = ""
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def add_token(self, token_id: int) -> str:
+        """Append one generated token; return the text it completes (may be empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = max(len(self.token_ids) - _CONTEXT_TOKENS, self._read_offset)
+        self._read_offset = len(self.token_ids)
+        self.output_text += delta
+        return delta
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text, even when one spans several deltas.
+
+    ``feed`` returns the text that is safe to stream: on a match the text is cut before the
+    stop string (or after it with ``include_stop_str_in_output``); otherwise a tail that
+    could still grow into a stop string is held back until it can be decided.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
+        self.stop = [s for s in stop if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.text = ""  # all accepted text, cut at the stop string once matched
+        self.stop_str: str | None = None  # the stop string that matched, if any
+        self._streamed = 0  # characters of ``text`` already returned by feed/flush
+        self._max_len = max((len(s) for s in self.stop), default=0)
+
+    @property
+    def stopped(self) -> bool:
+        """True once a stop string has matched; later feeds are ignored."""
+        return self.stop_str is not None
+
+    def feed(self, delta: str) -> str:
+        """Add a text delta; return the newly streamable text (possibly empty)."""
+        if self.stopped or not delta:
+            return ""
+        start = max(len(self.text) - self._max_len + 1, 0)
+        self.text += delta
+        match = self._earliest_match(start)
+        if match is not None:
+            index, stop_str = match
+            self.stop_str = stop_str
+            self.text = self.text[: index + len(stop_str) if self.include_stop_str_in_output else index]
+            return self.flush()
+        end = len(self.text) - self._partial_match_len()
+        out = self.text[self._streamed : max(end, self._streamed)]
+        self._streamed += len(out)
+        return out
+
+    def flush(self) -> str:
+        """Return the held-back text (call when generation ends for another reason)."""
+        out = self.text[self._streamed :]
+        self._streamed = len(self.text)
+        return out
+
+    def _earliest_match(self, start: int) -> tuple[int, str] | None:
+        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+        return min(found, default=None, key=lambda m: (m[0], -len(m[1])))
+
+    def _partial_match_len(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

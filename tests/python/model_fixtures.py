@@ -1,0 +1,185 @@
+"""Builders for the model tests: tiny random HF models saved to disk, and a paged KV
+cache that assigns random physical blocks and builds ForwardBatch steps."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from vpage import ops
+from vpage.model_executor import ForwardBatch, ModelConfig
+
+TINY_VOCAB = 320
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=TINY_VOCAB,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "paged attention keeps the kv cache in fixed size blocks",
+    "héllo wörld, ünïcode façade — naïve café 日本語 テキスト",
+]
+
+
+def tiny_hf_config(kind: str):
+    """A tiny transformers config of ``kind`` (llama, mistral, qwen2), float32."""
+    import transformers
+
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+    cls = getattr(transformers, classes[kind])
+    extra = {"rope_theta": 500.0} if kind == "llama" else {}
+    return cls(**_TINY, **extra)
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """Train a small byte-level BPE tokenizer locally and save it into ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(folder))
+
+
+def save_tiny_model(kind: str, folder: Path, max_shard_size: str | None = None, seed: int = 0):
+    """Build a random tiny model, save it (safetensors) and a tokenizer; return it (eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(folder), **kwargs)
+    save_tiny_tokenizer(folder)
+    return model
+
+
+class PagedKVCache:
+    """Per-layer KV caches plus block tables for a few sequences, blocks drawn at random."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int = 64, block_size: int = 8, seed: int = 0):
+        args = (num_blocks, config.num_kv_heads, config.head_size, block_size, config.dtype)
+        self.caches = [
+            (torch.zeros(ops.key_cache_shape(*args), dtype=config.dtype),
+             torch.zeros(ops.value_cache_shape(*args), dtype=config.dtype))
+            for _ in range(config.num_layers)
+        ]
+        self.block_size = block_size
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def _slot(self, seq: int, pos: int) -> int:
+        table = self.tables.setdefault(seq, [])
+        while len(table) <= pos // self.block_size:
+            table.append(self.free.pop())
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def step(self, chunks: dict[int, list[int]]) -> ForwardBatch:
+        """A batch feeding ``chunks[seq]`` (new token ids) to each sequence, in dict order."""
+        ids, positions, slots, starts, ctx = [], [], [], [0], []
+        for seq, tokens in chunks.items():
+            start = self.lens.get(seq, 0)
+            for i, tok in enumerate(tokens):
+                ids.append(tok)
+                positions.append(start + i)
+                slots.append(self._slot(seq, start + i))
+            self.lens[seq] = start + len(tokens)
+            starts.append(starts[-1] + len(tokens))
+            ctx.append(self.lens[seq])
+        width = max(len(self.tables[s]) for s in chunks)
+        tables = [self.tables[s] + [0] * (width - len(self.tables[s])) for s in chunks]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            context_lens=torch.tensor(ctx, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            max_context_len=max(ctx),
+            max_query_len=max(len(t) for t in chunks.values()),
+        )
+
+
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def _llama_cpp_permute(w, num_heads: int):
+    """llama.cpp's converter layout of a Q/K projection: per head, rows (2, pairs) -> (pairs, 2)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def save_tiny_gguf(hf_model, folder: Path, path: Path) -> None:
+    """Write ``hf_model`` (a tiny llama or qwen2) and the tokenizer of ``folder`` as an F32
+    GGUF file the way llama.cpp's converter does (llama: Q/K rows permuted)."""
+    import json
+
+    import gguf
+
+    cfg = hf_model.config
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    vocab_model = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab_model["vocab"], key=vocab_model["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab_model["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.float().numpy()
+        if name.startswith("model.layers."):
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+            if arch == "llama" and module == "self_attn.q_proj":
+                w = _llama_cpp_permute(w, cfg.num_attention_heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                w = _llama_cpp_permute(w, cfg.num_key_value_heads)
+        else:
+            module, kind = name.rsplit(".", 1)
+            gguf_name = f"{_GGUF_GLOBAL_NAMES[module]}.{kind}"
+        writer.add_tensor(gguf_name, w.copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
