@@ -5,6 +5,7 @@ Compares, per (dtype, batch, context):
   * sdpa    : torch scaled_dot_product_attention on contiguous K/V [batch, kv_heads, ctx, hs]
               (the faster of enable_gqa=True and K/V expanded to all heads);
   * gather  : gather K/V through the block table into contiguous tensors, then SDPA.
+All four are timed round-robin, so load changes on a shared machine hit them alike.
 Prints a markdown table with medians, ratios, KV bytes read per second and its fraction
 of the machine's copy bandwidth (torch copy of a 512 MiB buffer, read + write bytes).
 
@@ -30,13 +31,22 @@ def ints(text):
 
 
 def timed(fn, repeats):
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    """(median, max - min) of `repeats` timed calls after one warm-up call."""
+    return interleaved([fn], repeats)[0]
+
+
+def interleaved(fns, repeats):
+    """Times the functions round-robin (so load changes on a shared machine hit all of them
+    alike); returns (median, max - min) per function."""
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples), (max(samples) - min(samples))
+    samples = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [(statistics.median(s), max(s) - min(s)) for s in samples]
 
 
 def copy_bandwidth(repeats):
@@ -81,11 +91,11 @@ def bench_case(dtype, batch, context, args):
         vg = value_cache[ids].permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, context, head_size)
         return F.scaled_dot_product_attention(q4, kg, vg, scale=scale, enable_gqa=True)
 
-    vpage_t, vpage_spread = timed(lambda: ops.paged_attention(query, key_cache, value_cache, tables, lens,
-                                                               scale, context, out=out), args.repeats)
-    gqa_t, _ = timed(sdpa_gqa, args.repeats)
-    expanded_t, _ = timed(sdpa_expanded, args.repeats)
-    gather_t, _ = timed(gather_sdpa, args.repeats)
+    def vpage_decode():
+        return ops.paged_attention(query, key_cache, value_cache, tables, lens, scale, context, out=out)
+
+    (vpage_t, vpage_spread), (gqa_t, _), (expanded_t, _), (gather_t, _) = interleaved(
+        [vpage_decode, sdpa_gqa, sdpa_expanded, gather_sdpa], args.repeats)
     del k_full, v_full
     kv_bytes = 2 * batch * kv_heads * context * head_size * query.element_size()
     sdpa_t = min(gqa_t, expanded_t)

@@ -108,11 +108,25 @@ inline void qk_block(const T* key_block, const float* qrep, float* part, int row
 }
 
 // PV for one block: acc[r][i] += v[i] * p[r][i mod ptile_len] over the flat value block.
-template <typename T>
+// Also prefetches the K/V block `kPrefetchBlocks` ahead (next_key/next_value, or nullptr),
+// spread over the loop so the prefetches overlap with the arithmetic instead of stalling.
+template <typename T, typename Next>
 inline void pv_block(const T* value_block, const float* ptile, float* acc, int rows, int64_t block_elems,
-                     int ptile_len) {
+                     int ptile_len, const Next* next_key, const Next* next_value) {
+  constexpr int64_t kLine = 64;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(Next));
+  const int64_t lines_per_vec = (block_bytes / kLine + block_elems / kLanes - 1) / (block_elems / kLanes);
+  const char* next_k = reinterpret_cast<const char*>(next_key);
+  const char* next_v = reinterpret_cast<const char*>(next_value);
   int pi = 0;
+  int64_t line = 0;
   for (int64_t i = 0; i < block_elems; i += kLanes) {
+    if (next_k != nullptr) {
+      for (int64_t l = 0; l < lines_per_vec && line < block_bytes; ++l, line += kLine) {
+        VPAGE_PREFETCH(next_k + line);
+        VPAGE_PREFETCH(next_v + line);
+      }
+    }
     const Vec v = load(value_block + i);
     for (int r = 0; r < rows; ++r) {
       float* dst = acc + r * block_elems + i;
@@ -178,10 +192,18 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
     const int64_t physical = table[b];
     const T* key_block = key_cache + physical * block_stride + head_offset;
     const T* value_block = value_cache + physical * block_stride + head_offset;
+    const T* next_key = nullptr;
+    const T* next_value = nullptr;
     if (b + kPrefetchBlocks < end_block) {
       const int64_t next = table[b + kPrefetchBlocks] * block_stride + head_offset;
-      prefetch_block(key_cache + next, block_elems);
-      prefetch_block(value_cache + next, block_elems);
+      next_key = key_cache + next;
+      next_value = value_cache + next;
+    } else if (b == first_block) {
+      for (int ahead = 1; ahead < kPrefetchBlocks && b + ahead < end_block; ++ahead) {
+        const int64_t next = table[b + ahead] * block_stride + head_offset;
+        prefetch_block(key_cache + next, block_elems);
+        prefetch_block(value_cache + next, block_elems);
+      }
     }
     const int base = b * bs;
     const int valid = task.ctx_end - base < bs ? task.ctx_end - base : bs;
@@ -231,9 +253,9 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       for (int d = 0; d < hs; ++d) {
         for (int t = valid; t < bs; ++t) vtmp[static_cast<int64_t>(d) * bs + t] = 0.0f;
       }
-      pv_block(vtmp, ptile, acc, rows, block_elems, s.ptile_len);
+      pv_block(vtmp, ptile, acc, rows, block_elems, s.ptile_len, next_key, next_value);
     } else {
-      pv_block(value_block, ptile, acc, rows, block_elems, s.ptile_len);
+      pv_block(value_block, ptile, acc, rows, block_elems, s.ptile_len, next_key, next_value);
     }
   }
 
