@@ -29,6 +29,7 @@
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
 
 constexpr int kMaxRowsPerPass = 8;  // QK accumulators held in registers at once
+constexpr int kPrefetchBlocks = 2;  // prefetch the K/V block this many blocks ahead
 constexpr float kNegInf = -INFINITY;
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
@@ -106,6 +107,36 @@ inline void qk_block(const T* key_block, const float* qrep, float* part, int row
   }
 }
 
+// PV for one block: acc[r][i] += v[i] * p[r][i mod ptile_len] over the flat value block.
+// Also prefetches the K/V block `kPrefetchBlocks` ahead (next_key/next_value, or nullptr),
+// spread over the loop so the prefetches overlap with the arithmetic instead of stalling.
+template <typename T, typename Next>
+inline void pv_block(const T* value_block, const float* ptile, float* acc, int rows, int64_t block_elems,
+                     int ptile_len, const Next* next_key, const Next* next_value) {
+  constexpr int64_t kLine = 64;
+  const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(Next));
+  const int64_t lines_per_vec = (block_bytes / kLine + block_elems / kLanes - 1) / (block_elems / kLanes);
+  const char* next_k = reinterpret_cast<const char*>(next_key);
+  const char* next_v = reinterpret_cast<const char*>(next_value);
+  int pi = 0;
+  int64_t line = 0;
+  for (int64_t i = 0; i < block_elems; i += kLanes) {
+    if (next_k != nullptr) {
+      for (int64_t l = 0; l < lines_per_vec && line < block_bytes; ++l, line += kLine) {
+        VPAGE_PREFETCH(next_k + line);
+        VPAGE_PREFETCH(next_v + line);
+      }
+    }
+    const Vec v = load(value_block + i);
+    for (int r = 0; r < rows; ++r) {
+      float* dst = acc + r * block_elems + i;
+      store(dst, fma(v, load(ptile + r * ptile_len + pi), load(dst)));
+    }
+    pi += kLanes;
+    if (pi == ptile_len) pi = 0;
+  }
+}
+
 template <typename T>
 inline void prefetch_block(const T* block, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(block);
@@ -161,10 +192,18 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
     const int64_t physical = table[b];
     const T* key_block = key_cache + physical * block_stride + head_offset;
     const T* value_block = value_cache + physical * block_stride + head_offset;
-    if (b + 1 < end_block) {
-      const int64_t next = table[b + 1] * block_stride + head_offset;
-      prefetch_block(key_cache + next, block_elems);
-      prefetch_block(value_cache + next, block_elems);
+    const T* next_key = nullptr;
+    const T* next_value = nullptr;
+    if (b + kPrefetchBlocks < end_block) {
+      const int64_t next = table[b + kPrefetchBlocks] * block_stride + head_offset;
+      next_key = key_cache + next;
+      next_value = value_cache + next;
+    } else if (b == first_block) {
+      for (int ahead = 1; ahead < kPrefetchBlocks && b + ahead < end_block; ++ahead) {
+        const int64_t next = table[b + ahead] * block_stride + head_offset;
+        prefetch_block(key_cache + next, block_elems);
+        prefetch_block(value_cache + next, block_elems);
+      }
     }
     const int base = b * bs;
     const int valid = task.ctx_end - base < bs ? task.ctx_end - base : bs;
@@ -177,16 +216,14 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       const int limit = visible_end - base < valid ? visible_end - base : valid;
       const float* row_part = part + static_cast<int64_t>(r) * s.row_vecs * kLanes;
       float* row_logits = logits + static_cast<int64_t>(r) * s.logits_len;
-      float block_max = kNegInf;
-      for (int t = 0; t < s.logits_len; ++t) {
-        float logit = kNegInf;
-        if (t < limit) {
-          logit = 0.0f;
-          for (int j = 0; j < x; ++j) logit += row_part[t * x + j];
-          block_max = logit > block_max ? logit : block_max;
-        }
+      for (int t = 0; t < bs; ++t) {
+        float logit = 0.0f;
+        for (int j = 0; j < x; ++j) logit += row_part[t * x + j];
         row_logits[t] = logit;
       }
+      float block_max = kNegInf;
+      for (int t = 0; t < limit; ++t) block_max = row_logits[t] > block_max ? row_logits[t] : block_max;
+      for (int t = limit > 0 ? limit : 0; t < s.logits_len; ++t) row_logits[t] = kNegInf;
       if (block_max > row_max[r]) {
         if (row_max[r] != kNegInf) {
           const float alpha = expf(row_max[r] - block_max);
@@ -216,23 +253,9 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       for (int d = 0; d < hs; ++d) {
         for (int t = valid; t < bs; ++t) vtmp[static_cast<int64_t>(d) * bs + t] = 0.0f;
       }
-      for (int64_t i = 0; i < block_elems; i += kLanes) {
-        const Vec v = load(vtmp + i);
-        const int64_t pi = i % s.ptile_len;
-        for (int r = 0; r < rows; ++r) {
-          float* dst = acc + r * block_elems + i;
-          store(dst, fma(v, load(ptile + r * s.ptile_len + pi), load(dst)));
-        }
-      }
+      pv_block(vtmp, ptile, acc, rows, block_elems, s.ptile_len, next_key, next_value);
     } else {
-      for (int64_t i = 0; i < block_elems; i += kLanes) {
-        const Vec v = load(value_block + i);
-        const int64_t pi = i % s.ptile_len;
-        for (int r = 0; r < rows; ++r) {
-          float* dst = acc + r * block_elems + i;
-          store(dst, fma(v, load(ptile + r * s.ptile_len + pi), load(dst)));
-        }
-      }
+      pv_block(value_block, ptile, acc, rows, block_elems, s.ptile_len, next_key, next_value);
     }
   }
 

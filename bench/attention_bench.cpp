@@ -1,0 +1,203 @@
+// vpage-bench-attention: CPU paged decode attention sweep (vpage::cpu::paged_attention).
+//
+//   vpage-bench-attention --batch 1,32,64 --context 512,2048 --heads 9:3,32:8 --head-size 64
+//                         --block-size 16 --dtype f32,bf16 --repeats 20 --threads 2 --format md
+//
+// For each case: median and spread (min, max) of the wall time, KV bytes read per second
+// and its fraction of the machine's copy bandwidth (memcpy of a 512 MiB buffer, read + write
+// bytes, measured in the same run). Block tables are shuffled (physical blocks not in order).
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vpage/kernels/cpu_kernels.h"
+
+namespace {
+
+struct Options {
+  std::vector<int> batch = {1, 32, 64};
+  std::vector<int> context = {512, 2048};
+  std::vector<std::pair<int, int>> heads = {{9, 3}};
+  std::vector<int> head_size = {64};
+  std::vector<int> block_size = {16};
+  std::vector<std::string> dtype = {"f32", "bf16"};
+  int repeats = 20;
+  int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::string format = "md";
+  std::string isa = "auto";
+};
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream stream(text);
+  for (std::string part; std::getline(stream, part, ',');) parts.push_back(part);
+  return parts;
+}
+
+std::vector<int> int_list(const std::string& text) {
+  std::vector<int> values;
+  for (const std::string& part : split(text)) values.push_back(std::stoi(part));
+  return values;
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || i + 1 >= argc) {
+      std::printf("usage: %s [--batch L] [--context L] [--heads Q:KV,...] [--head-size L] [--block-size L]\n"
+                  "          [--dtype f32,f16,bf16] [--repeats N] [--threads N] [--format md|json]\n"
+                  "          [--isa auto|avx512|avx2|generic]\n", argv[0]);
+      std::exit(flag == "--help" ? 0 : 2);
+    }
+    const std::string value = argv[++i];
+    if (flag == "--batch") o.batch = int_list(value);
+    else if (flag == "--context") o.context = int_list(value);
+    else if (flag == "--head-size") o.head_size = int_list(value);
+    else if (flag == "--block-size") o.block_size = int_list(value);
+    else if (flag == "--dtype") o.dtype = split(value);
+    else if (flag == "--repeats") o.repeats = std::stoi(value);
+    else if (flag == "--threads") o.threads = std::stoi(value);
+    else if (flag == "--format") o.format = value;
+    else if (flag == "--isa") o.isa = value;
+    else if (flag == "--heads") {
+      o.heads.clear();
+      for (const std::string& pair : split(value)) {
+        const size_t colon = pair.find(':');
+        if (colon == std::string::npos) throw std::invalid_argument("--heads wants Q:KV pairs, got " + pair);
+        o.heads.emplace_back(std::stoi(pair.substr(0, colon)), std::stoi(pair.substr(colon + 1)));
+      }
+    } else {
+      throw std::invalid_argument("unknown flag " + flag);
+    }
+  }
+  return o;
+}
+
+vpage::DType parse_dtype(const std::string& name) {
+  if (name == "f32") return vpage::DType::kFloat32;
+  if (name == "f16") return vpage::DType::kFloat16;
+  if (name == "bf16") return vpage::DType::kBFloat16;
+  throw std::invalid_argument("unknown dtype " + name + " (f32, f16, bf16)");
+}
+
+struct Stats {
+  double median, min, max;
+};
+
+template <typename Fn>
+Stats time_it(int repeats, Fn&& fn) {
+  fn();
+  std::vector<double> samples;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    samples.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(samples.begin(), samples.end());
+  return {samples[samples.size() / 2], samples.front(), samples.back()};
+}
+
+double copy_bandwidth(int repeats) {
+  const size_t bytes = size_t{512} << 20;
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  const Stats s = time_it(std::max(3, repeats / 4), [&] { std::memcpy(dst.data(), src.data(), bytes); });
+  return 2.0 * static_cast<double>(bytes) / s.median;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse(argc, argv);
+    vpage::cpu::set_cpu_isa(o.isa);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  const double bandwidth = copy_bandwidth(o.repeats);
+  const bool json = o.format == "json";
+  if (json) {
+    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"hardware_threads\": %u, \"copy_bandwidth_gbs\": %.2f, \"cases\": [",
+                vpage::cpu::cpu_isa().c_str(), o.threads, std::thread::hardware_concurrency(), bandwidth / 1e9);
+  } else {
+    std::printf("isa %s, threads %d (hardware %u), copy bandwidth %.1f GB/s (memcpy 512 MiB, read + write)\n\n",
+                vpage::cpu::cpu_isa().c_str(), o.threads, std::thread::hardware_concurrency(), bandwidth / 1e9);
+    std::printf("| dtype | batch | context | heads | head size | block size | KV blocks | median ms | min ms | max ms "
+                "| KV read GB/s | of copy bw |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  }
+  std::mt19937 rng(0);
+  bool first = true;
+  for (const std::string& dtype_name : o.dtype) {
+    const vpage::DType dtype = parse_dtype(dtype_name);
+    const int elem = vpage::dtype_size(dtype);
+    for (const auto& [heads, kv_heads] : o.heads) {
+      for (int hs : o.head_size) {
+        for (int bs : o.block_size) {
+          for (int batch : o.batch) {
+            for (int context : o.context) {
+              const int blocks_per_seq = (context + bs - 1) / bs;
+              const int64_t num_blocks = static_cast<int64_t>(batch) * blocks_per_seq;
+              const size_t cache_bytes = static_cast<size_t>(num_blocks) * kv_heads * hs * bs * elem;
+              std::vector<uint8_t> key_cache(cache_bytes), value_cache(cache_bytes);
+              for (size_t i = 0; i < cache_bytes; i += 2) key_cache[i + 1] = value_cache[i + 1] = 0x3c;
+              std::vector<int32_t> tables(num_blocks);
+              std::iota(tables.begin(), tables.end(), 0);
+              std::shuffle(tables.begin(), tables.end(), rng);
+              std::vector<int32_t> lens(batch, context);
+              std::vector<uint8_t> query(static_cast<size_t>(batch) * heads * hs * elem, 0);
+              std::vector<uint8_t> out(query.size());
+              vpage::PagedAttentionArgs a;
+              a.out = out.data();
+              a.query = query.data();
+              a.key_cache = key_cache.data();
+              a.value_cache = value_cache.data();
+              a.block_tables = tables.data();
+              a.context_lens = lens.data();
+              a.num_seqs = batch;
+              a.num_query_tokens = batch;
+              a.num_heads = heads;
+              a.max_blocks_per_seq = blocks_per_seq;
+              a.max_context_len = context;
+              a.query_stride = static_cast<int64_t>(heads) * hs;
+              a.scale = 1.0f / std::sqrt(static_cast<float>(hs));
+              a.cache = {num_blocks, kv_heads, hs, bs, dtype};
+              const Stats s = time_it(o.repeats, [&] { vpage::cpu::paged_attention(a, o.threads); });
+              const double kv_bytes = 2.0 * batch * kv_heads * static_cast<double>(context) * hs * elem;
+              const double rate = kv_bytes / s.median;
+              if (json) {
+                std::printf("%s\n  {\"dtype\": \"%s\", \"batch\": %d, \"context\": %d, \"heads\": %d, \"kv_heads\": %d, "
+                            "\"head_size\": %d, \"block_size\": %d, \"kv_blocks\": %lld, \"median_ms\": %.4f, "
+                            "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_read_gbs\": %.3f, \"fraction_of_copy_bw\": %.3f}",
+                            first ? "" : ",", dtype_name.c_str(), batch, context, heads, kv_heads, hs, bs,
+                            static_cast<long long>(num_blocks), s.median * 1e3, s.min * 1e3, s.max * 1e3, rate / 1e9,
+                            rate / bandwidth);
+              } else {
+                std::printf("| %s | %d | %d | %d:%d | %d | %d | %lld | %.3f | %.3f | %.3f | %.1f | %.0f%% |\n",
+                            dtype_name.c_str(), batch, context, heads, kv_heads, hs, bs,
+                            static_cast<long long>(num_blocks), s.median * 1e3, s.min * 1e3, s.max * 1e3, rate / 1e9,
+                            100.0 * rate / bandwidth);
+              }
+              std::fflush(stdout);
+              first = false;
+            }
+          }
+        }
+      }
+    }
+  }
+  if (json) std::printf("\n]}\n");
+  return 0;
+}
