@@ -71,6 +71,7 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         def check(ok: bool, msg: str) -> None:
+            """Raise ValueError(msg) unless ok."""
             if not ok:
                 raise ValueError(msg)
 

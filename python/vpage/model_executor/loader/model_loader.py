@@ -43,6 +43,7 @@ class _Source:
 
     @property
     def path(self) -> Path:
+        """The GGUF file, or the folder."""
         return self.folder / self.gguf_file if self.gguf_file else self.folder
 
 
