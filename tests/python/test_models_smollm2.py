@@ -32,7 +32,10 @@ def hf_config():
 
 @pytest.fixture(scope="module")
 def hf_model(hf_config):
-    """transformers' Llama built from its own GGUF conversion (dequantize + un-permute)."""
+    """transformers' Llama built from its own GGUF conversion (dequantize + un-permute).
+
+    ``from_pretrained(..., gguf_file=...)`` would do the same but requires ``accelerate``.
+    """
     from transformers import LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
