@@ -129,6 +129,8 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_swapped", &Scheduler::num_swapped)
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("num_kv_tokens", &Scheduler::num_kv_tokens,
+           "Tokens whose K/V the running sequences hold (identical samples' prompt counted once).")
       .def("find_group", &Scheduler::find_group, py::return_value_policy::reference_internal,
            py::arg("request_id"), "The unfinished group or None.")
       .def("find_sequence", &Scheduler::find_sequence, py::return_value_policy::reference_internal,
