@@ -31,7 +31,7 @@ class SamplerOutput:
     token_ids: torch.Tensor  # [n] int64, the chosen tokens
     logprobs: torch.Tensor  # [n] float32, log-probability of each chosen token
     # Per row: the top (token id, logprob) pairs, best first, when the row asked for them
-    # (``params.logprobs``; beam rows get 2 * best_of candidates), else None.
+    # (``params.logprobs``; beam rows get beam_candidates(best_of) candidates), else None.
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
@@ -128,6 +128,11 @@ class Sampler:
         chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
         return SamplerOutput(token_ids, chosen, self._top_logprobs(raw_logprobs, rows))
 
+    def beam_candidates(self, width: int) -> int:
+        """Candidates each beam offers per step: enough that ``width`` beams stay alive even if
+        every end-of-sequence token is among them (as transformers' beam search keeps)."""
+        return max(2, 1 + len(self.eos_token_ids)) * width
+
     @staticmethod
     def _has_penalties(p: SamplingParams) -> bool:
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
@@ -159,10 +164,9 @@ class Sampler:
                 race[i].exponential_(generator=r.generator)
         return probs.div_(race).argmax(dim=-1)
 
-    @staticmethod
-    def _top_logprobs(raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
+    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
         wanted = [
-            max(r.params.logprobs or 0, 2 * r.params.best_of if r.params.use_beam_search else 0)
+            max(r.params.logprobs or 0, self.beam_candidates(r.params.best_of) if r.params.use_beam_search else 0)
             for r in rows
         ]
         result: list[list[tuple[int, float]] | None] = [None] * len(rows)

@@ -116,3 +116,28 @@ def test_n_samples_best_of_and_logprobs(llm):
                                                      abs=1e-3)
     stats = llm.engine.get_stats()
     assert stats.generation_tokens > 0 and stats.mean_ttft_s is not None
+
+
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("early_stopping,length_penalty", [(False, 1.0), (True, 0.6), ("never", 1.0)])
+def test_beam_search_matches_transformers(llm, hf_model, width, early_stopping, length_penalty):
+    """Best beam equals transformers' generate(num_beams=width, do_sample=False, ...) with the
+    same early_stopping semantics (transformers' own: False = heuristic, True, "never")."""
+    tok = llm.get_tokenizer()
+    eos = llm.engine.model_config.eos_token_ids
+    prompts = [PROMPTS[2], "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"]
+    params = SamplingParams(n=1, best_of=width, use_beam_search=True, temperature=0.0, max_tokens=24,
+                            length_penalty=length_penalty, early_stopping=early_stopping)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, do_sample=False,
+                                    max_new_tokens=24, length_penalty=length_penalty,
+                                    early_stopping=early_stopping, eos_token_id=eos, pad_token_id=eos[0])
+        expected = ref[0, ids.shape[1]:].tolist()
+        while len(expected) > 1 and expected[-1] == eos[0] and expected[-2] == eos[0]:
+            expected.pop()  # padding after the EOS
+        assert out.outputs[0].token_ids == expected, prompt
+    usage = llm.engine.scheduler.usage()
+    assert usage.free_gpu_blocks == usage.num_gpu_blocks

@@ -12,6 +12,7 @@ import torch
 
 from vpage import _core, ops
 from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.beam_search import BeamSearch
 from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.model_runner import ModelRunner
@@ -143,8 +144,6 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.use_beam_search:
-            raise ValueError("beam search is not supported yet")
         request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -155,13 +154,19 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              "which must leave room for at least one generated token")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        eos = [] if params.ignore_eos else self.model_config.eos_token_ids
+        beam = None
+        if params.use_beam_search:  # beams end in Python (BeamSearch); C++ only caps the length
+            beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, max_tokens, eos,
+                              self.sampler.beam_candidates(params.best_of))
         stop = _core.StopConditions(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
                                     eos_token_ids=self.model_config.eos_token_ids,
-                                    stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+                                    stop_token_ids=params.stop_token_ids,
+                                    ignore_eos=params.ignore_eos or beam is not None)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
                                                     cache_salt or "")
-        state = RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival)
+        state = RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival, beam)
         self.requests[request_id] = state
         for seq_id in seq_ids:
             self.seq_owner[seq_id] = state
@@ -206,39 +211,91 @@ class LLMEngine:
         self.cache.swap_out(plan.blocks_to_swap_out)
         self.cache.swap_in(plan.blocks_to_swap_in)
         self.cache.copy(plan.blocks_to_copy)
-        seq_ids = plan.sample_seq_ids
+        # What to commit: (sequence, token) pairs and, per pair, (owner, logprob, top logprobs).
+        commit_ids: list[int] = []
+        commit_tokens: list[int] = []
+        commit_info: list[tuple[RequestState, float, Optional[list]]] = []
+        finished_ids: set[str] = set()
         if plan.num_seqs:
             logits = self.runner.execute(plan)
-            owners = [self.seq_owner[s] for s in seq_ids.tolist()]
-            rows = [owner.seqs[s].row for owner, s in zip(owners, seq_ids.tolist())]
+            seq_ids = plan.sample_seq_ids.tolist()
+            owners = [self.seq_owner[s] for s in seq_ids]
             for owner in owners:
                 if owner.metrics.first_token_time is None:  # before commit may remove the group
                     owner.num_cached_tokens = self.scheduler.find_group(owner.request_id).num_cached_prompt_tokens
-            sampled = self.sampler.sample(logits, rows)
-            tokens = sampled.token_ids.to(torch.int32).cpu().numpy()
-        else:
-            owners, tokens = [], np.zeros(0, dtype=np.int32)
-        result = self.scheduler.commit(seq_ids, tokens)
-        now = time.monotonic()
-        finished_ids = set(result.finished_request_ids)
-        if len(tokens):
+            sampled = self.sampler.sample(logits, [owner.seqs[s].row for owner, s in zip(owners, seq_ids)])
+            tokens = sampled.token_ids.tolist()
             logprobs = sampled.logprobs.tolist()
-            for i, (seq_id, owner) in enumerate(zip(seq_ids.tolist(), owners)):
-                seq = owner.seqs[seq_id]
-                if seq.finish_reason is not None:
+            beam_rows: dict[str, list[int]] = {}
+            for i, (seq_id, owner) in enumerate(zip(seq_ids, owners)):
+                if owner.beam is not None:
+                    beam_rows.setdefault(owner.request_id, []).append(i)
                     continue
-                if owner.metrics.first_token_time is None:
-                    owner.metrics.first_token_time = now
-                stop_string = seq.add_token(int(tokens[i]), logprobs[i], sampled.top_logprobs[i],
-                                            int(result.statuses[i]))
-                if stop_string and self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED):
-                    finished_ids.add(owner.request_id)
-                touched[owner.request_id] = owner
+                commit_ids.append(seq_id)
+                commit_tokens.append(tokens[i])
+                commit_info.append((owner, logprobs[i], sampled.top_logprobs[i]))
+            for request_id, rows in beam_rows.items():
+                owner = self.requests[request_id]
+                touched[request_id] = owner
+                beams = [(seq_ids[i], sampled.top_logprobs[i]) for i in rows]
+                for seq_id, token, cumulative in self._advance_beams(owner, beams, finished_ids):
+                    commit_ids.append(seq_id)
+                    commit_tokens.append(token)
+                    commit_info.append((owner, cumulative, None))
+        result = self.scheduler.commit(np.array(commit_ids, dtype=np.int64), np.array(commit_tokens, dtype=np.int32))
+        now = time.monotonic()
+        finished_ids.update(result.finished_request_ids)
+        for i, (seq_id, (owner, logprob, top)) in enumerate(zip(commit_ids, commit_info)):
+            seq = owner.seqs[seq_id]
+            touched[owner.request_id] = owner
+            if owner.metrics.first_token_time is None:
+                owner.metrics.first_token_time = now
+            if owner.beam is not None:
+                seq.add_beam_token(commit_tokens[i], logprob)
+                continue
+            if seq.finish_reason is not None:
+                continue
+            stop_string = seq.add_token(commit_tokens[i], logprob, top, int(result.statuses[i]))
+            if stop_string and self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED):
+                finished_ids.add(owner.request_id)
         for request_id in finished_ids:
             state = touched[request_id]
             state.finish_all("stop")  # every sequence already has its own reason
             self.metrics.on_request_finished(state.metrics.arrival_time, state.metrics.first_token_time,
-                                             max(len(s.output_token_ids) for s in state.seqs.values()))
+                                             max((len(s.output_token_ids) for s in state.seqs.values()), default=0))
             self._forget(state)
-        self.metrics.on_step(time.perf_counter() - start, len(tokens))
+        self.metrics.on_step(time.perf_counter() - start, len(commit_ids))
         return [state.output() for state in touched.values()]
+
+    def _advance_beams(self, state: RequestState, beams: list[tuple[int, list]],
+                       finished_ids: set[str]) -> list[tuple[int, int, float]]:
+        """One beam-search step of `state` (its running beams and their top candidates):
+        forks sequences whose beam continues several ways, frees the beams that lost, and
+        returns the (sequence, token, cumulative logprob) pairs to commit. When the search is
+        done, every beam is finished and nothing is committed."""
+        search = state.beam
+        running, done = search.advance(
+            [(state.seqs[s].output_token_ids, state.seqs[s].cumulative_logprob, top) for s, top in beams],
+            first_step=search.num_generated == 0)
+        if done:
+            for seq_id in list(state.seqs):
+                if self.scheduler.find_sequence(seq_id) is not None:
+                    self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
+            finished_ids.add(state.request_id)
+            return []
+        used: set[int] = set()
+        commits = []
+        for c in running:
+            target = parent = beams[c.parent][0]
+            if parent in used:
+                target = self.scheduler.fork_sequence(parent)
+                state.fork(parent, target)
+                self.seq_owner[target] = state
+            used.add(parent)
+            commits.append((target, c.token, c.cumulative_logprob))
+        for seq_id, _ in beams:
+            if seq_id not in used:
+                self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
+                state.drop(seq_id)
+                self.seq_owner.pop(seq_id, None)
+        return commits

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from vpage import _core
+from vpage.engine.beam_search import BeamSearch
 from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vpage.sampler import SamplingRow, make_generator
 from vpage.sampling_params import SamplingParams
@@ -69,6 +70,11 @@ class SequenceState:
             return True
         return False
 
+    def add_beam_token(self, token: int, cumulative_logprob: float) -> None:
+        """Records the token a beam continues with (text is decoded once, at the end)."""
+        self.output_token_ids.append(token)
+        self.cumulative_logprob = cumulative_logprob
+
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
             self.text += self.stop_matcher.flush()
@@ -88,7 +94,7 @@ class RequestState:
 
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, seq_ids: list[int], tokenizer: Any, device: torch.device,
-                 arrival_time: float):
+                 arrival_time: float, beam: Optional[BeamSearch] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -97,9 +103,24 @@ class RequestState:
         self.seqs = {sid: SequenceState(i, sid, params, prompt_token_ids, tokenizer) for i, sid in enumerate(seq_ids)}
         for seq in self.seqs.values():
             seq.row.generator = generator  # one generator per request: rows draw in seq order
+        self.tokenizer = tokenizer
+        self.beam = beam
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.finished = False
+
+    def fork(self, parent: int, child: int) -> None:
+        """A new beam `child` continuing `parent` (before parent's token of this step)."""
+        source = self.seqs[parent]
+        seq = SequenceState(len(self.seqs), child, self.params, self.prompt_token_ids, None)
+        seq.output_token_ids.extend(source.output_token_ids)
+        seq.cumulative_logprob = source.cumulative_logprob
+        seq.row.generator = source.row.generator
+        self.seqs[child] = seq
+
+    def drop(self, seq_id: int) -> None:
+        """Forgets a beam that lost."""
+        del self.seqs[seq_id]
 
     def finish_all(self, reason: str) -> None:
         for seq in self.seqs.values():
@@ -107,7 +128,16 @@ class RequestState:
         self.finished = True
         self.metrics.finished_time = time.monotonic()
 
+    def _beam_outputs(self) -> list[CompletionOutput]:
+        decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+                  if self.tokenizer is not None else "")
+        return [CompletionOutput(i, decode(h.token_ids), h.token_ids, h.cumulative_logprob, None, h.finish_reason)
+                for i, h in enumerate(self.beam.best(self.params.n))]
+
     def output(self) -> RequestOutput:
+        if self.beam is not None and self.finished:
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self._beam_outputs(), True,
+                                 self.metrics, self.num_cached_tokens)
         seqs = list(self.seqs.values())
         n = self.params.n
         if self.finished and len(seqs) > n:  # best_of: keep the n most likely samples
