@@ -54,20 +54,37 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
 }
 
 BlockManager::AdmissionPlan BlockManager::plan_admission(SequenceGroup& group) {
+  const int32_t bs = config_.block_size;
   AdmissionPlan plan;
   Sequence* leader = nullptr;
+  int32_t common = 0, min_len = 0, own_blocks = 0;
   for (auto& s : group.seqs_) {
     if (is_finished(s->status())) continue;
-    if (!leader) leader = s.get();
-    plan.identical = plan.identical && s->tokens_ == leader->tokens_;
+    if (!leader) {
+      leader = s.get();
+      common = min_len = s->num_tokens();
+    }
+    const auto& a = leader->tokens_;
+    const auto& b = s->tokens_;
+    int32_t k = 0;
+    const int32_t limit = std::min<int32_t>(common, s->num_tokens());
+    while (k < limit && a[k] == b[k]) ++k;
+    common = k;
+    min_len = std::min(min_len, s->num_tokens());
+    plan.identical = plan.identical && a.size() == b.size() && k == s->num_tokens();
+    own_blocks += blocks_for(s->num_tokens());
   }
   VPAGE_CHECK(leader != nullptr, "group '" << group.request_id() << "' has no unfinished sequence");
-  for (auto& s : group.seqs_) {
-    if (is_finished(s->status())) continue;
-    plan.num_total_blocks += blocks_for(s->num_tokens());
-    plan.num_hits += match_prefix(group, *s, false, &plan.num_hits_free);
-    if (plan.identical) break;
+  if (plan.identical) {
+    plan.shared_len = leader->num_tokens();
+    plan.num_total_blocks = blocks_for(plan.shared_len);
+  } else {
+    // Full blocks of the common prefix that leave every sequence a token of its own.
+    plan.shared_len = std::min(common, min_len - 1) / bs * bs;
+    const int32_t shared_blocks = plan.shared_len / bs;
+    plan.num_total_blocks = own_blocks - (group.num_unfinished() - 1) * shared_blocks;
   }
+  plan.num_hits = match_prefix(group, *leader, false, &plan.num_hits_free);
   return plan;
 }
 
@@ -80,33 +97,35 @@ AllocStatus BlockManager::can_allocate(SequenceGroup& group) {
 }
 
 void BlockManager::allocate(SequenceGroup& group) {
+  const int32_t bs = config_.block_size;
   const AdmissionPlan plan = plan_admission(group);
   VPAGE_CHECK(gpu_.num_free() >= plan.num_total_blocks - plan.num_hits + plan.num_hits_free,
               "not enough free GPU blocks to allocate group '" << group.request_id() << "'");
-  const Sequence* leader = nullptr;
-  int32_t cached_tokens = 0;
+  const int32_t shared_blocks = blocks_for(plan.shared_len);
+  Sequence* leader = nullptr;
   for (auto& s : group.seqs_) {
     if (is_finished(s->status())) continue;
     VPAGE_CHECK(s->block_table_.empty(), "sequence " << s->seq_id() << " already has blocks");
     s->block_device_ = Device::kGpu;
-    if (plan.identical && leader) {
-      for (BlockId b : leader->block_table_) gpu_.incref(b);
-      s->block_table_ = leader->block_table_;
-      s->num_computed_ = leader->num_computed_;
-      s->num_registered_blocks_ = leader->num_registered_blocks_;
+    auto& table = s->block_table_;
+    if (!leader) {
+      // The leader computes the shared blocks (after any prefix-cache hits) for everyone.
+      leader = s.get();
+      const int32_t hits = match_prefix(group, *s, true, nullptr);
+      while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
+      s->num_computed_ = hits * bs;
+      s->num_registered_blocks_ = hits;
       continue;
     }
-    const int32_t hits = match_prefix(group, *s, true, nullptr);
-    while (static_cast<int32_t>(s->block_table_.size()) < blocks_for(s->num_tokens())) {
-      s->block_table_.push_back(gpu_.allocate());
-    }
-    s->num_computed_ = hits * config_.block_size;
-    s->num_registered_blocks_ = hits;
-    cached_tokens = std::max(cached_tokens, s->num_computed_);
-    if (!leader) leader = s.get();
+    table.assign(leader->block_table_.begin(), leader->block_table_.begin() + shared_blocks);
+    for (BlockId b : table) gpu_.incref(b);
+    while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
+    s->num_computed_ = plan.identical ? leader->num_computed_ : plan.shared_len;
+    s->num_registered_blocks_ = plan.identical ? leader->num_registered_blocks_ : plan.shared_len / bs;
   }
   group.identical_ = plan.identical;
-  group.num_cached_tokens_ = cached_tokens;
+  group.shared_len_ = plan.identical ? 0 : plan.shared_len;
+  group.num_cached_tokens_ = leader->num_computed_;
 }
 
 bool BlockManager::can_append_slots(const SequenceGroup& group) const {

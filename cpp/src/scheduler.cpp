@@ -67,9 +67,17 @@ void Scheduler::set_status(SequenceGroup& group, SequenceStatus status) {
 }
 
 void Scheduler::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status) {
-  (void)group;
   blocks_.free(seq);
   seq.status_ = status;
+  if (group.shared_len_ == 0 || seq.num_computed_ >= group.shared_len_) return;
+  // The sequence computing the shared blocks for the others ended before it was done: each
+  // remaining one computes from where it left off (writing the same values into them).
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status_)) continue;
+    s->num_computed_ = std::min(s->num_computed_, seq.num_computed_);
+    s->num_registered_blocks_ = std::min(s->num_registered_blocks_, s->num_computed_ / blocks_.block_size());
+  }
+  group.shared_len_ = 0;
 }
 
 void Scheduler::remove_group(SequenceGroup& group) {
@@ -118,6 +126,7 @@ void Scheduler::preempt(SequenceGroup& group, SchedulePlan& plan) {
       s->num_computed_ = 0;
       s->num_registered_blocks_ = 0;
     }
+    group.shared_len_ = 0;
     set_status(group, SequenceStatus::kWaiting);
     insert_by_arrival(waiting_, &group);
     ++plan.num_preempted_recompute;
@@ -140,9 +149,12 @@ void Scheduler::schedule_group(SequenceGroup& group, int32_t& token_budget, Step
     if (!is_finished(s->status_)) live.push_back(s.get());
   }
   // Identical sequences: the first computes for all, the rest follow and share its row.
+  // Diverged ones wait until the first has computed the blocks they share (shared_len_).
   const size_t num_computing = group.identical_ ? 1 : live.size();
+  const bool shared_pending = !live.empty() && live[0]->num_computed_ < group.shared_len_;
   for (size_t i = 0; i < num_computing && token_budget > 0; ++i) {
     Sequence& seq = *live[i];
+    if (i > 0 && shared_pending) break;
     const int32_t n = std::min(seq.num_uncomputed_tokens(), token_budget);
     if (n == 0) continue;
     token_budget -= n;

@@ -43,8 +43,10 @@ class BlockManager {
   /// kNever when it needs more blocks than the pool holds minus the watermark.
   AllocStatus can_allocate(SequenceGroup& group);
   /// Gives every unfinished sequence a table for all its tokens. Identical sequences (a
-  /// fresh prompt with n samples) share one set of blocks; full blocks already in the
-  /// prefix cache are reused and counted as computed (never the one holding the last token).
+  /// fresh prompt with n samples) share one set of blocks; sequences that diverged (after a
+  /// recompute preemption) share the full blocks of their common prefix, which the first one
+  /// computes. Full blocks already in the prefix cache are reused and counted as computed
+  /// (never the one holding the last token).
   /// Precondition: can_allocate(group) != kNever and enough blocks are free.
   void allocate(SequenceGroup& group);
 
@@ -91,6 +93,7 @@ class BlockManager {
   // counting them as queries).
   struct AdmissionPlan {
     bool identical = true;       // all unfinished sequences hold the same tokens
+    int32_t shared_len = 0;      // leading tokens whose blocks all sequences share
     int32_t num_total_blocks = 0;
     int32_t num_hits = 0;
     int32_t num_hits_free = 0;   // hits on cached blocks nobody holds (they use a free block)

@@ -114,6 +114,10 @@ class SequenceGroup {
   StopConditions stop_;
   uint64_t cache_salt_hash_;
   std::vector<std::unique_ptr<Sequence>> seqs_;
+  // Diverged sequences re-admitted after a recompute share the blocks of their first
+  // shared_len_ tokens: the first unfinished sequence computes them while the others, which
+  // start at shared_len_, wait (0 when nothing is shared that way).
+  int32_t shared_len_ = 0;
   // All unfinished sequences hold identical tokens and one set of blocks (a fresh prompt):
   // only the first unfinished one computes; the others follow its progress and sample from
   // its last row. Cleared when the first tokens are sampled.
