@@ -1,6 +1,6 @@
 """What memory sharing saves, end to end: parallel sampling, prefix caching, swap vs recompute.
 
-    python bench/bench_sharing.py                  # the default model, float32 (~6 min on 2 shared cores)
+    python bench/bench_sharing.py                  # the default model, float32 (~7 min on 2 shared cores)
     python bench/bench_sharing.py --tiny           # a tiny random Llama built on the spot (~1 min)
     python bench/bench_sharing.py --sections parallel,prefix --threads 2
 
