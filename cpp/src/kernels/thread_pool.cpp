@@ -6,11 +6,23 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 namespace vpage::cpu {
+
+// One parallel_for call. Workers hold it by shared_ptr, so a worker that wakes up late
+// (its core busy with other processes) finds every task claimed and does nothing, and the
+// caller returns as soon as all tasks are *completed*, without waiting for such workers.
+struct Job {
+  const ThreadPool::TaskFn* fn = nullptr;
+  int64_t num_tasks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> completed{0};
+  std::exception_ptr error;  // guarded by State::mutex
+};
 
 struct ThreadPool::State {
   std::mutex run_mutex;  // one parallel_for at a time
@@ -20,16 +32,12 @@ struct ThreadPool::State {
   std::vector<std::thread> workers;
   uint64_t generation = 0;
   bool stop = false;
-  int active_workers = 0;   // workers taking part in the current job
-  int pending_workers = 0;  // of those, still running
-  const TaskFn* fn = nullptr;
-  int64_t num_tasks = 0;
-  std::atomic<int64_t> next_task{0};
-  std::exception_ptr error;
+  int active_workers = 0;  // workers invited to the current job
+  std::shared_ptr<Job> job;
 
   void ensure_workers(int count);
   void worker_loop(int worker_index);
-  void run_tasks(int thread_index);
+  void run_job(Job& job, int thread_index);
 };
 
 ThreadPool& ThreadPool::instance() {
@@ -85,15 +93,19 @@ void ThreadPool::State::ensure_workers(int count) {
   }
 }
 
-void ThreadPool::State::run_tasks(int thread_index) {
+void ThreadPool::State::run_job(Job& j, int thread_index) {
   for (;;) {
-    const int64_t task = next_task.fetch_add(1, std::memory_order_relaxed);
-    if (task >= num_tasks) return;
+    const int64_t task = j.next.fetch_add(1, std::memory_order_relaxed);
+    if (task >= j.num_tasks) return;
     try {
-      (*fn)(task, thread_index);
+      (*j.fn)(task, thread_index);
     } catch (...) {
       std::lock_guard<std::mutex> lock(mutex);
-      if (!error) error = std::current_exception();
+      if (!j.error) j.error = std::current_exception();
+    }
+    if (j.completed.fetch_add(1, std::memory_order_acq_rel) + 1 == j.num_tasks) {
+      std::lock_guard<std::mutex> lock(mutex);
+      done.notify_all();
     }
   }
 }
@@ -101,18 +113,16 @@ void ThreadPool::State::run_tasks(int thread_index) {
 void ThreadPool::State::worker_loop(int worker_index) {
   uint64_t seen = 0;
   for (;;) {
+    std::shared_ptr<Job> current;
     {
       std::unique_lock<std::mutex> lock(mutex);
       wake.wait(lock, [&] { return stop || generation != seen; });
       if (stop) return;
       seen = generation;
-      if (worker_index >= active_workers) continue;
+      if (worker_index >= active_workers || !job) continue;
+      current = job;
     }
-    run_tasks(worker_index + 1);
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (--pending_workers == 0) done.notify_one();
-    }
+    run_job(*current, worker_index + 1);
   }
 }
 
@@ -126,26 +136,24 @@ void ThreadPool::parallel_for(int64_t num_tasks, int num_threads, const TaskFn& 
   State& s = *state_;
   std::lock_guard<std::mutex> run_lock(s.run_mutex);
   const int helpers = static_cast<int>(threads - 1);
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->num_tasks = num_tasks;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.ensure_workers(helpers);
-    s.fn = &fn;
-    s.num_tasks = num_tasks;
-    s.next_task.store(0, std::memory_order_relaxed);
-    s.error = nullptr;
+    s.job = job;
     s.active_workers = helpers;
-    s.pending_workers = helpers;
     ++s.generation;
   }
   s.wake.notify_all();
-  s.run_tasks(0);
+  s.run_job(*job, 0);
   std::exception_ptr error;
   {
     std::unique_lock<std::mutex> lock(s.mutex);
-    s.done.wait(lock, [&] { return s.pending_workers == 0; });
-    s.fn = nullptr;
-    error = s.error;
-    s.error = nullptr;
+    s.done.wait(lock, [&] { return job->completed.load(std::memory_order_acquire) == num_tasks; });
+    s.job.reset();
+    error = job->error;
   }
   if (error) std::rethrow_exception(error);
 }

@@ -15,7 +15,9 @@ namespace vpage::cpu {
 
 /// Runs `fn(task, thread_index)` for every task in [0, num_tasks). The calling thread takes
 /// part as thread 0; tasks are handed out one at a time from a shared counter, so tasks
-/// of uneven cost balance themselves (order them most expensive first).
+/// of uneven cost balance themselves (order them most expensive first). It returns when
+/// every task has completed, without waiting for workers that woke up too late to claim one
+/// (on a machine shared with other processes a worker can wait milliseconds for a core).
 /// Calls from several threads are serialised; `fn` must not call parallel_for itself.
 class ThreadPool {
  public:
