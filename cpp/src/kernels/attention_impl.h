@@ -137,25 +137,19 @@ inline void part_to_logits(float* part, float* logits, int x, int block_size, in
   }
 }
 
-// Issues software prefetches for a list of blocks a few lines at a time, so that they
-// overlap with the arithmetic instead of stalling the core in one burst.
-struct Prefetcher {
-  const char* blocks[2 * kGroupBlocks];
+// The next group's K/V blocks, prefetched (into L2) during this group's PV: while PV walks
+// its value blocks vector by vector, each line of the next blocks at the same byte offset
+// is requested once, so the requests are spread evenly over the loop.
+struct NextBlocks {
+  const char* blocks[2 * kGroupBlocks] = {};
   int count = 0;
-  int current = 0;
-  int64_t offset = 0;
-  int64_t block_bytes = 0;
+  int64_t elem_bytes = 0;  // element size of the next blocks
   void add(const void* block) { blocks[count++] = static_cast<const char*>(block); }
-  int64_t total_lines() const { return count * ((block_bytes + 63) / 64); }
-  void step(int64_t lines) {
-    for (; lines > 0 && current < count; --lines) {
-      VPAGE_PREFETCH_L2(blocks[current] + offset);
-      offset += 64;
-      if (offset >= block_bytes) {
-        offset = 0;
-        ++current;
-      }
-    }
+  // Called with the element index i of the value vector being processed.
+  void prefetch(int64_t i) const {
+    const int64_t byte = i * elem_bytes;
+    if (byte % 64 != 0) return;
+    for (int j = 0; j < count; ++j) VPAGE_PREFETCH_L2(blocks[j] + byte);
   }
 };
 
@@ -164,11 +158,10 @@ struct Prefetcher {
 // ptile row r, block g starts at ptile + r * row_stride + g * ptile_len.
 template <int N, typename T>
 inline void pv_rows(const T* const* vblocks, int nb, const float* ptile, int64_t row_stride, float* acc, int r0,
-                    int64_t block_elems, int ptile_len, Prefetcher& prefetch, int64_t lines_per_vec) {
-  Prefetcher pf = prefetch;  // a local copy stays in registers
+                    int64_t block_elems, int ptile_len, const NextBlocks& next) {
   int pi = 0;
   for (int64_t i = 0; i < block_elems; i += kLanes) {
-    pf.step(lines_per_vec);
+    next.prefetch(i);
     Vec a[N];
     for (int n = 0; n < N; ++n) a[n] = load(acc + (r0 + n) * block_elems + i);
     for (int g = 0; g < nb; ++g) {
@@ -180,15 +173,13 @@ inline void pv_rows(const T* const* vblocks, int nb, const float* ptile, int64_t
     pi += kLanes;
     if (pi == ptile_len) pi = 0;
   }
-  prefetch = pf;
 }
 
 // pv_rows for a full group whose probability tiles are single vectors (ptile_len ==
 // kLanes): the N x NB probability vectors are loaded once, before the loop.
 template <int N, int NB, typename T>
 inline void pv_rows_tile1(const T* const* vblocks, const float* ptile, int64_t row_stride, float* acc, int r0,
-                          int64_t block_elems, Prefetcher& prefetch, int64_t lines_per_vec) {
-  Prefetcher pf = prefetch;
+                          int64_t block_elems, const NextBlocks& next) {
   Vec p[N][NB];
   const T* vb[NB];
   for (int g = 0; g < NB; ++g) {
@@ -196,7 +187,7 @@ inline void pv_rows_tile1(const T* const* vblocks, const float* ptile, int64_t r
     for (int n = 0; n < N; ++n) p[n][g] = load(ptile + (r0 + n) * row_stride + g * kLanes);
   }
   for (int64_t i = 0; i < block_elems; i += kLanes) {
-    pf.step(lines_per_vec);
+    next.prefetch(i);
     Vec a[N];
     for (int n = 0; n < N; ++n) a[n] = load(acc + (r0 + n) * block_elems + i);
     for (int g = 0; g < NB; ++g) {
@@ -205,35 +196,32 @@ inline void pv_rows_tile1(const T* const* vblocks, const float* ptile, int64_t r
     }
     for (int n = 0; n < N; ++n) store(acc + (r0 + n) * block_elems + i, a[n]);
   }
-  prefetch = pf;
 }
 
 template <int N, typename T>
 inline void pv_pass(const T* const* vblocks, int nb, const float* ptile, int64_t row_stride, float* acc, int r0,
-                    int64_t block_elems, int ptile_len, Prefetcher& prefetch, int64_t lines_per_vec) {
+                    int64_t block_elems, int ptile_len, const NextBlocks& next) {
   if (nb == kGroupBlocks && ptile_len == kLanes) {
-    pv_rows_tile1<N, kGroupBlocks>(vblocks, ptile, row_stride, acc, r0, block_elems, prefetch, lines_per_vec);
+    pv_rows_tile1<N, kGroupBlocks>(vblocks, ptile, row_stride, acc, r0, block_elems, next);
   } else {
-    pv_rows<N>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, prefetch, lines_per_vec);
+    pv_rows<N>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, next);
   }
 }
 
+// PV of a group in passes of up to kMaxPvRowsPerPass rows; the next group is prefetched
+// during the first pass only.
 template <typename T>
 inline void pv_group(const T* const* vblocks, int nb, const float* ptile, int64_t row_stride, float* acc,
-                     int rows, int64_t block_elems, int ptile_len, Prefetcher& prefetch) {
-  const int64_t vecs = block_elems / kLanes;
-  const int passes = (rows + kMaxPvRowsPerPass - 1) / kMaxPvRowsPerPass;
-  const int64_t lines_per_vec = (prefetch.total_lines() + vecs * passes - 1) / (vecs * passes);
-  int r0 = 0;
-  for (; r0 + kMaxPvRowsPerPass <= rows; r0 += kMaxPvRowsPerPass) {
-    pv_pass<kMaxPvRowsPerPass>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, prefetch,
-                               lines_per_vec);
-  }
-  switch (rows - r0) {
-    case 1: pv_pass<1>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, prefetch, lines_per_vec); break;
-    case 2: pv_pass<2>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, prefetch, lines_per_vec); break;
-    case 3: pv_pass<3>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, prefetch, lines_per_vec); break;
-    default: break;
+                     int rows, int64_t block_elems, int ptile_len, const NextBlocks& next) {
+  const NextBlocks none;
+  for (int r0 = 0; r0 < rows; r0 += kMaxPvRowsPerPass) {
+    const NextBlocks& pf = r0 == 0 ? next : none;
+    switch (rows - r0 < kMaxPvRowsPerPass ? rows - r0 : kMaxPvRowsPerPass) {
+      case 1: pv_pass<1>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, pf); break;
+      case 2: pv_pass<2>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, pf); break;
+      case 3: pv_pass<3>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, pf); break;
+      default: pv_pass<kMaxPvRowsPerPass>(vblocks, nb, ptile, row_stride, acc, r0, block_elems, ptile_len, pf); break;
+    }
   }
 }
 
@@ -286,17 +274,14 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
   const int64_t block_stride = static_cast<int64_t>(a.cache.num_kv_heads) * block_elems;
   const int first_block = task.ctx_begin / bs;
   const int end_block = (task.ctx_end + bs - 1) / bs;
-  Prefetcher prefetch;
-  prefetch.block_bytes = block_elems * static_cast<int64_t>(sizeof(T));
   for (int b0 = first_block; b0 < end_block; b0 += kGroupBlocks) {
     const int nb = end_block - b0 < kGroupBlocks ? end_block - b0 : kGroupBlocks;
     const T* vblocks[kGroupBlocks];
-    // The next group's K/V blocks, prefetched during this group's PV.
-    prefetch.count = prefetch.current = 0;
-    prefetch.offset = 0;
+    NextBlocks next;
+    next.elem_bytes = static_cast<int64_t>(sizeof(T));
     for (int b = b0 + kGroupBlocks; b < end_block && b < b0 + 2 * kGroupBlocks; ++b) {
-      prefetch.add(key_cache + table[b] * block_stride + head_offset);
-      prefetch.add(value_cache + table[b] * block_stride + head_offset);
+      next.add(key_cache + table[b] * block_stride + head_offset);
+      next.add(value_cache + table[b] * block_stride + head_offset);
     }
 
     // QK and logits of every block of the group, with the causal/context mask.
@@ -360,12 +345,13 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
         for (int t = valid; t < bs; ++t) vtmp[static_cast<int64_t>(d) * bs + t] = 0.0f;
       }
       // Mixed types: the group's full blocks are T, the copied block fp32; run them apart.
-      if (nb > 1) pv_group(vblocks, nb - 1, ptile, ptile_row_stride, acc, rows, block_elems, s.ptile_len, prefetch);
+      // (No next group here: the partial block is the last of the task.)
+      if (nb > 1) pv_group(vblocks, nb - 1, ptile, ptile_row_stride, acc, rows, block_elems, s.ptile_len, next);
       const float* tmp_blocks[1] = {vtmp};
       pv_group(tmp_blocks, 1, ptile + (nb - 1) * s.ptile_len, ptile_row_stride, acc, rows, block_elems, s.ptile_len,
-               prefetch);
+               next);
     } else {
-      pv_group(vblocks, nb, ptile, ptile_row_stride, acc, rows, block_elems, s.ptile_len, prefetch);
+      pv_group(vblocks, nb, ptile, ptile_row_stride, acc, rows, block_elems, s.ptile_len, next);
     }
   }
   // Sum the accumulator over tokens: o[d] = sum_t acc[d][t]. With block_size a multiple
