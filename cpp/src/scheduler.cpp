@@ -303,6 +303,18 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
   return plan_;
 }
 
+int64_t Scheduler::num_kv_tokens() const {
+  int64_t tokens = 0;
+  for (const SequenceGroup* g : running_) {
+    for (const auto& s : g->seqs_) {
+      if (is_finished(s->status_)) continue;
+      tokens += s->num_computed_;
+      if (g->identical_) break;
+    }
+  }
+  return tokens;
+}
+
 SequenceStatus Scheduler::status_after_token(const SequenceGroup& group, const Sequence& seq,
                                              TokenId token) const {
   const StopConditions& stop = group.stop_;

@@ -17,7 +17,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None = None  # set for seeded requests (see make_generator)
+    generator: torch.Generator | None = None  # required for seeded requests (see make_generator)
 
 
 @dataclass
@@ -109,6 +109,9 @@ class Sampler:
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
+        for i, r in enumerate(rows):
+            if r.params.sampling_type == SamplingType.RANDOM_SEED and r.generator is None:
+                raise ValueError(f"row {i} has seed {r.params.seed} but no generator (see make_generator)")
         raw_logprobs = logits.float().log_softmax(dim=-1)
         logits = logits.to(torch.float32, copy=True)
         self._mask_early_stop_tokens(logits, rows)

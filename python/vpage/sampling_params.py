@@ -47,7 +47,6 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -72,6 +71,7 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         def check(ok: bool, msg: str) -> None:
+            """Raise ValueError(msg) unless ok."""
             if not ok:
                 raise ValueError(msg)
 

@@ -31,14 +31,14 @@ _CORPUS = [
 ]
 
 
-def tiny_hf_config(kind: str):
+def tiny_hf_config(kind: str, **overrides):
     """A tiny transformers config of ``kind`` (llama, mistral, qwen2), float32."""
     import transformers
 
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
     cls = getattr(transformers, classes[kind])
     extra = {"rope_theta": 500.0} if kind == "llama" else {}
-    return cls(**_TINY, **extra)
+    return cls(**{**_TINY, **extra, **overrides})
 
 
 def save_tiny_tokenizer(folder: Path) -> None:
@@ -59,12 +59,14 @@ def save_tiny_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
-def save_tiny_model(kind: str, folder: Path, max_shard_size: str | None = None, seed: int = 0):
-    """Build a random tiny model, save it (safetensors) and a tokenizer; return it (eval)."""
+def save_tiny_model(kind: str, folder: Path, max_shard_size: str | None = None, seed: int = 0, **overrides):
+    """Build a random tiny model, save it (safetensors) and a tokenizer; return it (eval).
+
+    ``overrides`` replace fields of the tiny config (e.g. rope_scaling)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(kind, **overrides), dtype=torch.float32).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(folder), **kwargs)
     save_tiny_tokenizer(folder)

@@ -7,7 +7,6 @@ import torch
 
 from model_fixtures import PagedKVCache
 from vpage.model_executor import load_model
-from vpage.model_executor.loader.default_model import default_model_path
 
 PROMPTS = [
     "The capital of France is",
@@ -19,29 +18,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def vpage_model():
     return load_model("smollm2", dtype="float32", device="cpu")
-
-
-@pytest.fixture(scope="module")
-def hf_config():
-    """transformers' own reading of the GGUF metadata."""
-    from transformers import AutoConfig
-
-    path = default_model_path()
-    return AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
-@pytest.fixture(scope="module")
-def hf_model(hf_config):
-    """transformers' Llama built from its own GGUF conversion (dequantize + un-permute)."""
-    from transformers import LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    model = LlamaForCausalLM(hf_config).eval()
-    tensors = load_gguf_checkpoint(str(default_model_path()), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    model.tie_weights()
-    return model
 
 
 def test_config_and_tokenizer(vpage_model):

@@ -37,6 +37,7 @@ def test_config(tiny):
     c = loaded.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_size, c.hidden_size) == (2, 4, 2, 16, 64)
     assert c.dtype == torch.float32 and c.eos_token_ids == [2] and loaded.tokenizer is not None
+    assert c.cache_block_bytes(16) == 2 * 2 * 2 * 16 * 16 * 4
 
 
 def test_prefill_then_decode(tiny):
@@ -72,14 +73,17 @@ def test_chunked_prefill_mixed_with_decode(tiny):
     torch.testing.assert_close(logits, hf_logits(hf, b, 17), atol=ATOL, rtol=0)
 
 
-def test_bfloat16_runs_close(tiny, tmp_path):
-    hf, loaded32 = tiny
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close(tiny, tmp_path, dtype):
+    hf, _ = tiny
     folder = tmp_path / "m"
     hf.save_pretrained(str(folder))
-    loaded = load_model(str(folder), dtype="bfloat16", device="cpu")
-    assert loaded.config.dtype == torch.bfloat16
+    loaded = load_model(str(folder), dtype=dtype, device="cpu")
+    assert loaded.config.dtype == getattr(torch, dtype)
     tokens = list(range(3, 40))
     cache = PagedKVCache(loaded.config)
     logits = run_step(loaded, cache, {0: tokens})
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hf_logits(hf, tokens, len(tokens)), atol=0.05, rtol=0.05)
+    logits = run_step(loaded, cache, {0: [7]})
+    torch.testing.assert_close(logits, hf_logits(hf, tokens + [7], 1), atol=0.05, rtol=0.05)

@@ -134,3 +134,8 @@ def test_beam_rows_get_candidates():
     out = Sampler().sample(logits, rows_for([params]))
     assert len(out.top_logprobs[0]) == 6 and out.top_logprobs[0][0][0] == int(logits.argmax())
     assert math.isclose(out.top_logprobs[0][0][1], float(out.logprobs[0]), abs_tol=1e-6)
+
+
+def test_seeded_row_needs_generator():
+    with pytest.raises(ValueError, match="row 0 has seed 7 but no generator"):
+        Sampler().sample(random_logits(1), [SamplingRow(SamplingParams(seed=7), [], [])])

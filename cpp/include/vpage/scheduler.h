@@ -76,6 +76,9 @@ class Scheduler {
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
   int32_t num_swapped() const { return static_cast<int32_t>(swapped_.size()); }
   bool has_unfinished() const { return !groups_.empty(); }
+  /// Tokens whose K/V the running sequences hold in the GPU pool (a prompt shared by
+  /// identical samples counted once): with used blocks, the KV-cache utilization.
+  int64_t num_kv_tokens() const;
   /// The unfinished group `request_id`, or nullptr.
   const SequenceGroup* find_group(const std::string& request_id) const;
   /// The sequence `seq_id` of an unfinished group, or nullptr.

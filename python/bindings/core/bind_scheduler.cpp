@@ -10,12 +10,11 @@ namespace py = pybind11;
 namespace vpage::bindings {
 namespace {
 
-// Read-only numpy view of `data` whose lifetime is tied to `owner` (the Python plan object).
+// Numpy view of `data` whose lifetime is tied to `owner` (the Python plan object). Left
+// writeable so torch.from_numpy wraps it without a warning; the plan is output only.
 template <typename T>
 py::array view(const std::vector<T>& data, py::handle owner, std::vector<py::ssize_t> shape) {
-  py::array_t<T> arr(shape, data.empty() ? nullptr : data.data(), data.empty() ? py::handle() : owner);
-  py::detail::array_proxy(arr.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-  return std::move(arr);
+  return py::array_t<T>(shape, data.empty() ? nullptr : data.data(), data.empty() ? py::handle() : owner);
 }
 
 template <typename T>
@@ -40,7 +39,7 @@ void bind_scheduler(py::module_& m) {
   using Plan = SchedulePlan;
   py::class_<Plan, std::shared_ptr<Plan>>(m, "SchedulePlan",
       "One engine step: the computing sequences (rows), flat token inputs, sampling rows and "
-      "block operations. Arrays are read-only views valid as long as the plan object lives.")
+      "block operations. Arrays are views (no copy) valid as long as the plan object lives.")
       .def_readonly("step_id", &Plan::step_id)
       .def_property_readonly("num_seqs", &Plan::num_seqs)
       .def_property_readonly("num_tokens", &Plan::num_tokens)
@@ -130,6 +129,8 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_swapped", &Scheduler::num_swapped)
       .def("has_unfinished", &Scheduler::has_unfinished)
+      .def("num_kv_tokens", &Scheduler::num_kv_tokens,
+           "Tokens whose K/V the running sequences hold (identical samples' prompt counted once).")
       .def("find_group", &Scheduler::find_group, py::return_value_policy::reference_internal,
            py::arg("request_id"), "The unfinished group or None.")
       .def("find_sequence", &Scheduler::find_sequence, py::return_value_policy::reference_internal,

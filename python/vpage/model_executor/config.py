@@ -22,3 +22,8 @@ class ModelConfig:
     dtype: torch.dtype  # dtype of weights, activations and the KV cache
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+
+    def cache_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV cache block takes over all layers (keys and values)."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * block_size * element

