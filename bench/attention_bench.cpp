@@ -3,24 +3,23 @@
 //   vpage-bench-attention --batch 1,32,64 --context 512,2048 --heads 9:3,32:8 --head-size 64
 //                         --block-size 16 --dtype f32,bf16 --repeats 20 --threads 2 --format md
 //
-// For each case: median and spread (min, max) of the wall time, KV bytes read per second
-// and its fraction of the machine's copy bandwidth (memcpy of a 512 MiB buffer, read + write
-// bytes, measured in the same run). Block tables are shuffled (physical blocks not in order).
+// For each case: median, p10 and p90 of the wall time, KV bytes read per second and its
+// fraction of the machine's copy bandwidth (memcpy of a --copy-mib MiB buffer, read + write
+// bytes, measured in the same run; --copy-mib 0 skips it, e.g. under a profiler). Block
+// tables are shuffled (physical blocks not in order).
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <numeric>
 #include <random>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench_common.h"
 #include "vpage/kernels/cpu_kernels.h"
 
 namespace {
@@ -36,20 +35,11 @@ struct Options {
   int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::string format = "md";
   std::string isa = "auto";
+  int copy_mib = 512;
 };
 
-std::vector<std::string> split(const std::string& text) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  for (std::string part; std::getline(stream, part, ',');) parts.push_back(part);
-  return parts;
-}
-
-std::vector<int> int_list(const std::string& text) {
-  std::vector<int> values;
-  for (const std::string& part : split(text)) values.push_back(std::stoi(part));
-  return values;
-}
+using vpage_bench::int_list;
+using vpage_bench::split_list;
 
 Options parse(int argc, char** argv) {
   Options o;
@@ -58,7 +48,7 @@ Options parse(int argc, char** argv) {
     if (flag == "--help" || i + 1 >= argc) {
       std::printf("usage: %s [--batch L] [--context L] [--heads Q:KV,...] [--head-size L] [--block-size L]\n"
                   "          [--dtype f32,f16,bf16] [--repeats N] [--threads N] [--format md|json]\n"
-                  "          [--isa auto|avx512|avx2|generic]\n", argv[0]);
+                  "          [--isa auto|avx512|avx2|generic] [--copy-mib N (0: skip)]\n", argv[0]);
       std::exit(flag == "--help" ? 0 : 2);
     }
     const std::string value = argv[++i];
@@ -66,14 +56,15 @@ Options parse(int argc, char** argv) {
     else if (flag == "--context") o.context = int_list(value);
     else if (flag == "--head-size") o.head_size = int_list(value);
     else if (flag == "--block-size") o.block_size = int_list(value);
-    else if (flag == "--dtype") o.dtype = split(value);
+    else if (flag == "--dtype") o.dtype = split_list(value);
     else if (flag == "--repeats") o.repeats = std::stoi(value);
     else if (flag == "--threads") o.threads = std::stoi(value);
     else if (flag == "--format") o.format = value;
     else if (flag == "--isa") o.isa = value;
+    else if (flag == "--copy-mib") o.copy_mib = std::stoi(value);
     else if (flag == "--heads") {
       o.heads.clear();
-      for (const std::string& pair : split(value)) {
+      for (const std::string& pair : split_list(value)) {
         const size_t colon = pair.find(':');
         if (colon == std::string::npos) throw std::invalid_argument("--heads wants Q:KV pairs, got " + pair);
         o.heads.emplace_back(std::stoi(pair.substr(0, colon)), std::stoi(pair.substr(colon + 1)));
@@ -92,30 +83,6 @@ vpage::DType parse_dtype(const std::string& name) {
   throw std::invalid_argument("unknown dtype " + name + " (f32, f16, bf16)");
 }
 
-struct Stats {
-  double median, min, max;
-};
-
-template <typename Fn>
-Stats time_it(int repeats, Fn&& fn) {
-  fn();
-  std::vector<double> samples;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    samples.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  std::sort(samples.begin(), samples.end());
-  return {samples[samples.size() / 2], samples.front(), samples.back()};
-}
-
-double copy_bandwidth(int repeats) {
-  const size_t bytes = size_t{512} << 20;
-  std::vector<char> src(bytes, 1), dst(bytes, 0);
-  const Stats s = time_it(std::max(3, repeats / 4), [&] { std::memcpy(dst.data(), src.data(), bytes); });
-  return 2.0 * static_cast<double>(bytes) / s.median;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,15 +94,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 2;
   }
-  const double bandwidth = copy_bandwidth(o.repeats);
+  const double bandwidth =
+      o.copy_mib > 0 ? vpage_bench::copy_bandwidth(static_cast<size_t>(o.copy_mib) << 20, std::max(3, o.repeats / 4))
+                     : NAN;
+  const std::string machine = vpage_bench::machine_description();
   const bool json = o.format == "json";
   if (json) {
-    std::printf("{\"isa\": \"%s\", \"threads\": %d, \"hardware_threads\": %u, \"copy_bandwidth_gbs\": %.2f, \"cases\": [",
-                vpage::cpu::cpu_isa().c_str(), o.threads, std::thread::hardware_concurrency(), bandwidth / 1e9);
+    std::printf("{\"machine\": \"%s\", \"isa\": \"%s\", \"threads\": %d, \"copy_bandwidth_gbs\": %.2f, "
+                "\"cases\": [",
+                machine.c_str(), vpage::cpu::cpu_isa().c_str(), o.threads, o.copy_mib > 0 ? bandwidth / 1e9 : 0.0);
   } else {
-    std::printf("isa %s, threads %d (hardware %u), copy bandwidth %.1f GB/s (memcpy 512 MiB, read + write)\n\n",
-                vpage::cpu::cpu_isa().c_str(), o.threads, std::thread::hardware_concurrency(), bandwidth / 1e9);
-    std::printf("| dtype | batch | context | heads | head size | block size | KV blocks | median ms | min ms | max ms "
+    std::printf("machine: %s\nisa %s, threads %d, copy bandwidth %.1f GB/s (memcpy %d MiB, read + write)\n\n",
+                machine.c_str(), vpage::cpu::cpu_isa().c_str(), o.threads, bandwidth / 1e9, o.copy_mib);
+    std::printf("| dtype | batch | context | heads | head size | block size | KV blocks | median ms | p10 ms | p90 ms "
                 "| KV read GB/s | of copy bw |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   }
   std::mt19937 rng(0);
@@ -174,20 +145,21 @@ int main(int argc, char** argv) {
               a.query_stride = static_cast<int64_t>(heads) * hs;
               a.scale = 1.0f / std::sqrt(static_cast<float>(hs));
               a.cache = {num_blocks, kv_heads, hs, bs, dtype};
-              const Stats s = time_it(o.repeats, [&] { vpage::cpu::paged_attention(a, o.threads); });
+              const vpage_bench::Stats s = vpage_bench::summarize(
+                  vpage_bench::time_calls(o.repeats, [&] { vpage::cpu::paged_attention(a, o.threads); }));
               const double kv_bytes = 2.0 * batch * kv_heads * static_cast<double>(context) * hs * elem;
               const double rate = kv_bytes / s.median;
               if (json) {
                 std::printf("%s\n  {\"dtype\": \"%s\", \"batch\": %d, \"context\": %d, \"heads\": %d, \"kv_heads\": %d, "
                             "\"head_size\": %d, \"block_size\": %d, \"kv_blocks\": %lld, \"median_ms\": %.4f, "
-                            "\"min_ms\": %.4f, \"max_ms\": %.4f, \"kv_read_gbs\": %.3f, \"fraction_of_copy_bw\": %.3f}",
+                            "\"p10_ms\": %.4f, \"p90_ms\": %.4f, \"kv_read_gbs\": %.3f, \"fraction_of_copy_bw\": %s}",
                             first ? "" : ",", dtype_name.c_str(), batch, context, heads, kv_heads, hs, bs,
-                            static_cast<long long>(num_blocks), s.median * 1e3, s.min * 1e3, s.max * 1e3, rate / 1e9,
-                            rate / bandwidth);
+                            static_cast<long long>(num_blocks), s.median * 1e3, s.p10 * 1e3, s.p90 * 1e3, rate / 1e9,
+                            o.copy_mib > 0 ? std::to_string(rate / bandwidth).c_str() : "null");
               } else {
                 std::printf("| %s | %d | %d | %d:%d | %d | %d | %lld | %.3f | %.3f | %.3f | %.1f | %.0f%% |\n",
                             dtype_name.c_str(), batch, context, heads, kv_heads, hs, bs,
-                            static_cast<long long>(num_blocks), s.median * 1e3, s.min * 1e3, s.max * 1e3, rate / 1e9,
+                            static_cast<long long>(num_blocks), s.median * 1e3, s.p10 * 1e3, s.p90 * 1e3, rate / 1e9,
                             100.0 * rate / bandwidth);
               }
               std::fflush(stdout);

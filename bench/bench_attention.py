@@ -5,9 +5,12 @@ Compares, per (dtype, batch, context):
   * sdpa    : torch scaled_dot_product_attention on contiguous K/V [batch, kv_heads, ctx, hs]
               (the faster of enable_gqa=True and K/V expanded to all heads);
   * gather  : gather K/V through the block table into contiguous tensors, then SDPA.
-All four are timed round-robin, so load changes on a shared machine hit them alike.
-Prints a markdown table with medians, ratios, KV bytes read per second and its fraction
-of the machine's copy bandwidth (torch copy of a 512 MiB buffer, read + write bytes).
+All four are timed round-robin, so load changes on a shared machine hit them alike, and
+the order rotates every repeat, so no variant always runs right after the same other one
+(torch's OpenMP workers keep spinning for a while after an op, taking a core from the
+next one). Prints a markdown table with medians (vpage also p10-p90), ratios, KV bytes
+read per second and its fraction of the machine's copy bandwidth (torch copy of a 512 MiB
+buffer, read + write bytes).
 
     python bench/bench_attention.py [--batch 32,64] [--context 512,2048] [--repeats 20]
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import statistics
 import time
@@ -30,29 +34,53 @@ def ints(text):
     return [int(v) for v in text.split(",")]
 
 
+def quantile(sorted_samples, q):
+    return sorted_samples[round(q * (len(sorted_samples) - 1))]
+
+
 def timed(fn, repeats):
-    """(median, max - min) of `repeats` timed calls after one warm-up call."""
+    """(median, p10, p90) of `repeats` timed calls after one warm-up call."""
     return interleaved([fn], repeats)[0]
 
 
 def interleaved(fns, repeats):
-    """Times the functions round-robin (so load changes on a shared machine hit all of them
-    alike); returns (median, max - min) per function."""
+    """Times the functions round-robin, starting one function later every repeat (so load
+    changes on a shared machine hit all of them alike, and each follows every other one
+    equally often); returns (median, p10, p90) per function."""
     for fn in fns:
         fn()
     samples = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, samples):
+    for r in range(repeats):
+        for k in range(len(fns)):
+            i = (r + k) % len(fns)
             start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return [(statistics.median(s), max(s) - min(s)) for s in samples]
+            fns[i]()
+            samples[i].append(time.perf_counter() - start)
+    result = []
+    for s in samples:
+        s = sorted(s)
+        result.append((statistics.median(s), quantile(s, 0.1), quantile(s, 0.9)))
+    return result
+
+
+def machine_description():
+    """CPU model and logical CPU count (Linux /proc/cpuinfo, else platform)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} logical CPUs"
 
 
 def copy_bandwidth(repeats):
     src = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
     dst = torch.empty_like(src)
-    median, _ = timed(lambda: dst.copy_(src), max(3, repeats // 4))
+    median, _, _ = timed(lambda: dst.copy_(src), max(3, repeats // 4))
     return 2 * src.numel() * 4 / median
 
 
@@ -94,12 +122,12 @@ def bench_case(dtype, batch, context, args):
     def vpage_decode():
         return ops.paged_attention(query, key_cache, value_cache, tables, lens, scale, context, out=out)
 
-    (vpage_t, vpage_spread), (gqa_t, _), (expanded_t, _), (gather_t, _) = interleaved(
+    (vpage_t, vpage_p10, vpage_p90), (gqa_t, _, _), (expanded_t, _, _), (gather_t, _, _) = interleaved(
         [vpage_decode, sdpa_gqa, sdpa_expanded, gather_sdpa], args.repeats)
     del k_full, v_full
     kv_bytes = 2 * batch * kv_heads * context * head_size * query.element_size()
     sdpa_t = min(gqa_t, expanded_t)
-    return dict(vpage=vpage_t, spread=vpage_spread, sdpa=sdpa_t,
+    return dict(vpage=vpage_t, p10=vpage_p10, p90=vpage_p90, sdpa=sdpa_t,
                 sdpa_kind="gqa" if gqa_t <= expanded_t else "expanded", gather=gather_t,
                 rate=kv_bytes / vpage_t)
 
@@ -119,11 +147,11 @@ def main():
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
     bandwidth = copy_bandwidth(args.repeats)
-    print(f"machine: {platform.processor() or platform.machine()}, threads {args.threads}, "
+    print(f"machine: {machine_description()}; threads {args.threads}, "
           f"torch {torch.__version__}, vpage isa {_core.cpu_isa()}")
     print(f"shapes: heads {args.heads}, kv heads {args.kv_heads}, head size {args.head_size}, "
           f"block size {args.block_size}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
-    print("| dtype | batch | context | vpage ms (spread) | SDPA contiguous ms | gather+SDPA ms "
+    print("| dtype | batch | context | vpage ms (p10-p90) | SDPA contiguous ms | gather+SDPA ms "
           "| SDPA / vpage | gather / vpage | KV read GB/s | of copy bw |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.dtype.split(","):
@@ -131,7 +159,7 @@ def main():
         for batch in args.batch:
             for context in args.context:
                 r = bench_case(dtype, batch, context, args)
-                print(f"| {name} | {batch} | {context} | {r['vpage'] * 1e3:.2f} ({r['spread'] * 1e3:.2f}) "
+                print(f"| {name} | {batch} | {context} | {r['vpage'] * 1e3:.2f} ({r['p10'] * 1e3:.2f}-{r['p90'] * 1e3:.2f}) "
                       f"| {r['sdpa'] * 1e3:.2f} ({r['sdpa_kind']}) | {r['gather'] * 1e3:.2f} "
                       f"| {r['sdpa'] / r['vpage']:.2f} | {r['gather'] / r['vpage']:.2f} "
                       f"| {r['rate'] / 1e9:.1f} | {r['rate'] / bandwidth:.0%} |", flush=True)

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -50,6 +51,28 @@ inline Stats summarize(std::vector<double> samples) {
 /// Wall-clock seconds since an arbitrary origin.
 inline double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// Seconds of each of `repeats` calls of fn, after one untimed warm-up call.
+template <typename Fn>
+std::vector<double> time_calls(int repeats, Fn&& fn) {
+  fn();
+  std::vector<double> samples;
+  samples.reserve(repeats > 0 ? repeats : 0);
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = now_seconds();
+    fn();
+    samples.push_back(now_seconds() - t0);
+  }
+  return samples;
+}
+
+/// Copy bandwidth of this machine in bytes per second, counting read + write bytes:
+/// median of `repeats` memcpy calls of a `bytes` buffer (pages touched before timing).
+inline double copy_bandwidth(size_t bytes, int repeats) {
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  const Stats s = summarize(time_calls(repeats, [&] { std::memcpy(dst.data(), src.data(), bytes); }));
+  return 2.0 * static_cast<double>(bytes) / s.median;
 }
 
 /// CPU model and core count of this machine, and the compiler that built the binary.

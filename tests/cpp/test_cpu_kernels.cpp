@@ -11,6 +11,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 
@@ -214,6 +217,59 @@ void test_bad_arguments() {
   expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
 }
 
+// The thread pool survives fork(): a child whose parent already ran a multi-threaded kernel
+// (so the pool has workers, which do not exist in the child) runs one too. Without the
+// atfork handler the child waits forever for the missing workers; alarm() turns that into
+// a failure instead of a hung test.
+void test_fork() {
+  const int num_seqs = 8, heads = 2, hs = 16, bs = 16, context = 40, blocks_per_seq = 3;
+  const int64_t num_blocks = static_cast<int64_t>(num_seqs) * blocks_per_seq;
+  // Zero keys: uniform attention, so every output equals the (constant) value 2.
+  std::vector<float> key_cache(num_blocks * hs * bs, 0.0f), value_cache(num_blocks * hs * bs, 2.0f);
+  std::vector<int32_t> tables(num_blocks), lens(num_seqs, context);
+  for (int64_t i = 0; i < num_blocks; ++i) tables[i] = static_cast<int32_t>(num_blocks - 1 - i);
+  std::vector<float> query(static_cast<size_t>(num_seqs) * heads * hs, 1.0f), out(query.size());
+  vpage::PagedAttentionArgs a;
+  a.out = out.data();
+  a.query = query.data();
+  a.key_cache = key_cache.data();
+  a.value_cache = value_cache.data();
+  a.block_tables = tables.data();
+  a.context_lens = lens.data();
+  a.num_seqs = num_seqs;
+  a.num_query_tokens = num_seqs;
+  a.num_heads = heads;
+  a.max_blocks_per_seq = blocks_per_seq;
+  a.max_context_len = context;
+  a.query_stride = heads * hs;
+  a.scale = 0.25f;
+  a.cache = {num_blocks, 1, hs, bs, vpage::DType::kFloat32};
+  const auto all_two = [&] {
+    return std::all_of(out.begin(), out.end(), [](float v) { return std::fabs(v - 2.0f) < 1e-5f; });
+  };
+  vpage::cpu::paged_attention(a, 2);
+  expect(all_two(), "fork test: parent result before fork");
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(20);
+    std::fill(out.begin(), out.end(), 0.0f);
+    vpage::cpu::paged_attention(a, 2);
+    vpage::cpu::paged_attention(a, 2);
+    _exit(all_two() ? 0 : 1);
+  }
+  expect(pid > 0, "fork test: fork() failed");
+  if (pid > 0) {
+    int status = 0;
+    expect(waitpid(pid, &status, 0) == pid, "fork test: waitpid");
+    expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+           "fork test: multi-threaded paged_attention in a forked child (status " + std::to_string(status) + ")");
+  }
+  std::fill(out.begin(), out.end(), 0.0f);
+  vpage::cpu::paged_attention(a, 2);
+  expect(all_two(), "fork test: parent result after fork");
+}
+
 }  // namespace
 
 int main() {
@@ -242,6 +298,7 @@ int main() {
   vpage::cpu::set_cpu_isa("auto");
   test_copy_and_swap(rng);
   test_bad_arguments();
+  test_fork();
   std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
   return g_failures == 0 ? 0 : 1;
 }

@@ -1,6 +1,8 @@
 """vpage.ops on CPU tensors against the float64 reference in kv_reference.py."""
 
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -102,6 +104,32 @@ def test_long_single_sequence_partitions_and_threads():
             ops.set_num_threads(None)
         check_close(results[-1], ref, torch.float32)
     assert ops.get_num_threads() == torch.get_num_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_kernels_run_in_forked_child():
+    """The kernels' thread pool is re-created in a fork()ed child (e.g. a DataLoader worker):
+    its workers from the parent do not exist there. The child reports through its exit
+    status; alarm() fails it instead of hanging if the pool waits for missing workers."""
+    query, kc, vc, tables, lens = setup(5, [300, 97, 54, 17], 6, 2, 64, 16, torch.float32)
+    ref = reference_paged_attention(query, kc, vc, tables, lens, 0.125)
+    ops.set_num_threads(2)
+    try:
+        ops.paged_attention(query, kc, vc, tables, lens, 0.125)  # starts the workers
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.alarm(20)
+                out = ops.paged_attention(query, kc, vc, tables, lens, 0.125)
+                code = 0 if (out.double() - ref).abs().max().item() <= TOLERANCE[torch.float32] else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"
+        check_close(ops.paged_attention(query, kc, vc, tables, lens, 0.125), ref, torch.float32)
+    finally:
+        ops.set_num_threads(None)
 
 
 def test_empty_context_gives_zeros():

@@ -50,26 +50,33 @@ int32_t validate(const PagedAttentionArgs& a, int num_threads) {
     check(a.query_start_loc[a.num_seqs] == a.num_query_tokens,
           "query_start_loc[num_seqs] must equal num_query_tokens (" + std::to_string(a.num_query_tokens) + ")");
   }
+  // Messages are only built on failure: this loop runs once per sequence and call.
   int32_t longest = 0;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t len = a.context_lens[s];
-    const std::string where = " (sequence " + std::to_string(s) + ")";
-    check(len >= 0 && static_cast<int64_t>(len) <= static_cast<int64_t>(a.max_blocks_per_seq) * c.block_size,
-          "context length " + std::to_string(len) + " outside [0, max_blocks_per_seq * block_size]" + where);
-    check(len <= a.max_context_len, "context length " + std::to_string(len) + " exceeds max_context_len " +
-                                        std::to_string(a.max_context_len) + where);
+    const auto where = [s] { return " (sequence " + std::to_string(s) + ")"; };
+    if (len < 0 || static_cast<int64_t>(len) > static_cast<int64_t>(a.max_blocks_per_seq) * c.block_size) {
+      check(false, "context length " + std::to_string(len) + " outside [0, max_blocks_per_seq * block_size]" + where());
+    }
+    if (len > a.max_context_len) {
+      check(false, "context length " + std::to_string(len) + " exceeds max_context_len " +
+                       std::to_string(a.max_context_len) + where());
+    }
     if (a.query_start_loc != nullptr) {
       const int32_t queries = a.query_start_loc[s + 1] - a.query_start_loc[s];
-      check(queries >= 0, "query_start_loc must be non-decreasing" + where);
-      check(queries <= len, "more query tokens (" + std::to_string(queries) + ") than context length (" +
-                                std::to_string(len) + ")" + where);
+      if (queries < 0) check(false, "query_start_loc must be non-decreasing" + where());
+      if (queries > len) {
+        check(false, "more query tokens (" + std::to_string(queries) + ") than context length (" +
+                         std::to_string(len) + ")" + where());
+      }
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
     const int32_t used = (len + c.block_size - 1) / c.block_size;
     for (int32_t b = 0; b < used; ++b) {
-      check(table[b] >= 0 && table[b] < c.num_blocks, "block id " + std::to_string(table[b]) +
-                                                          " out of range [0, " + std::to_string(c.num_blocks) +
-                                                          ")" + where + ", logical block " + std::to_string(b));
+      if (table[b] < 0 || table[b] >= c.num_blocks) {
+        check(false, "block id " + std::to_string(table[b]) + " out of range [0, " + std::to_string(c.num_blocks) +
+                         ")" + where() + ", logical block " + std::to_string(b));
+      }
     }
     longest = std::max(longest, len);
   }

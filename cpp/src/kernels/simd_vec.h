@@ -78,6 +78,13 @@ inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+// Sums of adjacent lane pairs of the concatenation [a, b]: {a0+a1, a2+a3, ..., b14+b15}.
+inline Vec pair_sum(Vec a, Vec b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return {_mm512_add_ps(_mm512_permutex2var_ps(a.v, even, b.v), _mm512_permutex2var_ps(a.v, odd, b.v))};
+}
 inline Vec exp_nonpositive(Vec x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x.v, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -130,6 +137,18 @@ inline float reduce_add(Vec a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// Sums of adjacent lane pairs of the concatenation [a, b]: {a0+a1, a2+a3, ..., b6+b7}.
+// hadd gives {a01, a23, b01, b23 | a45, a67, b45, b67}; the 64-bit permute restores order.
+inline Vec pair_sum(Vec a, Vec b) {
+  const __m256 h = _mm256_hadd_ps(a.v, b.v);
+  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), _MM_SHUFFLE(3, 1, 2, 0)))};
 }
 inline Vec exp_nonpositive(Vec x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x.v, _mm256_set1_ps(kLog2e)),
@@ -199,6 +218,20 @@ inline float reduce_add(Vec a) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += a.v[i];
   return s;
+}
+inline float reduce_max(Vec a) {
+  float m = a.v[0];
+  for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+// Sums of adjacent lane pairs of the concatenation [a, b].
+inline Vec pair_sum(Vec a, Vec b) {
+  Vec r;
+  for (int i = 0; i < kLanes / 2; ++i) {
+    r.v[i] = a.v[2 * i] + a.v[2 * i + 1];
+    r.v[kLanes / 2 + i] = b.v[2 * i] + b.v[2 * i + 1];
+  }
+  return r;
 }
 inline Vec exp_nonpositive(Vec x) {
   for (int i = 0; i < kLanes; ++i) x.v[i] = x.v[i] < kExpUnderflow ? 0.0f : expf(x.v[i]);

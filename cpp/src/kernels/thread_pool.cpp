@@ -1,56 +1,128 @@
 #include "thread_pool.h"
 
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
 namespace vpage::cpu {
+
+// One parallel_for call. Workers hold it by shared_ptr, so a worker that wakes up late
+// (its core busy with other processes) finds every task claimed and does nothing, and the
+// caller returns as soon as all tasks are *completed*, without waiting for such workers.
+struct Job {
+  const ThreadPool::TaskFn* fn = nullptr;
+  int64_t num_tasks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> completed{0};
+  std::exception_ptr error;  // guarded by State::mutex
+};
+
+struct ThreadPool::State {
+  std::mutex run_mutex;  // one parallel_for at a time
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::condition_variable done;
+  std::vector<std::thread> workers;
+  uint64_t generation = 0;
+  bool stop = false;
+  int active_workers = 0;  // workers invited to the current job
+  std::shared_ptr<Job> job;
+
+  void ensure_workers(int count);
+  void worker_loop(int worker_index);
+  void run_job(Job& job, int thread_index);
+};
 
 ThreadPool& ThreadPool::instance() {
   static ThreadPool pool;
   return pool;
 }
 
+ThreadPool::ThreadPool() : state_(new State) {
+  // Registered once: the pool is a process-wide singleton.
+  pthread_atfork(&ThreadPool::before_fork, &ThreadPool::after_fork_in_parent, &ThreadPool::after_fork_in_child);
+}
+
 ThreadPool::~ThreadPool() {
+  State& s = *state_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.stop = true;
   }
-  wake_.notify_all();
-  for (std::thread& worker : workers_) worker.join();
+  s.wake.notify_all();
+  for (std::thread& worker : s.workers) worker.join();
+  delete state_;
+  state_ = nullptr;
 }
 
-void ThreadPool::ensure_workers(int count) {
-  while (static_cast<int>(workers_.size()) < count) {
-    const int index = static_cast<int>(workers_.size());
-    workers_.emplace_back([this, index] { worker_loop(index); });
+// Holds both locks across fork(), so the child never sees a job half set up.
+void ThreadPool::before_fork() {
+  State* s = instance().state_;
+  if (s == nullptr) return;
+  s->run_mutex.lock();
+  s->mutex.lock();
+}
+
+void ThreadPool::after_fork_in_parent() {
+  State* s = instance().state_;
+  if (s == nullptr) return;
+  s->mutex.unlock();
+  s->run_mutex.unlock();
+}
+
+// The workers of the old state do not exist in the child: its std::thread objects must be
+// neither joined nor destroyed (joinable threads terminate the process), and its locks and
+// condition variables may hold the parent's waiters. Leak it and start afresh.
+void ThreadPool::after_fork_in_child() {
+  ThreadPool& pool = instance();
+  if (pool.state_ == nullptr) return;
+  pool.state_ = new State;
+}
+
+void ThreadPool::State::ensure_workers(int count) {
+  while (static_cast<int>(workers.size()) < count) {
+    const int index = static_cast<int>(workers.size());
+    workers.emplace_back([this, index] { worker_loop(index); });
   }
 }
 
-void ThreadPool::run_tasks(int thread_index) {
+void ThreadPool::State::run_job(Job& j, int thread_index) {
   for (;;) {
-    const int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (task >= num_tasks_) return;
+    const int64_t task = j.next.fetch_add(1, std::memory_order_relaxed);
+    if (task >= j.num_tasks) return;
     try {
-      (*fn_)(task, thread_index);
+      (*j.fn)(task, thread_index);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!j.error) j.error = std::current_exception();
+    }
+    if (j.completed.fetch_add(1, std::memory_order_acq_rel) + 1 == j.num_tasks) {
+      std::lock_guard<std::mutex> lock(mutex);
+      done.notify_all();
     }
   }
 }
 
-void ThreadPool::worker_loop(int worker_index) {
+void ThreadPool::State::worker_loop(int worker_index) {
   uint64_t seen = 0;
   for (;;) {
+    std::shared_ptr<Job> current;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (worker_index >= active_workers_) continue;
+      std::unique_lock<std::mutex> lock(mutex);
+      wake.wait(lock, [&] { return stop || generation != seen; });
+      if (stop) return;
+      seen = generation;
+      if (worker_index >= active_workers || !job) continue;
+      current = job;
     }
-    run_tasks(worker_index + 1);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (--pending_workers_ == 0) done_.notify_one();
-    }
+    run_job(*current, worker_index + 1);
   }
 }
 
@@ -61,28 +133,27 @@ void ThreadPool::parallel_for(int64_t num_tasks, int num_threads, const TaskFn& 
     for (int64_t task = 0; task < num_tasks; ++task) fn(task, 0);
     return;
   }
-  std::lock_guard<std::mutex> run_lock(run_mutex_);
+  State& s = *state_;
+  std::lock_guard<std::mutex> run_lock(s.run_mutex);
   const int helpers = static_cast<int>(threads - 1);
+  auto job = std::make_shared<Job>();
+  job->fn = &fn;
+  job->num_tasks = num_tasks;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ensure_workers(helpers);
-    fn_ = &fn;
-    num_tasks_ = num_tasks;
-    next_task_.store(0, std::memory_order_relaxed);
-    error_ = nullptr;
-    active_workers_ = helpers;
-    pending_workers_ = helpers;
-    ++generation_;
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.ensure_workers(helpers);
+    s.job = job;
+    s.active_workers = helpers;
+    ++s.generation;
   }
-  wake_.notify_all();
-  run_tasks(0);
+  s.wake.notify_all();
+  s.run_job(*job, 0);
   std::exception_ptr error;
   {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return pending_workers_ == 0; });
-    fn_ = nullptr;
-    error = error_;
-    error_ = nullptr;
+    std::unique_lock<std::mutex> lock(s.mutex);
+    s.done.wait(lock, [&] { return job->completed.load(std::memory_order_acquire) == num_tasks; });
+    s.job.reset();
+    error = job->error;
   }
   if (error) std::rethrow_exception(error);
 }

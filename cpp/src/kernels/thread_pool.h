@@ -1,22 +1,23 @@
 // A small persistent thread pool for the CPU kernels (vpage does not use OpenMP: it
 // clashes with torch's runtime). Workers are created on first use and kept.
+//
+// fork(): a child process has only the forking thread, so the pool's workers do not exist
+// there. A pthread_atfork handler waits for a running parallel_for to finish before the
+// fork, and in the child abandons the old pool state (its threads and locks; a small
+// leak) for a fresh one, whose workers are created on the child's first parallel_for.
+// Forking from inside a task (fn) is not supported.
 #pragma once
 
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
-#include <vector>
 
 namespace vpage::cpu {
 
 /// Runs `fn(task, thread_index)` for every task in [0, num_tasks). The calling thread takes
 /// part as thread 0; tasks are handed out one at a time from a shared counter, so tasks
-/// of uneven cost balance themselves (order them most expensive first).
+/// of uneven cost balance themselves (order them most expensive first). It returns when
+/// every task has completed, without waiting for workers that woke up too late to claim one
+/// (on a machine shared with other processes a worker can wait milliseconds for a core).
 /// Calls from several threads are serialised; `fn` must not call parallel_for itself.
 class ThreadPool {
  public:
@@ -30,26 +31,17 @@ class ThreadPool {
   void parallel_for(int64_t num_tasks, int num_threads, const TaskFn& fn);
 
   ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
 
  private:
-  ThreadPool() = default;
-  void ensure_workers(int count);
-  void worker_loop(int worker_index);
-  void run_tasks(int thread_index);
+  struct State;  // workers and synchronisation (thread_pool.cpp)
+  ThreadPool();
+  static void before_fork();
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
 
-  std::mutex run_mutex_;  // one parallel_for at a time
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::condition_variable done_;
-  std::vector<std::thread> workers_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  int active_workers_ = 0;  // workers taking part in the current job
-  int pending_workers_ = 0;  // of those, still running
-  const TaskFn* fn_ = nullptr;
-  int64_t num_tasks_ = 0;
-  std::atomic<int64_t> next_task_{0};
-  std::exception_ptr error_;
+  State* state_;
 };
 
 }  // namespace vpage::cpu
