@@ -118,8 +118,8 @@ def test_n_samples_best_of_and_logprobs(llm):
     assert stats.generation_tokens > 0 and stats.mean_ttft_s is not None
 
 
-@pytest.mark.parametrize("width", [2, 4])
-@pytest.mark.parametrize("early_stopping,length_penalty", [(False, 1.0), (True, 0.6), ("never", 1.0)])
+@pytest.mark.parametrize("width,early_stopping,length_penalty",
+                         [(2, False, 1.0), (4, False, 1.0), (4, True, 0.6), (2, "never", 1.0)])
 def test_beam_search_matches_transformers(llm, hf_model, width, early_stopping, length_penalty):
     """Best beam equals transformers' generate(num_beams=width, do_sample=False, ...) with the
     same early_stopping semantics (transformers' own: False = heuristic, True, "never")."""

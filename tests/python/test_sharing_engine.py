@@ -320,12 +320,6 @@ def test_preempted_parallel_samples_match_an_unconstrained_run(folder, mode):
     assert engine.get_stats().num_preempted_swap > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BlockManager::can_allocate (cpp/src/block_manager.cpp, the kNever test) adds up every "
-    "diverged sequence's blocks as if none were shared, so a parallel-sampling group that fits "
-    "(and ran) with its shared prompt blocks is finished as 'ignored' (truncated, "
-    "finish_reason 'length') when it is re-admitted after a recompute preemption, although "
-    "the prefix cache would share its prompt blocks again"))
 def test_recompute_preempted_parallel_samples_complete(folder):
     params = SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
     reference, _ = _pressure_run(folder, params)

@@ -23,6 +23,11 @@ _FINISH_REASONS = {
 }
 
 
+def _sample_seed(seed: int, index: int) -> int:
+    """Seed of sample `index` of a request seeded with `seed` (sample 0 uses `seed` itself)."""
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
 class SequenceState:
     """One sample of a request as Python sees it (token ids and statuses live in C++)."""
 
@@ -99,10 +104,12 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        generator = make_generator(params.seed, device) if params.seed is not None else None
         self.seqs = {sid: SequenceState(i, sid, params, prompt_token_ids, tokenizer) for i, sid in enumerate(seq_ids)}
-        for seq in self.seqs.values():
-            seq.row.generator = generator  # one generator per request: rows draw in seq order
+        if params.seed is not None:
+            # One generator per sample, so its draws do not depend on when it is scheduled
+            # (preemption, chunking) or on the rest of the batch.
+            for seq in self.seqs.values():
+                seq.row.generator = make_generator(_sample_seed(params.seed, seq.index), device)
         self.tokenizer = tokenizer
         self.beam = beam
         self.metrics = RequestMetrics(arrival_time)
