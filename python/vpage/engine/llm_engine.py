@@ -25,6 +25,7 @@ from vpage.sampling_params import SamplingParams
 logger = logging.getLogger("vpage")
 
 _GIB = 1 << 30
+_WATERMARK = 0.01  # fraction of device blocks kept free when admitting prompts
 _PREEMPTION = {"auto": _core.PreemptionMode.AUTO, "recompute": _core.PreemptionMode.RECOMPUTE,
                "swap": _core.PreemptionMode.SWAP}
 
@@ -69,7 +70,7 @@ class LLMEngine:
                                   enable_chunked_prefill=args.enable_chunked_prefill,
                                   preemption_mode=_PREEMPTION[args.preemption_mode]),
             _core.BlockManagerConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
-                                     num_cpu_blocks=num_cpu_blocks,
+                                     num_cpu_blocks=num_cpu_blocks, watermark=_WATERMARK,
                                      enable_prefix_caching=args.enable_prefix_caching))
         self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
         self.sampler = Sampler(self.model_config.eos_token_ids)
@@ -153,6 +154,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              "which must leave room for at least one generated token")
+        capacity = self.cache.num_gpu_blocks - math.ceil(_WATERMARK * self.cache.num_gpu_blocks)
+        if math.ceil(len(ids) / self.args.block_size) > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * self.args.block_size} "
+                             "tokens for one request: raise kv_cache_memory")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         eos = [] if params.ignore_eos else self.model_config.eos_token_ids
         beam = None
