@@ -5,10 +5,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace vpage_bench {
@@ -26,6 +29,24 @@ inline std::vector<int> int_list(const std::string& text) {
   std::vector<int> values;
   for (const std::string& part : split_list(text)) values.push_back(std::stoi(part));
   return values;
+}
+
+/// Flag name ("--seqs") and what to do with its value.
+using FlagHandlers = std::vector<std::pair<std::string, std::function<void(const std::string&)>>>;
+
+/// Parses "--flag value" pairs; prints `usage` (after the program name) and exits on --help,
+/// a missing value or an unknown flag.
+inline void parse_flags(int argc, char** argv, const char* usage, const FlagHandlers& handlers) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    const auto handler = std::find_if(handlers.begin(), handlers.end(),
+                                      [&](const auto& h) { return h.first == flag; });
+    if (flag == "--help" || i + 1 >= argc || handler == handlers.end()) {
+      std::printf("usage: %s %s\n", argv[0], usage);
+      std::exit(flag == "--help" ? 0 : 2);
+    }
+    handler->second(argv[++i]);
+  }
 }
 
 /// Median and spread of repeated timings (microseconds).

@@ -25,23 +25,13 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || i + 1 >= argc) {
-      std::printf("usage: %s [--blocks L] [--block-size N] [--context N] [--repeats N] [--format md|json]\n", argv[0]);
-      std::exit(flag == "--help" ? 0 : 2);
-    }
-    const std::string value = argv[++i];
-    if (flag == "--blocks") o.blocks = vpage_bench::int_list(value);
-    else if (flag == "--block-size") o.block_size = std::stoi(value);
-    else if (flag == "--context") o.context = std::stoi(value);
-    else if (flag == "--repeats") o.repeats = std::stoi(value);
-    else if (flag == "--format") o.format = value;
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      std::exit(2);
-    }
-  }
+  vpage_bench::parse_flags(argc, argv, "[--blocks L] [--block-size N] [--context N] [--repeats N] [--format md|json]", {
+      {"--blocks", [&](const std::string& v) { o.blocks = vpage_bench::int_list(v); }},
+      {"--block-size", [&](const std::string& v) { o.block_size = std::stoi(v); }},
+      {"--context", [&](const std::string& v) { o.context = std::stoi(v); }},
+      {"--repeats", [&](const std::string& v) { o.repeats = std::stoi(v); }},
+      {"--format", [&](const std::string& v) { o.format = v; }},
+  });
   return o;
 }
 

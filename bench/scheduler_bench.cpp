@@ -28,26 +28,17 @@ struct Options {
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--help" || i + 1 >= argc) {
-      std::printf("usage: %s [--seqs L] [--block-size N] [--context MIN:MAX] [--steps N] [--repeats N] [--format md|json]\n", argv[0]);
-      std::exit(flag == "--help" ? 0 : 2);
-    }
-    const std::string value = argv[++i];
-    if (flag == "--seqs") o.seqs = vpage_bench::int_list(value);
-    else if (flag == "--block-size") o.block_size = std::stoi(value);
-    else if (flag == "--context") {
-      o.min_context = std::stoi(value.substr(0, value.find(':')));
-      o.max_context = std::stoi(value.substr(value.find(':') + 1));
-    } else if (flag == "--steps") o.steps = std::stoi(value);
-    else if (flag == "--repeats") o.repeats = std::stoi(value);
-    else if (flag == "--format") o.format = value;
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
-      std::exit(2);
-    }
-  }
+  vpage_bench::parse_flags(argc, argv, "[--seqs L] [--block-size N] [--context MIN:MAX] [--steps N] [--repeats N] [--format md|json]", {
+      {"--seqs", [&](const std::string& v) { o.seqs = vpage_bench::int_list(v); }},
+      {"--block-size", [&](const std::string& v) { o.block_size = std::stoi(v); }},
+      {"--context", [&](const std::string& v) {
+         o.min_context = std::stoi(v.substr(0, v.find(':')));
+         o.max_context = std::stoi(v.substr(v.find(':') + 1));
+       }},
+      {"--steps", [&](const std::string& v) { o.steps = std::stoi(v); }},
+      {"--repeats", [&](const std::string& v) { o.repeats = std::stoi(v); }},
+      {"--format", [&](const std::string& v) { o.format = v; }},
+  });
   return o;
 }
 
