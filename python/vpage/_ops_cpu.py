@@ -85,3 +85,11 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         src.data_ptr(), dst.data_ptr(), block_bytes, block_mapping.data_ptr(),
         num_pairs=block_mapping.shape[0], src_num_blocks=src.shape[0],
         dst_num_blocks=dst.shape[0], num_threads=get_num_threads())
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                     head_size: int) -> None:
+    """In place; CPU only (other devices use the torch version in vpage.ops)."""
+    _core.cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
+                               cos_sin.shape[0], x.shape[0], num_heads, head_size, _DTYPE_CODES[x.dtype],
+                               get_num_threads())

@@ -24,7 +24,8 @@ from vpage import _ops_cpu
 
 __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
-    "swap_blocks", "key_cache_shape", "value_cache_shape", "set_num_threads", "get_num_threads",
+    "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
+    "get_num_threads",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -241,3 +242,31 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         raise ValueError(f"block_mapping must have shape [num_pairs, 2], got {tuple(block_mapping.shape)}")
     device = src.device if src.device.type != "cpu" else dst.device
     _backend(device).swap_blocks(src, dst, block_mapping)
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
+                     head_size: int) -> None:
+    """Rotates, in place, the first ``num_heads`` heads of every row of ``x`` ``[num_tokens,
+    width]`` (e.g. the query then key heads of a fused QKV output; rows may be strided, columns
+    contiguous) with the rotate-half convention: ``cos_sin`` float32 ``[max_position,
+    head_size]`` holds cos of the head_size/2 frequencies then their sin, ``positions`` int64
+    ``[num_tokens]``. A fused kernel on the CPU; plain torch operations elsewhere."""
+    _check_tensor("x", x, contiguous=False)
+    if x.dtype not in _SUPPORTED_DTYPES or x.dim() != 2 or (x.shape[0] > 0 and x.stride(1) != 1):
+        raise ValueError(f"x must be a 2-D float tensor with contiguous columns, got {x.dtype} {tuple(x.shape)}")
+    _check_tensor("positions", positions, dtype=torch.int64, ndim=1, device=x.device)
+    _check_tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, device=x.device)
+    if positions.shape[0] != x.shape[0]:
+        raise ValueError(f"{positions.shape[0]} positions for {x.shape[0]} rows")
+    if head_size % 2 or cos_sin.shape[1] != head_size or num_heads * head_size > x.shape[1]:
+        raise ValueError(f"cos_sin {tuple(cos_sin.shape)}, {num_heads} heads of {head_size} do not fit "
+                         f"rows of {x.shape[1]}")
+    if x.device.type == "cpu":
+        _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size)
+        return
+    half = head_size // 2
+    heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
+    table = cos_sin[positions][:, None, :]
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+    heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))

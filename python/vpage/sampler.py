@@ -112,21 +112,24 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.params.sampling_type == SamplingType.RANDOM_SEED and r.generator is None:
                 raise ValueError(f"row {i} has seed {r.params.seed} but no generator (see make_generator)")
-        raw_logprobs = logits.float().log_softmax(dim=-1)
-        logits = logits.to(torch.float32, copy=True)
-        self._mask_early_stop_tokens(logits, rows)
+        raw = logits.float()  # the model's own distribution; not modified
+        log_norm = torch.logsumexp(raw, dim=-1)  # logprob = logit - log_norm, without a softmax copy
+        early = self._early_stop_bans(rows)
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
+        random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
+        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
+        logits = raw.clone() if early or penalised or random_rows else raw  # greedy-only steps copy nothing
+        for i, banned in early:
+            logits[i, banned] = float("-inf")
         if penalised:
             sub = logits[penalised]
             apply_penalties(sub, [rows[i] for i in penalised])
             logits[penalised] = sub
         token_ids = logits.argmax(dim=-1)
-        random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
-        random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
-        chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
-        return SamplerOutput(token_ids, chosen, self._top_logprobs(raw_logprobs, rows))
+        chosen = raw.gather(1, token_ids[:, None])[:, 0] - log_norm
+        return SamplerOutput(token_ids, chosen, self._top_logprobs(raw, log_norm, rows))
 
     def beam_candidates(self, width: int) -> int:
         """Candidates each beam offers per step: enough that ``width`` beams stay alive even if
@@ -137,13 +140,16 @@ class Sampler:
     def _has_penalties(p: SamplingParams) -> bool:
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
-    def _mask_early_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Forbid EOS (unless ignore_eos) and stop_token_ids while output < min_tokens."""
+    def _early_stop_bans(self, rows: list[SamplingRow]) -> list[tuple[int, list[int]]]:
+        """Rows still under min_tokens and the tokens they may not pick yet: EOS (unless
+        ignore_eos) and stop_token_ids."""
+        bans = []
         for i, r in enumerate(rows):
             if len(r.output_token_ids) < r.params.min_tokens:
                 banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
                 if banned:
-                    logits[i, banned] = float("-inf")
+                    bans.append((i, banned))
+        return bans
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -164,18 +170,21 @@ class Sampler:
                 race[i].exponential_(generator=r.generator)
         return probs.div_(race).argmax(dim=-1)
 
-    def _top_logprobs(self, raw_logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
+    def _top_logprobs(self, raw: torch.Tensor, log_norm: torch.Tensor,
+                      rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:
+        """Top (token, logprob) pairs of the rows that asked for them (logprobs or beams)."""
         wanted = [
             max(r.params.logprobs or 0, self.beam_candidates(r.params.best_of) if r.params.use_beam_search else 0)
             for r in rows
         ]
         result: list[list[tuple[int, float]] | None] = [None] * len(rows)
-        k = min(max(wanted, default=0), raw_logprobs.shape[1])
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None or r.params.use_beam_search]
+        k = min(max((wanted[i] for i in asking), default=0), raw.shape[1])
         if k == 0:
             return result
-        values, ids = raw_logprobs.topk(k, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
-        for i, r in enumerate(rows):
-            if r.params.logprobs is not None or r.params.use_beam_search:
-                result[i] = list(zip(ids[i][: wanted[i]], values[i][: wanted[i]]))
+        values, ids = raw[asking].topk(k, dim=-1)
+        values = (values - log_norm[asking, None]).tolist()
+        ids = ids.tolist()
+        for j, i in enumerate(asking):
+            result[i] = list(zip(ids[j][: wanted[i]], values[j][: wanted[i]]))
         return result

@@ -7,7 +7,14 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/cpu_isa.cpp
   ${_vpage_kernels_dir}/paged_attention.cpp
   ${_vpage_kernels_dir}/cache_ops.cpp
+  ${_vpage_kernels_dir}/rotary.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp)
+
+# Rotary: no FMA contraction, so float32 results equal torch's unfused multiply and add.
+if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+  set_source_files_properties(${_vpage_kernels_dir}/rotary.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
+endif()
 
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
    AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")

@@ -8,6 +8,7 @@
 
 #include "bindings.h"
 #include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/rotary.h"
 
 namespace py = pybind11;
 
@@ -27,6 +28,28 @@ CacheShape cache_shape(int64_t num_blocks, int32_t num_kv_heads, int32_t head_si
 }  // namespace
 
 void bind_cpu_kernels(py::module_& m) {
+  m.def(
+      "cpu_rotary_embedding",
+      [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,
+         int64_t num_tokens, int32_t num_heads, int32_t head_size, int32_t dtype, int num_threads) {
+        RotaryArgs args;
+        args.x = ptr<void>(x);
+        args.row_stride = row_stride;
+        args.positions = ptr<const int64_t>(positions);
+        args.cos_sin = ptr<const float>(cos_sin);
+        args.max_position = max_position;
+        args.num_tokens = num_tokens;
+        args.num_heads = num_heads;
+        args.head_size = head_size;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::rotary_embedding(args, num_threads);
+      },
+      py::arg("x"), py::arg("row_stride"), py::arg("positions"), py::arg("cos_sin"), py::arg("max_position"),
+      py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"), py::arg("dtype"), py::arg("num_threads"),
+      "Rotates the first num_heads heads of each row of x in place (rotate-half convention), with\n"
+      "cos/sin rows of the float32 cos_sin table [max_position, head_size] at int64 positions.");
+
   m.def(
       "cpu_reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t key_cache, uintptr_t value_cache, uintptr_t slot_mapping,

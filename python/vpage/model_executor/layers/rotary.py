@@ -8,6 +8,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from vpage import ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch.Tensor:
     """Llama-3.1 frequency-dependent scaling of ``inv_freq`` (as Hugging Face defines it)."""
@@ -40,23 +42,17 @@ def rope_inv_freq(head_size: int, theta: float, scaling: Mapping[str, Any] | Non
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin per token and rotates query and key heads."""
+    """Holds the cos/sin table of every position and rotates query and key heads in place."""
 
-    def __init__(self, head_size: int, theta: float, scaling: Mapping[str, Any] | None):
+    def __init__(self, head_size: int, theta: float, scaling: Mapping[str, Any] | None, max_position: int):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(head_size, theta, scaling), persistent=False)
+        inv_freq = rope_inv_freq(head_size, theta, scaling)
+        # The same float32 products as transformers' per-call computation, so cos/sin match it.
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.head_size = head_size
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions ``[num_tokens]`` int64 -> cos, sin ``[num_tokens, 1, head_size // 2]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[num_tokens, num_heads, head_size]``; returns a new contiguous tensor.
-
-        Equivalent to HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``.
-        """
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def rotate_(self, qk: torch.Tensor, positions: torch.Tensor, num_heads: int) -> None:
+        """Rotate, in place, the first ``num_heads`` heads of each row of ``qk``
+        ``[num_tokens, width]`` (query then key heads of a fused QKV output)."""
+        ops.rotary_embedding(qk, positions, self.cos_sin, num_heads, self.head_size)

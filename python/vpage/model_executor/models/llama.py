@@ -63,14 +63,14 @@ class LlamaAttention(nn.Module):
         """Rows of the q, k and v parts inside ``qkv_proj``."""
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, kv_cache: KVCache
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
-        q = RotaryEmbedding.apply(q.view(n, self.num_heads, self.head_size), cos, sin)
-        k = RotaryEmbedding.apply(k.view(n, self.num_kv_heads, self.head_size), cos, sin)
+        qkv = self.qkv_proj(x)
+        rotary.rotate_(qkv, batch.positions, self.num_heads + self.num_kv_heads)  # q and k heads lead each row
+        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
+        q = q.view(n, self.num_heads, self.head_size)
+        k = k.view(n, self.num_kv_heads, self.head_size)
         v = v.view(n, self.num_kv_heads, self.head_size)
         return self.o_proj(self.attn(q, k, v, batch, kv_cache))
 
@@ -109,14 +109,13 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: RotaryEmbedding,
         batch: ForwardBatch,
         kv_cache: KVCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (block output, residual stream), both ``[num_tokens, hidden_size]``."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, batch, kv_cache)
+        h = self.self_attn(h, rotary, batch, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -133,7 +132,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         theta, scaling = rope_settings(hf_config)
-        self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), theta, scaling)
+        self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), theta, scaling,
+                                          int(getattr(hf_config, "max_position_embeddings", 2048)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -171,10 +171,9 @@ class LlamaForCausalLM(nn.Module):
         model = self.model
         if len(kv_caches) != len(model.layers):
             raise ValueError(f"expected {len(model.layers)} KV caches, got {len(kv_caches)}")
-        cos, sin = model.rotary_emb.cos_sin(batch.positions, self.dtype)
         h, residual = model.embed_tokens(batch.input_ids), None
         for layer, kv_cache in zip(model.layers, kv_caches):
-            h, residual = layer(h, residual, cos, sin, batch, kv_cache)
+            h, residual = layer(h, residual, model.rotary_emb, batch, kv_cache)
         h, _ = model.norm(h, residual)
         return h
 
