@@ -413,6 +413,7 @@ inline void run_task(const PagedAttentionArgs& args, const AttentionTask& task, 
 // first converted to fp32 (so broadcasts come straight from memory). Causal masking is
 // applied only to tokens at or past the first query's visible end (the diagonal).
 // Scratch: qT [hs][RV*kLanes], oT [hs][RV*kLanes], s [bs][RV*kLanes], kf/vf [hs*bs],
+// rowbuf [RV*kLanes][hs],
 // visible end per lane, m, l.
 constexpr int kMaxPrefillRowVecs = 4;
 
@@ -499,15 +500,18 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
   // qT[d][r] = q_r[d] * scale; padding lanes zero and see the whole task context.
   const T* query = static_cast<const T*>(a.query);
   for (int64_t i = 0; i < static_cast<int64_t>(hs) * RL; i += kLanes) store(qT + i, zero());
-  // (Converted rows first, then a scalar transpose: no scalar reads of fresh vector stores.)
+  // (Converted rows first, padding rows zero, then a transpose by strided loads.)
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
     const T* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
     for (int d = 0; d < hs; d += kLanes) store(rowbuf + static_cast<int64_t>(r) * hs + d, mul(load(src + d), set1(a.scale)));
   }
+  for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs; i += kLanes) store(rowbuf + i, zero());
   for (int d = 0; d < hs; ++d) {
-    for (int r = 0; r < rows; ++r) qT[static_cast<int64_t>(d) * RL + r] = rowbuf[static_cast<int64_t>(r) * hs + d];
+    for (int v = 0; v < RV; ++v) {
+      store(qT + static_cast<int64_t>(d) * RL + v * kLanes, load_strided(rowbuf + static_cast<int64_t>(v) * kLanes * hs + d, hs));
+    }
   }
   for (int r = 0; r < RL; ++r) {
     const int end = r < rows ? task.first_visible_end + r / task.num_heads : task.ctx_end;
@@ -577,17 +581,13 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
     }
     for (int d0 = 0; d0 < hs; d0 += DD) pf_pv<RV, DD>(vb, s, oT, alpha, d0, n, bs);
   }
-  // out row r = oT[:, r] / l[r]: a scalar transpose of all rows into rowbuf first (so the
-  // vector loads below do not wait on just-written scalars), then vector stores.
-  for (int r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    for (int d = 0; d < hs; ++d) rowbuf[static_cast<int64_t>(r) * hs + d] = oT[static_cast<int64_t>(d) * RL + r] * inv;
-  }
+  // out row r = oT[:, r] / l[r], gathered column by column.
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
     T* dst = static_cast<T*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
-    for (int d = 0; d < hs; d += kLanes) store(dst + d, load(rowbuf + static_cast<int64_t>(r) * hs + d));
+    const Vec inv = set1(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+    for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load_strided(oT + static_cast<int64_t>(d) * RL + r, RL), inv));
   }
 }
 
