@@ -465,10 +465,14 @@ inline void pf_pv(const float* vb, const float* p, float* oT, const Vec* alpha, 
     for (int v = 0; v < RV; ++v) store(oT + static_cast<int64_t>(d0 + d) * RV * kLanes + v * kLanes, acc[d][v]);
 }
 
+// Tokens (QK) / dims (PV) per register-blocked pass: accumulators = passes x RV, kept
+// within the register file (32 vector registers with AVX-512, 16 otherwise).
 template <int RV>
-constexpr int pf_tokens_per_pass() { return RV == 1 ? 16 : RV == 2 ? 8 : 4; }
+constexpr int pf_tokens_per_pass() {
+  return kLanes == 16 ? (RV == 1 ? 16 : RV <= 3 ? 8 : 4) : (RV == 1 ? 8 : RV == 2 ? 4 : 2);
+}
 template <int RV>
-constexpr int pf_dims_per_pass() { return RV == 1 ? 16 : RV == 2 ? 8 : 4; }
+constexpr int pf_dims_per_pass() { return pf_tokens_per_pass<RV>(); }
 
 template <int RV>
 inline void pf_qk_block(const float* kb, const float* qT, float* s, int n, int hs, int bs, int x) {

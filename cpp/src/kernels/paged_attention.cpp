@@ -18,7 +18,7 @@ namespace {
 constexpr int kMaxRowsPerTask = 16;         // query rows (queries x heads) of one task
 constexpr int kTasksPerThread = 4;          // decode: split contexts below this many tasks
 constexpr int kMinPartitionTokens = 256;    // decode: smallest context partition
-constexpr int kPrefillRowVecs = 2;          // prefill: SIMD vectors of query rows per task
+constexpr int kPrefillRowVecs = 3;          // prefill: SIMD vectors of query rows per task
 
 void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("paged_attention: " + message);
