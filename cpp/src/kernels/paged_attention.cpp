@@ -142,9 +142,18 @@ void reduce_partitions(const PagedAttentionArgs& a, const std::vector<float>& pa
 }
 
 void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads, bool prefill_kernel) {
-  std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
-    return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
-  });
+  if (prefill_kernel) {
+    // Longest sequences first, but the tasks of one (sequence, KV head) stay together (in
+    // the order made: longest query tile first), so the threads taking consecutive tasks
+    // keep re-reading the same K/V from their L2.
+    std::stable_sort(tasks.begin(), tasks.end(), [&a](const AttentionTask& l, const AttentionTask& r) {
+      return a.context_lens[l.seq] > a.context_lens[r.seq];
+    });
+  } else {
+    std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
+      return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
+    });
+  }
   const AttentionKernels& kernels = selected_kernels();
   int32_t max_rows = 0;
   for (const AttentionTask& t : tasks) max_rows = std::max(max_rows, t.num_queries * t.num_heads);
@@ -217,7 +226,9 @@ void prefill(const PagedAttentionArgs& a, int num_threads) {
     const int32_t queries = a.query_start_loc[s + 1] - begin;
     const int32_t len = a.context_lens[s];
     for_each_head_part(a, per_task, [&](int32_t kv, int32_t first_head, int32_t heads) {
-      for (int32_t q = 0; q < queries; q += queries_per_task) {
+      const int32_t tiles = (queries + queries_per_task - 1) / queries_per_task;
+      for (int32_t tile = tiles - 1; tile >= 0; --tile) {
+        const int32_t q = tile * queries_per_task;
         AttentionTask t;
         t.seq = s;
         t.kv_head = kv;
