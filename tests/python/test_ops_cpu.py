@@ -153,6 +153,30 @@ def test_prefill_chunks_after_cached_prefix(dtype, block_size, group):
     check_close(out, reference_prefill_attention(query, kc, vc, tables, starts, lens, 0.125), dtype)
 
 
+@pytest.mark.parametrize("isa", available_isas())
+@pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_query_tiles_every_isa(isa, head_size, group, dtype):
+    # Query counts around the tile sizes of every ISA (prefill tasks hold 3 SIMD vectors of
+    # query rows: 48 rows with AVX-512, 24 otherwise), whole prompts and chunks after a
+    # cached prefix, contexts not a multiple of the block size.
+    contexts = [16, 49, 100, 203, 33, 250]
+    num_queries = [16, 49, 17, 203, 32, 6]
+    num_kv_heads = 2 if group < 8 else 1
+    query, kc, vc, tables, lens = setup(31, contexts, group * num_kv_heads, num_kv_heads, head_size,
+                                        16, dtype, num_queries)
+    starts = torch.tensor([0] + num_queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    ref = reference_prefill_attention(query, kc, vc, tables, starts, lens, 0.125)
+    try:
+        _core.set_cpu_isa(isa)
+        out = torch.full_like(query, float("nan"))
+        ops.paged_prefill_attention(query, kc, vc, tables, starts, lens, 0.125, out=out)
+    finally:
+        _core.set_cpu_isa("auto")
+    check_close(out, ref, dtype)
+
+
 def test_prefill_strided_query_rows():
     contexts, num_queries = [40, 21], [40, 9]
     query, kc, vc, tables, lens = setup(17, contexts, 6, 2, 64, 16, torch.bfloat16, num_queries)

@@ -37,6 +37,9 @@ struct AttentionKernels {
   const char* name;
   AttentionTaskFn run_task;
   ScratchFloatsFn scratch_floats;
+  AttentionTaskFn run_prefill_task;          // prefill tasks (query rows as SIMD lanes)
+  ScratchFloatsFn prefill_scratch_floats;    // rows <= 4 * lanes
+  int lanes;                                 // fp32 SIMD lanes of this build
 };
 
 // One build per instruction set, each in its own namespace (see kernels.cmake).

@@ -18,6 +18,7 @@ namespace {
 constexpr int kMaxRowsPerTask = 16;         // query rows (queries x heads) of one task
 constexpr int kTasksPerThread = 4;          // decode: split contexts below this many tasks
 constexpr int kMinPartitionTokens = 256;    // decode: smallest context partition
+constexpr int kPrefillRowVecs = 3;          // prefill: SIMD vectors of query rows per task
 
 void check(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument("paged_attention: " + message);
@@ -140,21 +141,32 @@ void reduce_partitions(const PagedAttentionArgs& a, const std::vector<float>& pa
       });
 }
 
-void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads) {
-  std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
-    return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
-  });
+void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads, bool prefill_kernel) {
+  if (prefill_kernel) {
+    // Longest sequences first, but the tasks of one (sequence, KV head) stay together (in
+    // the order made: longest query tile first), so the threads taking consecutive tasks
+    // keep re-reading the same K/V from their L2.
+    std::stable_sort(tasks.begin(), tasks.end(), [&a](const AttentionTask& l, const AttentionTask& r) {
+      return a.context_lens[l.seq] > a.context_lens[r.seq];
+    });
+  } else {
+    std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
+      return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
+    });
+  }
   const AttentionKernels& kernels = selected_kernels();
   int32_t max_rows = 0;
   for (const AttentionTask& t : tasks) max_rows = std::max(max_rows, t.num_queries * t.num_heads);
-  const int64_t scratch_floats = kernels.scratch_floats(max_rows, a.cache.head_size, a.cache.block_size);
+  const int64_t scratch_floats = (prefill_kernel ? kernels.prefill_scratch_floats : kernels.scratch_floats)(
+      max_rows, a.cache.head_size, a.cache.block_size);
+  const AttentionTaskFn task_fn = prefill_kernel ? kernels.run_prefill_task : kernels.run_task;
   ThreadPool::instance().parallel_for(static_cast<int64_t>(tasks.size()), num_threads,
                                       [&](int64_t index, int) {
                                         thread_local std::vector<float> scratch;
                                         if (static_cast<int64_t>(scratch.size()) < scratch_floats) {
                                           scratch.resize(scratch_floats);
                                         }
-                                        kernels.run_task(a, tasks[index], scratch.data());
+                                        task_fn(a, tasks[index], scratch.data());
                                       });
 }
 
@@ -200,20 +212,23 @@ void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
       }
     });
   }
-  run(a, tasks, num_threads);
+  run(a, tasks, num_threads, false);
   if (partitions > 1) reduce_partitions(a, partial, partitions, partition_tokens, num_threads);
 }
 
 void prefill(const PagedAttentionArgs& a, int num_threads) {
   const int32_t per_task = heads_per_task(a);
-  const int32_t queries_per_task = std::max(1, kMaxRowsPerTask / per_task);
+  // Prefill tasks hold up to kPrefillRowVecs SIMD vectors of rows (queries x heads).
+  const int32_t queries_per_task = std::max(1, kPrefillRowVecs * selected_kernels().lanes / per_task);
   std::vector<AttentionTask> tasks;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t begin = a.query_start_loc[s];
     const int32_t queries = a.query_start_loc[s + 1] - begin;
     const int32_t len = a.context_lens[s];
     for_each_head_part(a, per_task, [&](int32_t kv, int32_t first_head, int32_t heads) {
-      for (int32_t q = 0; q < queries; q += queries_per_task) {
+      const int32_t tiles = (queries + queries_per_task - 1) / queries_per_task;
+      for (int32_t tile = tiles - 1; tile >= 0; --tile) {
+        const int32_t q = tile * queries_per_task;
         AttentionTask t;
         t.seq = s;
         t.kv_head = kv;
@@ -228,7 +243,7 @@ void prefill(const PagedAttentionArgs& a, int num_threads) {
       }
     });
   }
-  run(a, tasks, num_threads);
+  run(a, tasks, num_threads, true);
 }
 
 }  // namespace

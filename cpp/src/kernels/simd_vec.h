@@ -240,6 +240,22 @@ inline Vec exp_nonpositive(Vec x) {
 
 #endif
 
+/// Lane i = p[i * stride] (fp32; a strided column, e.g. for transposes).
+inline Vec load_strided(const float* p, int stride) {
+#if defined(VPAGE_SIMD_AVX512)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(stride));
+  return {_mm512_i32gather_ps(idx, p, 4)};
+#elif defined(VPAGE_SIMD_AVX2)
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  return {_mm256_i32gather_ps(p, idx, 4)};
+#else
+  float tmp[kLanes];
+  for (int i = 0; i < kLanes; ++i) tmp[i] = p[static_cast<int64_t>(i) * stride];
+  return load(tmp);
+#endif
+}
+
 /// Loads the first n (< kLanes) elements, the other lanes are zero.
 template <typename T>
 inline Vec load_partial(const T* p, int n) {
