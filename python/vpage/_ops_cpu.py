@@ -25,6 +25,8 @@ from vpage import _core
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _num_threads: Optional[int] = None
+# torch is loaded, so is its OpenMP runtime: run the kernels on its threads (see set_thread_source).
+_core.set_thread_source("openmp")
 
 
 def set_num_threads(num_threads: Optional[int]) -> None:
@@ -33,6 +35,11 @@ def set_num_threads(num_threads: Optional[int]) -> None:
     if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
         raise ValueError(f"num_threads must be a positive int or None, got {num_threads!r}")
     _num_threads = num_threads
+
+
+def set_thread_source(source: str) -> str:
+    """"openmp" (torch's threads) or "own" (vpage's pool); see vpage.ops.set_thread_source."""
+    return _core.set_thread_source(source)
 
 
 def get_num_threads() -> int:

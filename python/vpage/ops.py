@@ -25,7 +25,7 @@ from vpage import _ops_cpu
 __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
-    "get_num_threads",
+    "get_num_threads", "set_thread_source",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,6 +39,14 @@ def set_num_threads(num_threads: Optional[int]) -> None:
 def get_num_threads() -> int:
     """Threads the CPU kernels run on."""
     return _ops_cpu.get_num_threads()
+
+
+def set_thread_source(source: str) -> str:
+    """Where the CPU kernels' threads come from: ``"openmp"`` (the default: torch's OpenMP
+    threads, shared with torch's own ops so the two never contend for the cores) or
+    ``"own"`` (vpage's thread pool). Returns the OpenMP runtime's file name in use, or ""
+    for the own pool (also what ``"openmp"`` gives when no OpenMP runtime is loaded)."""
+    return _ops_cpu.set_thread_source(source)
 
 
 def _pack_size(dtype: torch.dtype) -> int:

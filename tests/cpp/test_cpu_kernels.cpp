@@ -217,6 +217,20 @@ void test_bad_arguments() {
   expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
 }
 
+// This test binary loads no OpenMP runtime: "openmp" falls back to the own pool (the kernels
+// then still run, see test_fork); an unknown source is rejected.
+void test_thread_source() {
+  expect(vpage::cpu::set_thread_source("openmp").empty(), "no OpenMP runtime is loaded here");
+  bool threw = false;
+  try {
+    vpage::cpu::set_thread_source("tbb");
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  expect(threw, "set_thread_source rejects an unknown source");
+  expect(vpage::cpu::set_thread_source("own").empty(), "own pool");
+}
+
 // The thread pool survives fork(): a child whose parent already ran a multi-threaded kernel
 // (so the pool has workers, which do not exist in the child) runs one too. Without the
 // atfork handler the child waits forever for the missing workers; alarm() turns that into
@@ -298,6 +312,7 @@ int main() {
   vpage::cpu::set_cpu_isa("auto");
   test_copy_and_swap(rng);
   test_bad_arguments();
+  test_thread_source();
   test_fork();
   std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
   return g_failures == 0 ? 0 : 1;

@@ -92,11 +92,25 @@ def test_every_instruction_set(isa, dtype):
     check_close(out, reference_paged_attention(query, kc, vc, tables, lens, 0.125), dtype)
 
 
-def test_long_single_sequence_partitions_and_threads():
+@pytest.fixture(params=["openmp", "own"])
+def thread_source(request):
+    """Runs a test with the kernels on torch's OpenMP threads, then on vpage's own pool."""
+    runtime = ops.set_thread_source(request.param)
+    assert (runtime != "") == (request.param == "openmp"), runtime  # torch's libgomp is loaded
+    yield request.param
+    ops.set_thread_source("openmp")
+
+
+def test_thread_source_rejects_unknown_names():
+    with pytest.raises(ValueError, match="expected 'own' or 'openmp'"):
+        ops.set_thread_source("tbb")
+
+
+def test_long_single_sequence_partitions_and_threads(thread_source):
     query, kc, vc, tables, lens = setup(5, [2500], 8, 1, 128, 16, torch.float32)
     ref = reference_paged_attention(query, kc, vc, tables, lens, 0.09)
     results = []
-    for threads in (1, 2):
+    for threads in (1, 2, 3):
         ops.set_num_threads(threads)
         try:
             results.append(ops.paged_attention(query, kc, vc, tables, lens, 0.09))
@@ -107,9 +121,10 @@ def test_long_single_sequence_partitions_and_threads():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_kernels_run_in_forked_child():
+def test_kernels_run_in_forked_child(thread_source):
     """The kernels' thread pool is re-created in a fork()ed child (e.g. a DataLoader worker):
-    its workers from the parent do not exist there. The child reports through its exit
+    its workers from the parent do not exist there, and an OpenMP team inherited through fork
+    is not used (the child goes back to the own pool). The child reports through its exit
     status; alarm() fails it instead of hanging if the pool waits for missing workers."""
     query, kc, vc, tables, lens = setup(5, [300, 97, 54, 17], 6, 2, 64, 16, torch.float32)
     ref = reference_paged_attention(query, kc, vc, tables, lens, 0.125)

@@ -1,6 +1,12 @@
 #include "thread_pool.h"
 
+#include "vpage/kernels/cpu_kernels.h"
+
 #include <pthread.h>
+#if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -8,6 +14,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -82,9 +89,57 @@ void ThreadPool::after_fork_in_parent() {
 // condition variables may hold the parent's waiters. Leak it and start afresh.
 void ThreadPool::after_fork_in_child() {
   ThreadPool& pool = instance();
+  pool.stop_sharing_openmp();
   if (pool.state_ == nullptr) return;
   pool.state_ = new State;
 }
+
+namespace {
+
+struct FoundRuntime {
+  void* gomp_parallel = nullptr;
+  std::string name;
+};
+
+#if defined(__linux__)
+// dl_iterate_phdr callback: the first loaded object named like an OpenMP runtime that
+// exports GOMP_parallel. RTLD_NOLOAD only takes a reference to an already loaded object.
+int find_openmp_runtime(dl_phdr_info* info, size_t, void* data) {
+  const std::string name = info->dlpi_name ? info->dlpi_name : "";
+  if (name.find("libgomp") == std::string::npos && name.find("libiomp") == std::string::npos) return 0;
+  void* handle = dlopen(name.c_str(), RTLD_LAZY | RTLD_NOLOAD);
+  if (handle == nullptr) return 0;
+  void* symbol = dlsym(handle, "GOMP_parallel");
+  if (symbol == nullptr) {
+    dlclose(handle);
+    return 0;
+  }
+  auto* found = static_cast<FoundRuntime*>(data);
+  found->gomp_parallel = symbol;
+  found->name = name.substr(name.find_last_of('/') + 1);
+  return 1;
+}
+#endif
+
+}  // namespace
+
+std::string ThreadPool::share_loaded_openmp() {
+  FoundRuntime found;
+#if defined(__linux__)
+  dl_iterate_phdr(&find_openmp_runtime, &found);
+#endif
+  if (found.gomp_parallel == nullptr) return "";
+  gomp_parallel_ = reinterpret_cast<GompParallelFn>(found.gomp_parallel);
+  openmp_runtime_ = found.name;
+  return openmp_runtime_;
+}
+
+void ThreadPool::stop_sharing_openmp() {
+  gomp_parallel_ = nullptr;
+  openmp_runtime_.clear();
+}
+
+std::string ThreadPool::openmp_runtime() const { return openmp_runtime_; }
 
 void ThreadPool::State::ensure_workers(int count) {
   while (static_cast<int>(workers.size()) < count) {
@@ -133,6 +188,10 @@ void ThreadPool::parallel_for(int64_t num_tasks, int num_threads, const TaskFn& 
     for (int64_t task = 0; task < num_tasks; ++task) fn(task, 0);
     return;
   }
+  if (gomp_parallel_ != nullptr) {
+    parallel_for_on_openmp(num_tasks, static_cast<int>(threads), fn);
+    return;
+  }
   State& s = *state_;
   std::lock_guard<std::mutex> run_lock(s.run_mutex);
   const int helpers = static_cast<int>(threads - 1);
@@ -156,6 +215,38 @@ void ThreadPool::parallel_for(int64_t num_tasks, int num_threads, const TaskFn& 
     error = job->error;
   }
   if (error) std::rethrow_exception(error);
+}
+
+// Every member of the OpenMP team pulls tasks from the job's counter; GOMP_parallel returns
+// after the team's closing barrier, so every task has completed by then.
+void ThreadPool::parallel_for_on_openmp(int64_t num_tasks, int num_threads, const TaskFn& fn) {
+  State& s = *state_;
+  std::lock_guard<std::mutex> run_lock(s.run_mutex);
+  struct Region {
+    State* state;
+    Job job;
+    std::atomic<int> next_thread{0};
+  } region;
+  region.state = &s;
+  region.job.fn = &fn;
+  region.job.num_tasks = num_tasks;
+  gomp_parallel_(
+      [](void* data) {
+        auto* r = static_cast<Region*>(data);
+        r->state->run_job(r->job, r->next_thread.fetch_add(1, std::memory_order_relaxed));
+      },
+      &region, static_cast<unsigned>(num_threads), 0);
+  if (region.job.error) std::rethrow_exception(region.job.error);
+}
+
+std::string set_thread_source(const std::string& source) {
+  ThreadPool& pool = ThreadPool::instance();
+  if (source == "own") {
+    pool.stop_sharing_openmp();
+    return "";
+  }
+  if (source == "openmp") return pool.share_loaded_openmp();
+  throw std::invalid_argument("set_thread_source: expected 'own' or 'openmp', got '" + source + "'");
 }
 
 }  // namespace vpage::cpu

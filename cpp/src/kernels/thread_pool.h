@@ -1,5 +1,9 @@
-// A small persistent thread pool for the CPU kernels (vpage does not use OpenMP: it
-// clashes with torch's runtime). Workers are created on first use and kept.
+// The CPU kernels' parallel_for. It runs either on vpage's own small persistent thread pool
+// (workers created on first use and kept), or, once share_loaded_openmp() found one, on the
+// GNU OpenMP runtime another library already loaded into the process (torch's). vpage is not
+// built with OpenMP itself: a second runtime would bring a second set of threads, and those
+// spin for milliseconds after each parallel region, so torch's ops and vpage's kernels,
+// alternating within every layer, would fight over the same cores.
 //
 // fork(): a child process has only the forking thread, so the pool's workers do not exist
 // there. A pthread_atfork handler waits for a running parallel_for to finish before the
@@ -10,11 +14,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 
 namespace vpage::cpu {
 
 /// Runs `fn(task, thread_index)` for every task in [0, num_tasks). The calling thread takes
-/// part as thread 0; tasks are handed out one at a time from a shared counter, so tasks
+/// part; thread_index is distinct per taking-part thread, in [0, threads); tasks are handed out one at a time from a shared counter, so tasks
 /// of uneven cost balance themselves (order them most expensive first). It returns when
 /// every task has completed, without waiting for workers that woke up too late to claim one
 /// (on a machine shared with other processes a worker can wait milliseconds for a core).
@@ -30,6 +35,19 @@ class ThreadPool {
   /// The first exception thrown by a task is rethrown here (the other tasks still run).
   void parallel_for(int64_t num_tasks, int num_threads, const TaskFn& fn);
 
+  /// Looks for a loaded OpenMP runtime exporting the GNU entry point GOMP_parallel (libgomp,
+  /// or Intel's libiomp5 which also provides it) and, when found, runs every later
+  /// parallel_for on its threads. Returns the runtime's file name, or "" when none is loaded
+  /// (the own pool stays in use). Not thread-safe against running parallel_for calls.
+  std::string share_loaded_openmp();
+
+  /// Goes back to the own pool (also what a fork()ed child does: an OpenMP team inherited
+  /// through fork is not usable there).
+  void stop_sharing_openmp();
+
+  /// The OpenMP runtime in use, or "" for the own pool.
+  std::string openmp_runtime() const;
+
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -41,7 +59,14 @@ class ThreadPool {
   static void after_fork_in_parent();
   static void after_fork_in_child();
 
+  // GNU OpenMP's `GOMP_parallel(fn, data, num_threads, flags)`: runs fn(data) on a team.
+  using GompParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+  void parallel_for_on_openmp(int64_t num_tasks, int num_threads, const TaskFn& fn);
+
   State* state_;
+  GompParallelFn gomp_parallel_ = nullptr;  // set by share_loaded_openmp()
+  std::string openmp_runtime_;
 };
 
 }  // namespace vpage::cpu

@@ -157,6 +157,9 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("src_num_blocks"), py::arg("dst_num_blocks"), py::arg("num_threads"),
       "Copies whole blocks of block_bytes bytes from src to dst (int64 block_mapping [num_pairs, 2]).");
 
+  m.def("set_thread_source", &cpu::set_thread_source, py::arg("source"),
+        "Threads of the CPU kernels: 'own' pool or the loaded 'openmp' runtime (torch's); returns the "
+        "runtime's file name in use, '' for the own pool.");
   m.def("cpu_isa", &cpu::cpu_isa, "Instruction set the CPU attention kernel uses: avx512, avx2 or generic.");
   m.def("set_cpu_isa", &cpu::set_cpu_isa, py::arg("isa"),
         "Restricts the CPU attention kernel to 'avx512', 'avx2', 'generic' or 'auto' (tests, benchmarks).");

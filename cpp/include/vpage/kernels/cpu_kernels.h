@@ -1,7 +1,7 @@
 // CPU kernels of vpage_core: the engine's CPU backend, twins of the CUDA kernels with the
 // same cache layout (see kernel_args.h). Vectorised per CPU (the widest instruction set
-// the processor supports is chosen once at run time) and multi-threaded on vpage's own
-// persistent thread pool. Broken preconditions throw std::invalid_argument.
+// the processor supports is chosen once at run time) and multi-threaded, on vpage's own
+// persistent thread pool or on the process's OpenMP threads (set_thread_source). Broken preconditions throw std::invalid_argument.
 #pragma once
 
 #include <string>
@@ -38,5 +38,13 @@ std::string cpu_isa();
 /// Throws std::invalid_argument when the name is unknown or the CPU lacks the set.
 /// Meant for tests and benchmarks; not thread-safe against running kernels.
 void set_cpu_isa(const std::string& isa);
+
+/// Where the kernels' threads come from: "own" (vpage's pool, the default) or "openmp" (the
+/// GNU OpenMP runtime another library, such as torch, already loaded into the process, so
+/// that its ops and vpage's kernels share one set of threads instead of contending for the
+/// cores). Returns the OpenMP runtime's file name in use, "" for the own pool ("openmp"
+/// falls back to it when no runtime is loaded). A fork()ed child goes back to the own pool.
+/// Throws std::invalid_argument for another name. Not thread-safe against running kernels.
+std::string set_thread_source(const std::string& source);
 
 }  // namespace vpage::cpu
