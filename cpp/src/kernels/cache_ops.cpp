@@ -30,14 +30,19 @@ int64_t block_bytes(const CacheShape& c) {
   return static_cast<int64_t>(c.num_kv_heads) * c.head_size * c.block_size * dtype_size(c.dtype);
 }
 
+// Per-element checks build their message only on failure (they run once per token or pair).
 void check_pair(const int64_t* pair, int64_t src_blocks, int64_t dst_blocks, int64_t index, const char* op) {
-  check(pair[0] >= 0 && pair[0] < src_blocks && pair[1] >= 0 && pair[1] < dst_blocks, op,
+  if (pair[0] >= 0 && pair[0] < src_blocks && pair[1] >= 0 && pair[1] < dst_blocks) return;
+  check(false, op,
         "block_mapping[" + std::to_string(index) + "] = (" + std::to_string(pair[0]) + ", " +
             std::to_string(pair[1]) + ") out of range (source blocks " + std::to_string(src_blocks) +
             ", destination blocks " + std::to_string(dst_blocks) + ")");
 }
 
 // Elem is a same-size stand-in for the dtype (bytes are copied, never converted).
+// Tokens are taken in runs of consecutive slots within one block (a prompt's tokens), so the
+// writes of a run go to contiguous bytes: `run` key chunks side by side for each of the
+// head_size / x chunk rows, `run` values side by side for each of the head_size value rows.
 template <typename Elem>
 void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end) {
   const CacheShape& c = a.cache;
@@ -47,22 +52,30 @@ void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end) {
   const Elem* value = static_cast<const Elem*>(a.value);
   Elem* key_cache = static_cast<Elem*>(a.key_cache);
   Elem* value_cache = static_cast<Elem*>(a.value_cache);
-  for (int64_t t = begin; t < end; ++t) {
+  for (int64_t t = begin; t < end;) {
     const int64_t slot = a.slot_mapping[t];
-    if (slot < 0) continue;
+    if (slot < 0) {
+      ++t;
+      continue;
+    }
     const int64_t block = slot / c.block_size;
     const int64_t offset = slot % c.block_size;
+    int64_t run = 1;
+    while (t + run < end && offset + run < c.block_size && a.slot_mapping[t + run] == slot + run) ++run;
     for (int32_t h = 0; h < c.num_kv_heads; ++h) {
       const Elem* k = key + t * a.key_stride + static_cast<int64_t>(h) * c.head_size;
       const Elem* v = value + t * a.value_stride + static_cast<int64_t>(h) * c.head_size;
       const int64_t head_base = (block * c.num_kv_heads + h) * head_elems;
-      Elem* k_dst = key_cache + head_base + offset * x;
       for (int32_t chunk = 0; chunk < c.head_size / x; ++chunk) {
-        std::memcpy(k_dst + static_cast<int64_t>(chunk) * c.block_size * x, k + chunk * x, 16);
+        Elem* k_dst = key_cache + head_base + (static_cast<int64_t>(chunk) * c.block_size + offset) * x;
+        for (int64_t r = 0; r < run; ++r) std::memcpy(k_dst + r * x, k + r * a.key_stride + chunk * x, 16);
       }
-      Elem* v_dst = value_cache + head_base + offset;
-      for (int32_t d = 0; d < c.head_size; ++d) v_dst[static_cast<int64_t>(d) * c.block_size] = v[d];
+      for (int32_t d = 0; d < c.head_size; ++d) {
+        Elem* v_dst = value_cache + head_base + static_cast<int64_t>(d) * c.block_size + offset;
+        for (int64_t r = 0; r < run; ++r) v_dst[r] = v[r * a.value_stride + d];
+      }
     }
+    t += run;
   }
 }
 
@@ -79,9 +92,9 @@ void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
   check(a.key && a.value && a.key_cache && a.value_cache && a.slot_mapping, op, "null data pointer");
   const int64_t num_slots = a.cache.num_blocks * a.cache.block_size;
   for (int64_t t = 0; t < a.num_tokens; ++t) {
-    check(a.slot_mapping[t] < num_slots, op, "slot_mapping[" + std::to_string(t) + "] = " +
-                                                 std::to_string(a.slot_mapping[t]) + " >= num_blocks * block_size (" +
-                                                 std::to_string(num_slots) + ")");
+    if (a.slot_mapping[t] < num_slots) continue;
+    check(false, op, "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(a.slot_mapping[t]) +
+                         " >= num_blocks * block_size (" + std::to_string(num_slots) + ")");
   }
   const int64_t tasks = (a.num_tokens + kTokensPerTask - 1) / kTokensPerTask;
   ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t task, int) {
