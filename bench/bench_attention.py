@@ -143,12 +143,15 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--thread-source", choices=["openmp", "own"], default="openmp",
+                        help="vpage's kernel threads: torch's OpenMP threads (default) or vpage's own pool")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
+    runtime = ops.set_thread_source(args.thread_source)
     bandwidth = copy_bandwidth(args.repeats)
     print(f"machine: {machine_description()}; threads {args.threads}, "
-          f"torch {torch.__version__}, vpage isa {_core.cpu_isa()}")
+          f"torch {torch.__version__}, vpage isa {_core.cpu_isa()}, vpage threads {runtime or 'own pool'}")
     print(f"shapes: heads {args.heads}, kv heads {args.kv_heads}, head size {args.head_size}, "
           f"block size {args.block_size}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
     print("| dtype | batch | context | vpage ms (p10-p90) | SDPA contiguous ms | gather+SDPA ms "
