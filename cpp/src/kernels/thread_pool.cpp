@@ -130,16 +130,10 @@ std::string ThreadPool::share_loaded_openmp() {
 #endif
   if (found.gomp_parallel == nullptr) return "";
   gomp_parallel_ = reinterpret_cast<GompParallelFn>(found.gomp_parallel);
-  openmp_runtime_ = found.name;
-  return openmp_runtime_;
+  return found.name;
 }
 
-void ThreadPool::stop_sharing_openmp() {
-  gomp_parallel_ = nullptr;
-  openmp_runtime_.clear();
-}
-
-std::string ThreadPool::openmp_runtime() const { return openmp_runtime_; }
+void ThreadPool::stop_sharing_openmp() { gomp_parallel_ = nullptr; }
 
 void ThreadPool::State::ensure_workers(int count) {
   while (static_cast<int>(workers.size()) < count) {

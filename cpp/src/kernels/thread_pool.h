@@ -19,10 +19,11 @@
 namespace vpage::cpu {
 
 /// Runs `fn(task, thread_index)` for every task in [0, num_tasks). The calling thread takes
-/// part; thread_index is distinct per taking-part thread, in [0, threads); tasks are handed out one at a time from a shared counter, so tasks
-/// of uneven cost balance themselves (order them most expensive first). It returns when
-/// every task has completed, without waiting for workers that woke up too late to claim one
-/// (on a machine shared with other processes a worker can wait milliseconds for a core).
+/// part; each taking-part thread has its own thread_index in [0, threads). Tasks are handed
+/// out one at a time from a shared counter, so tasks of uneven cost balance themselves
+/// (order them most expensive first). It returns when every task has completed, without
+/// waiting for workers that woke up too late to claim one (on a machine shared with other
+/// processes a worker can wait milliseconds for a core).
 /// Calls from several threads are serialised; `fn` must not call parallel_for itself.
 class ThreadPool {
  public:
@@ -45,9 +46,6 @@ class ThreadPool {
   /// through fork is not usable there).
   void stop_sharing_openmp();
 
-  /// The OpenMP runtime in use, or "" for the own pool.
-  std::string openmp_runtime() const;
-
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -66,7 +64,6 @@ class ThreadPool {
 
   State* state_;
   GompParallelFn gomp_parallel_ = nullptr;  // set by share_loaded_openmp()
-  std::string openmp_runtime_;
 };
 
 }  // namespace vpage::cpu
