@@ -137,6 +137,16 @@ def test_several_prompts_n_echo_and_logprobs(server):
     assert all(t["token"] == t["top_logprobs"][0]["token"] for t in content)
 
 
+def test_beam_search_through_the_api(server):
+    status, body = request(server, "POST", "/v1/completions",
+                           {"prompt": "The best way to learn is", "n": 2, "best_of": 3, "use_beam_search": True,
+                            "temperature": 0, "max_tokens": 6})
+    assert status == 200, body
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 2 and texts[0] != texts[1]
+    assert_idle(server)
+
+
 def test_concurrent_requests_give_their_sequential_results(server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)]
     body = {"max_tokens": 12, "temperature": 0}
@@ -160,6 +170,10 @@ def test_concurrent_requests_give_their_sequential_results(server):
      "max_model_len is 1024"),
     ("/v1/completions", {"prompt": [10**9]}, None, 400, "out of range"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1000}, None, 400, "logprobs must be"),
+    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 3, "stream": True}, None, 400, "best_of equal to n"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True, "temperature": 0, "stream": True}, None,
+     400, "no beam search"),
     ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, None, 400, "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,

@@ -75,11 +75,17 @@ def sampling_params(body: dict, prompt_len: int, max_model_len: int, *, chat: bo
                 raise ApiError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
             kwargs["logprobs"] = top
     elif body.get("logprobs") is not None:
+        if not isinstance(body["logprobs"], int) or not 0 <= body["logprobs"] <= MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
         kwargs["logprobs"] = body["logprobs"]
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ApiError(400, str(exc)) from None
+    if body.get("stream") and (params.best_of != params.n or params.use_beam_search):
+        # Streamed text must only grow: hidden samples and beams that swap places cannot be streamed.
+        raise ApiError(400, "streaming needs best_of equal to n and no beam search", param="best_of")
+    return params
 
 
 def completion_prompts(body: dict, tokenizer: Any) -> list[list[int]]:
