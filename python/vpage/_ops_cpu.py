@@ -100,3 +100,16 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     _core.cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
                                cos_sin.shape[0], x.shape[0], num_heads, head_size, _DTYPE_CODES[x.dtype],
                                get_num_threads())
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+             eps: float) -> None:
+    """CPU only; see vpage.ops.rms_norm / fused_add_rms_norm."""
+    _core.cpu_rms_norm(out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+                       weight.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], get_num_threads())
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """CPU only; see vpage.ops.silu_and_mul."""
+    _core.cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], _DTYPE_CODES[x.dtype],
+                           get_num_threads())

@@ -19,13 +19,14 @@ from types import ModuleType
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from vpage import _ops_cpu
 
 __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
-    "get_num_threads", "set_thread_source",
+    "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -278,3 +279,70 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     cos, sin = table[..., :half], table[..., half:]
     x1, x2 = heads[..., :half].float(), heads[..., half:].float()
     heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def _check_rows_2d(name: str, t: object, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A contiguous 2-D float tensor (of ``like``'s dtype and device when given)."""
+    _check_tensor(name, t, ndim=2, dtype=None if like is None else like.dtype,
+                  device=None if like is None else like.device)
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    return t
+
+
+def _check_norm(input: object, other_name: str, other: object, weight: object, eps: float) -> None:
+    """input and ``other`` (out or residual): contiguous 2-D, one dtype, one shape; weight
+    [hidden_size]; eps >= 0."""
+    _check_rows_2d("input", input)
+    _check_rows_2d(other_name, other, like=input)
+    if other.shape != input.shape:
+        raise ValueError(f"{other_name} shape {tuple(other.shape)} differs from input shape {tuple(input.shape)}")
+    _check_tensor("weight", weight, ndim=1, dtype=input.dtype, device=input.device)
+    if weight.shape[0] != input.shape[1]:
+        raise ValueError(f"weight has {weight.shape[0]} elements for rows of {input.shape[1]}")
+    if not eps >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {eps}")
+
+
+def _torch_rms_norm(src: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The unfused computation the CPU kernel reproduces (float32 statistics)."""
+    normed = F.rms_norm(src.float(), weight.shape, eps=eps)
+    return normed.to(src.dtype) * weight
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """``out = input / sqrt(mean(input^2) + epsilon) * weight`` per row of ``input``
+    ``[num_tokens, hidden_size]`` (statistics in float32, then cast to the dtype, then times
+    ``weight``, like Hugging Face's RMSNorm). ``out`` may be ``input``."""
+    _check_norm(input, "out", out, weight, epsilon)
+    if input.device.type == "cpu":
+        _ops_cpu.rms_norm(out, input, None, weight, epsilon)
+    else:
+        out.copy_(_torch_rms_norm(input, weight, epsilon))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """In place: ``residual += input``, then ``input = rms_norm(residual) * weight`` (as
+    :func:`rms_norm`); both ``[num_tokens, hidden_size]``, contiguous."""
+    _check_norm(input, "residual", residual, weight, epsilon)
+    if input.device.type == "cpu":
+        _ops_cpu.rms_norm(input, input, residual, weight, epsilon)
+    else:
+        residual.add_(input)
+        input.copy_(_torch_rms_norm(residual, weight, epsilon))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """``out = silu(input[:, :d]) * input[:, d:]`` for ``input`` ``[num_tokens, 2 d]`` (the gate
+    and up halves of a fused projection) and ``out`` ``[num_tokens, d]``; silu rounded to the
+    dtype before the product, like torch's ``F.silu(gate) * up``."""
+    _check_rows_2d("input", input)
+    _check_rows_2d("out", out, like=input)
+    d = out.shape[1]
+    if input.shape != (out.shape[0], 2 * d) or d == 0:
+        raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
+                         f"{tuple(out.shape)}")
+    if input.device.type == "cpu":
+        _ops_cpu.silu_and_mul(out, input)
+    else:
+        torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)

@@ -1,6 +1,7 @@
 // CPU kernels against a float64 reference: random caches written with reshape_and_cache
 // through shuffled block tables, poisoned (NaN) outputs and unused cache slots, decode and
-// chunked prefill, every instruction set this CPU has; bit-exact copy/swap; bad arguments.
+// chunked prefill, every instruction set this CPU has; bit-exact copy/swap; bad arguments;
+// the fused layer ops (RMSNorm with residual add, SiLU-and-multiply).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,6 +17,7 @@
 
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
+#include "vpage/kernels/layer_ops.h"
 
 namespace {
 
@@ -217,6 +219,65 @@ void test_bad_arguments() {
   expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
 }
 
+// float32 RMSNorm (with residual) and SiLU-and-multiply against double, odd sizes (vector
+// remainders), 2 threads, NaN-poisoned outputs.
+void test_layer_ops(std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
+  const int64_t tokens = 19;
+  for (const int32_t hidden : {1, 23, 576}) {
+    std::vector<float> x(tokens * hidden), residual(x.size()), weight(hidden), out(x.size(), NAN);
+    for (float& v : x) v = dist(rng);
+    for (float& v : residual) v = dist(rng);
+    for (float& v : weight) v = dist(rng);
+    const std::vector<float> residual_before = residual;
+    vpage::RmsNormArgs a;
+    a.out = out.data();
+    a.x = x.data();
+    a.residual = residual.data();
+    a.weight = weight.data();
+    a.num_tokens = tokens;
+    a.hidden_size = hidden;
+    a.eps = 1e-5f;
+    vpage::cpu::rms_norm(a, 2);
+    double worst = 0;
+    bool residual_ok = true;
+    for (int64_t t = 0; t < tokens; ++t) {
+      double sum = 0;
+      for (int32_t i = 0; i < hidden; ++i) {
+        const float r = residual_before[t * hidden + i] + x[t * hidden + i];
+        residual_ok = residual_ok && residual[t * hidden + i] == r;
+        sum += static_cast<double>(r) * r;
+      }
+      const double inv = 1.0 / std::sqrt(sum / hidden + 1e-5);
+      for (int32_t i = 0; i < hidden; ++i) {
+        const double ref = residual[t * hidden + i] * inv * weight[i];
+        worst = std::max(worst, std::fabs(out[t * hidden + i] - ref) / (std::fabs(ref) + 1e-6));
+      }
+    }
+    expect(residual_ok, "rms_norm: residual += x, hidden " + std::to_string(hidden));
+    expect(worst < 2e-6, "rms_norm vs double, hidden " + std::to_string(hidden) + ": " + std::to_string(worst));
+
+    const int32_t d = hidden;
+    std::vector<float> gate_up(tokens * 2 * d), act(tokens * d, NAN);
+    for (float& v : gate_up) v = 3.0f * dist(rng);
+    vpage::SiluAndMulArgs s;
+    s.out = act.data();
+    s.x = gate_up.data();
+    s.num_tokens = tokens;
+    s.d = d;
+    vpage::cpu::silu_and_mul(s, 2);
+    worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int32_t i = 0; i < d; ++i) {
+        const double g = gate_up[t * 2 * d + i], u = gate_up[t * 2 * d + d + i];
+        const double ref = g / (1.0 + std::exp(-g)) * u;
+        worst = std::max(worst, std::fabs(act[t * d + i] - ref) / (std::fabs(ref) + 1e-30));
+      }
+    }
+    expect(worst < 2e-6, "silu_and_mul vs double, d " + std::to_string(d) + ": " + std::to_string(worst));
+  }
+}
+
 // This test binary loads no OpenMP runtime: "openmp" falls back to the own pool (the kernels
 // then still run, see test_fork); an unknown source is rejected.
 void test_thread_source() {
@@ -313,6 +374,7 @@ int main() {
   test_copy_and_swap(rng);
   test_bad_arguments();
   test_thread_source();
+  test_layer_ops(rng);
   test_fork();
   std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
   return g_failures == 0 ? 0 : 1;

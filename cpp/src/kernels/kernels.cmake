@@ -8,11 +8,12 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/paged_attention.cpp
   ${_vpage_kernels_dir}/cache_ops.cpp
   ${_vpage_kernels_dir}/rotary.cpp
+  ${_vpage_kernels_dir}/layer_ops.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp)
 
-# Rotary: no FMA contraction, so float32 results equal torch's unfused multiply and add.
+# Rotary and layer ops: no FMA contraction, so float32 results equal torch's unfused multiply and add.
 if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  set_source_files_properties(${_vpage_kernels_dir}/rotary.cpp
+  set_source_files_properties(${_vpage_kernels_dir}/rotary.cpp ${_vpage_kernels_dir}/layer_ops.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 endif()
 

@@ -7,14 +7,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "target_clones.h"
 #include "thread_pool.h"
 #include "vpage/kernels/half.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VPAGE_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define VPAGE_TARGET_CLONES
-#endif
 
 namespace vpage::cpu {
 namespace {

@@ -8,6 +8,7 @@
 
 #include "bindings.h"
 #include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/rotary.h"
 
 namespace py = pybind11;
@@ -28,6 +29,40 @@ CacheShape cache_shape(int64_t num_blocks, int32_t num_kv_heads, int32_t head_si
 }  // namespace
 
 void bind_cpu_kernels(py::module_& m) {
+  m.def(
+      "cpu_rms_norm",
+      [](uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t num_tokens, int32_t hidden_size,
+         float eps, int32_t dtype, int num_threads) {
+        RmsNormArgs args;
+        args.out = ptr<void>(out);
+        args.x = ptr<const void>(x);
+        args.residual = ptr<void>(residual);
+        args.weight = ptr<const void>(weight);
+        args.num_tokens = num_tokens;
+        args.hidden_size = hidden_size;
+        args.eps = eps;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::rms_norm(args, num_threads);
+      },
+      py::arg("out"), py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("num_tokens"),
+      py::arg("hidden_size"), py::arg("eps"), py::arg("dtype"), py::arg("num_threads"),
+      "out = rms_norm(x) * weight per row; with residual != 0: residual += x first, then out =\n"
+      "rms_norm(residual) * weight. Contiguous rows; out may be x.");
+  m.def(
+      "cpu_silu_and_mul",
+      [](uintptr_t out, uintptr_t x, int64_t num_tokens, int32_t d, int32_t dtype, int num_threads) {
+        SiluAndMulArgs args;
+        args.out = ptr<void>(out);
+        args.x = ptr<const void>(x);
+        args.num_tokens = num_tokens;
+        args.d = d;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::silu_and_mul(args, num_threads);
+      },
+      py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"), py::arg("num_threads"),
+      "out [num_tokens, d] = silu(x[:, :d]) * x[:, d:] for contiguous x [num_tokens, 2 d].");
   m.def(
       "cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from vpage import ops
 from vpage.model_executor.layers.linear import empty_parameter
 
 
@@ -23,12 +23,12 @@ class RMSNorm(nn.Module):
         """Normalise ``x`` (or ``x + residual``); both ``[num_tokens, hidden_size]``.
 
         Returns ``(normed, new_residual)``. With a residual, the sum is accumulated into
-        ``residual`` in place and that tensor is returned as the new residual; without
-        one, ``x`` itself is the new residual.
+        ``residual`` in place, ``x`` is overwritten with the normed rows, and the two are
+        returned; without one, ``x`` itself is the new residual. ``x`` is contiguous.
         """
         if residual is None:
-            residual = x
-        else:
-            residual.add_(x)
-        normed = F.rms_norm(residual.float(), self.weight.shape, eps=self.eps)
-        return normed.to(residual.dtype) * self.weight, residual
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out, x
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual

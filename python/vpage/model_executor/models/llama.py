@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.linear import Embedding, Linear
@@ -90,8 +91,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
-        gate, up = self.gate_up_proj(x).split(self.shard_sizes(), dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        gate_up = self.gate_up_proj(x)
+        h = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
+        ops.silu_and_mul(h, gate_up)
+        return self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):

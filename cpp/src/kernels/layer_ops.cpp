@@ -1,0 +1,199 @@
+// Fused RMSNorm (+ residual add) and SiLU-and-multiply. Threads take ranges of tokens. The
+// float32 row loops are compiled for AVX-512, AVX2 and baseline (chosen at load time) and,
+// like rotary.cpp, without FMA contraction, so each product and sum is rounded as torch's
+// unfused operations round it. 16-bit rows go through float32 row buffers, rounded to the
+// dtype wherever torch's unfused operations would store a 16-bit tensor.
+#include "vpage/kernels/layer_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "target_clones.h"
+#include "thread_pool.h"
+#include "vpage/kernels/half.h"
+
+namespace vpage::cpu {
+namespace {
+
+constexpr int64_t kTokensPerTask = 8;
+constexpr int kLanes = 16;  // partial sums of sum_of_squares: one AVX-512 vector
+
+VPAGE_TARGET_CLONES
+float sum_of_squares(const float* x, int32_t n) {
+  float acc[kLanes] = {};
+  int32_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += x[i] * x[i];
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+VPAGE_TARGET_CLONES
+void add_into(float* residual, const float* x, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) residual[i] += x[i];
+}
+
+VPAGE_TARGET_CLONES
+void normalize_f32(float* out, const float* src, float inv, const float* weight, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] = (src[i] * inv) * weight[i];
+}
+
+// exp(x) clamped to [-87, 88] (normal results): 2^n * e^r with n = round(x / ln 2) by the
+// 1.5 * 2^23 trick, r = x - n ln 2 in two parts, e^r by Cephes' degree-6 polynomial (~1 ulp).
+// Branch-free, so the loops calling it vectorise.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + (r + 1.0f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+VPAGE_TARGET_CLONES
+void silu_f32(float* out, const float* a, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] = a[i] / (1.0f + exp_clamped(-a[i]));
+}
+
+VPAGE_TARGET_CLONES
+void mul_into(float* out, const float* b, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] *= b[i];
+}
+
+// A 16-bit dtype's conversions.
+struct Half {
+  static float load(uint16_t v) { return half_to_float(v); }
+  static uint16_t store(float v) { return float_to_half(v); }
+};
+struct BFloat16 {
+  static float load(uint16_t v) { return bfloat16_to_float(v); }
+  static uint16_t store(float v) { return float_to_bfloat16(v); }
+};
+
+template <class Codec>
+void load_row(float* dst, const uint16_t* src, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) dst[i] = Codec::load(src[i]);
+}
+
+// Rounds a float row to the dtype and back, storing the 16-bit values in `stored` if given.
+template <class Codec>
+void round_row(float* row, uint16_t* stored, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const uint16_t v = Codec::store(row[i]);
+    if (stored != nullptr) stored[i] = v;
+    row[i] = Codec::load(v);
+  }
+}
+
+std::vector<float>& row_buffer(int which, size_t floats) {
+  thread_local std::vector<float> buffers[3];
+  if (buffers[which].size() < floats) buffers[which].resize(floats);
+  return buffers[which];
+}
+
+void rms_norm_f32(const RmsNormArgs& a, int64_t t) {
+  const int32_t n = a.hidden_size;
+  const float* x = static_cast<const float*>(a.x) + t * n;
+  const float* src = x;
+  if (a.residual != nullptr) {
+    float* residual = static_cast<float*>(a.residual) + t * n;
+    add_into(residual, x, n);
+    src = residual;
+  }
+  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + a.eps);
+  normalize_f32(static_cast<float*>(a.out) + t * n, src, inv, static_cast<const float*>(a.weight), n);
+}
+
+template <class Codec>
+void rms_norm_16(const RmsNormArgs& a, int64_t t) {
+  const int32_t n = a.hidden_size;
+  float* src = row_buffer(0, n).data();
+  float* other = row_buffer(1, n).data();
+  load_row<Codec>(src, static_cast<const uint16_t*>(a.x) + t * n, n);
+  if (a.residual != nullptr) {
+    uint16_t* residual = static_cast<uint16_t*>(a.residual) + t * n;
+    load_row<Codec>(other, residual, n);
+    add_into(src, other, n);
+    round_row<Codec>(src, residual, n);
+  }
+  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + a.eps);
+  for (int32_t i = 0; i < n; ++i) src[i] *= inv;
+  round_row<Codec>(src, nullptr, n);
+  load_row<Codec>(other, static_cast<const uint16_t*>(a.weight), n);
+  mul_into(src, other, n);
+  round_row<Codec>(src, static_cast<uint16_t*>(a.out) + t * n, n);
+}
+
+void silu_and_mul_f32(const SiluAndMulArgs& a, int64_t t) {
+  const float* gate = static_cast<const float*>(a.x) + t * 2 * a.d;
+  float* out = static_cast<float*>(a.out) + t * a.d;
+  silu_f32(out, gate, a.d);
+  mul_into(out, gate + a.d, a.d);
+}
+
+template <class Codec>
+void silu_and_mul_16(const SiluAndMulArgs& a, int64_t t) {
+  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
+  float* in = row_buffer(0, a.d).data();
+  float* out = row_buffer(1, a.d).data();
+  load_row<Codec>(in, gate, a.d);
+  silu_f32(out, in, a.d);
+  round_row<Codec>(out, nullptr, a.d);
+  load_row<Codec>(in, gate + a.d, a.d);
+  mul_into(out, in, a.d);
+  round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
+}
+
+template <class Args>
+void for_token_ranges(const Args& a, int num_threads, void (*f32)(const Args&, int64_t),
+                      void (*f16)(const Args&, int64_t), void (*bf16)(const Args&, int64_t)) {
+  void (*row)(const Args&, int64_t) = a.dtype == DType::kFloat32 ? f32 : a.dtype == DType::kFloat16 ? f16 : bf16;
+  const int64_t num_tasks = (a.num_tokens + kTokensPerTask - 1) / kTokensPerTask;
+  ThreadPool::instance().parallel_for(num_tasks, std::max(num_threads, 1), [&](int64_t task, int) {
+    const int64_t end = std::min(a.num_tokens, (task + 1) * kTokensPerTask);
+    for (int64_t t = task * kTokensPerTask; t < end; ++t) row(a, t);
+  });
+}
+
+void check_dtype(DType dtype, const char* op) {
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    throw std::invalid_argument(std::string(op) + ": unknown dtype code " + std::to_string(static_cast<int>(dtype)));
+  }
+}
+
+}  // namespace
+
+void rms_norm(const RmsNormArgs& args, int num_threads) {
+  check_dtype(args.dtype, "rms_norm");
+  if (args.num_tokens < 0 || args.hidden_size <= 0 || !(args.eps >= 0.0f)) {
+    throw std::invalid_argument("rms_norm: bad sizes (num_tokens " + std::to_string(args.num_tokens) +
+                                ", hidden_size " + std::to_string(args.hidden_size) + ") or eps");
+  }
+  for_token_ranges(args, num_threads, &rms_norm_f32, &rms_norm_16<Half>, &rms_norm_16<BFloat16>);
+}
+
+void silu_and_mul(const SiluAndMulArgs& args, int num_threads) {
+  check_dtype(args.dtype, "silu_and_mul");
+  if (args.num_tokens < 0 || args.d <= 0) {
+    throw std::invalid_argument("silu_and_mul: bad sizes (num_tokens " + std::to_string(args.num_tokens) +
+                                ", d " + std::to_string(args.d) + ")");
+  }
+  for_token_ranges(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
+}
+
+}  // namespace vpage::cpu
