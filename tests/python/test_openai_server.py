@@ -205,3 +205,28 @@ def test_client_leaving_a_stream_aborts_its_request(server):
 def test_cli_serve_reports_a_missing_model(capsys, tmp_path):
     assert cli_main(["serve", "--model", str(tmp_path / "absent"), "--port", "0"]) == 2
     assert "vpage: error:" in capsys.readouterr().err
+
+
+def test_a_failing_engine_step_fails_requests_cleanly(monkeypatch):
+    """A step that raises aborts every request (blocks freed), answers 503, and later requests
+    get 503 at once instead of hanging."""
+    engine = LLMEngine(EngineArgs(dtype="float32", device="cpu", kv_cache_memory=0.05, max_model_len=256))
+
+    def broken_step():
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    loop = EngineLoop(engine)
+    srv = OpenAIServer(loop, "smollm2", "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        for _ in range(2):
+            status, body = request(srv, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+            assert status == 503 and "injected failure" in body["error"]["message"], body
+        assert not engine.has_unfinished_requests()
+        usage = engine.scheduler.usage()
+        assert usage.free_gpu_blocks == usage.num_gpu_blocks
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        loop.shutdown()
