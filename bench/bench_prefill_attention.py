@@ -15,31 +15,17 @@ hits them alike. Prints a markdown table of medians.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench_attention import interleaved  # this folder's decode benchmark: round-robin timer
 from vpage import _core, ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK = 9, 3, 64, 16
 # (label, seqs, query tokens per seq, context tokens per seq)
 CASES = [("13x160", 13, 160, 160), ("4x512", 4, 512, 512), ("32x64", 32, 64, 64),
          ("1x256 after 768", 1, 256, 1024)]
-
-
-def interleaved(fns, repeats):
-    for fn in fns:
-        fn()
-    samples = [[] for _ in fns]
-    for r in range(repeats):
-        for k in range(len(fns)):
-            i = (r + k) % len(fns)
-            start = time.perf_counter()
-            fns[i]()
-            samples[i].append(time.perf_counter() - start)
-    return [statistics.median(s) for s in samples]
 
 
 def make_case(seqs, queries, ctx, dtype, gen):
@@ -100,7 +86,7 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         for label, seqs, queries, ctx in CASES:
             vp, sd = make_case(seqs, queries, ctx, dtype, gen)
-            t_vp, t_sd = interleaved([vp, sd], args.repeats)
+            (t_vp, _, _), (t_sd, _, _) = interleaved([vp, sd], args.repeats)
             # causal QK + PV multiply-adds actually needed: sum over queries of visible keys
             visible = sum(ctx - queries + i + 1 for i in range(queries))
             flops = 4 * seqs * NUM_HEADS * HEAD_SIZE * visible
