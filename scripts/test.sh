@@ -17,6 +17,13 @@ echo "== C++ core: build, ctest, installed CMake package =="
 cmake -S . -B build/cpp -DCMAKE_BUILD_TYPE=Release -DVPAGE_CUDA=OFF -DVPAGE_BUILD_TESTS=ON -DVPAGE_BUILD_BENCH=ON
 cmake --build build/cpp -j "$JOBS"
 ctest --test-dir build/cpp --output-on-failure
+
+echo "== C++ core tests under AddressSanitizer =="
+cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DVPAGE_CUDA=OFF -DVPAGE_BUILD_TESTS=ON \
+  -DVPAGE_BUILD_BENCH=OFF -DVPAGE_SANITIZE=address
+cmake --build build/asan -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 ctest --test-dir build/asan --output-on-failure
+
 rm -rf build/install build/embed
 cmake --install build/cpp --prefix build/install
 cmake -S examples/embed -B build/embed -DCMAKE_PREFIX_PATH="$PWD/build/install"

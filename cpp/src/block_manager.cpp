@@ -4,14 +4,14 @@
 #include <cmath>
 #include <unordered_map>
 
-#include "vpage/prefix_hash.h"
 
 namespace vpage {
 
 BlockManager::BlockManager(const BlockManagerConfig& config)
     : config_(config),
-      gpu_(Device::kGpu, config.num_gpu_blocks, config.enable_prefix_caching),
-      cpu_(Device::kCpu, config.num_cpu_blocks, false) {
+      gpu_(Device::kGpu, config.num_gpu_blocks, config.enable_prefix_caching, std::max(config.block_size, 1)),
+      cpu_(Device::kCpu, config.num_cpu_blocks, false),
+      hasher_(config.collide_prefix_hashes_for_testing) {
   VPAGE_CHECK(config.block_size > 0, "block_size must be > 0, got " << config.block_size);
   VPAGE_CHECK(config.watermark >= 0.0 && config.watermark < 1.0,
               "watermark must be in [0, 1), got " << config.watermark);
@@ -22,14 +22,25 @@ int32_t BlockManager::blocks_for(int32_t num_tokens) const {
   return (num_tokens + config_.block_size - 1) / config_.block_size;
 }
 
-void BlockManager::ensure_hashes(Sequence& seq, uint64_t salt, int32_t num_blocks) {
+BlockHash BlockManager::hash_salt(const std::string& salt) const { return hasher_.hash_salt(salt); }
+
+void BlockManager::ensure_hashes(const SequenceGroup& group, Sequence& seq, int32_t num_blocks) {
   const int32_t bs = config_.block_size;
   auto& hashes = seq.block_hashes_;
   while (static_cast<int32_t>(hashes.size()) < num_blocks) {
     const size_t i = hashes.size();
-    const uint64_t parent = i == 0 ? 0 : hashes[i - 1];
-    hashes.push_back(hash_block(parent, seq.tokens_.data() + i * bs, bs, salt));
+    const BlockHash parent = i == 0 ? BlockHash{} : hashes[i - 1];
+    hashes.push_back(hasher_.hash_block(parent, group.cache_salt_hash_, seq.tokens_.data() + i * bs, bs));
   }
+}
+
+BlockContent BlockManager::content_of(const SequenceGroup& group, const Sequence& seq, int32_t index,
+                                      uint64_t parent) const {
+  BlockContent content;
+  content.tokens = seq.tokens_.data() + static_cast<size_t>(index) * config_.block_size;
+  content.parent = parent;
+  content.salt = &group.cache_salt_;
+  return content;
 }
 
 int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bool acquire,
@@ -37,14 +48,17 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
   if (!gpu_.caching_enabled()) return 0;
   // The last token is always computed (its logits are needed).
   const int32_t cacheable = (seq.num_tokens() - 1) / config_.block_size;
-  ensure_hashes(seq, group.cache_salt_hash_, cacheable);
+  ensure_hashes(group, seq, cacheable);
   int32_t hits = 0;
+  uint64_t parent = kFirstBlock;
   while (hits < cacheable) {
-    const BlockId b = gpu_.lookup(seq.block_hashes_[hits], acquire);
+    const BlockId b = gpu_.lookup(seq.block_hashes_[hits], content_of(group, seq, hits, parent), acquire);
     if (b < 0) break;
+    parent = gpu_.content_id(b);
     if (acquire) {
       gpu_.acquire_cached(b);
       seq.block_table_.push_back(b);
+      seq.block_cids_.push_back(parent);
     } else if (num_hits_free) {
       *num_hits_free += gpu_.refcount(b) == 0;
     }
@@ -114,14 +128,16 @@ void BlockManager::allocate(SequenceGroup& group) {
       const int32_t hits = match_prefix(group, *s, true, nullptr);
       while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
       s->num_computed_ = hits * bs;
-      s->num_registered_blocks_ = hits;
       continue;
     }
     table.assign(leader->block_table_.begin(), leader->block_table_.begin() + shared_blocks);
     for (BlockId b : table) gpu_.incref(b);
     while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
     s->num_computed_ = plan.identical ? leader->num_computed_ : plan.shared_len;
-    s->num_registered_blocks_ = plan.identical ? leader->num_registered_blocks_ : plan.shared_len / bs;
+    // The leader registers the shared blocks; their content ids are read back when needed.
+    s->block_cids_.assign(static_cast<size_t>(s->num_computed_ / bs), kNoContent);
+    std::copy(leader->block_cids_.begin(), leader->block_cids_.begin() +
+              std::min(leader->block_cids_.size(), s->block_cids_.size()), s->block_cids_.begin());
   }
   group.identical_ = plan.identical;
   group.shared_len_ = plan.identical ? 0 : plan.shared_len;
@@ -171,7 +187,7 @@ void BlockManager::fork(const Sequence& parent, Sequence& child) {
   child.block_table_ = parent.block_table_;
   child.block_device_ = parent.block_device_;
   child.block_hashes_ = parent.block_hashes_;
-  child.num_registered_blocks_ = parent.num_registered_blocks_;
+  child.block_cids_ = parent.block_cids_;
 }
 
 void BlockManager::free(Sequence& seq) {
@@ -239,12 +255,18 @@ void BlockManager::swap_in(SequenceGroup& group, std::vector<BlockPair>& mapping
 void BlockManager::register_computed_blocks(const SequenceGroup& group, Sequence& seq) {
   if (!gpu_.caching_enabled() || seq.block_device_ != Device::kGpu) return;
   const int32_t full = seq.num_computed_ / config_.block_size;
-  if (full <= seq.num_registered_blocks_) return;
-  ensure_hashes(seq, group.cache_salt_hash_, full);
-  for (int32_t i = seq.num_registered_blocks_; i < full; ++i) {
-    gpu_.register_hash(seq.block_table_[i], seq.block_hashes_[i]);
+  auto& cids = seq.block_cids_;
+  if (full <= static_cast<int32_t>(cids.size())) return;
+  ensure_hashes(group, seq, full);
+  for (int32_t i = static_cast<int32_t>(cids.size()); i < full; ++i) {
+    uint64_t parent = kFirstBlock;
+    if (i > 0) {
+      // A shared block computed by another sequence of the group: its entry, if any.
+      if (cids[i - 1] == kNoContent) cids[i - 1] = gpu_.content_id(seq.block_table_[i - 1]);
+      parent = cids[i - 1];
+    }
+    cids.push_back(gpu_.register_block(seq.block_table_[i], seq.block_hashes_[i], content_of(group, seq, i, parent)));
   }
-  seq.num_registered_blocks_ = full;
 }
 
 BlockUsage BlockManager::usage() const {

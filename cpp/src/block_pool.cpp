@@ -1,16 +1,24 @@
 #include "vpage/block_pool.h"
 
+#include <algorithm>
+
 namespace vpage {
 
-BlockPool::BlockPool(Device device, int32_t num_blocks, bool enable_caching)
-    : device_(device), num_blocks_(num_blocks), caching_(enable_caching) {
+BlockPool::BlockPool(Device device, int32_t num_blocks, bool enable_caching, int32_t block_size)
+    : device_(device), num_blocks_(num_blocks), caching_(enable_caching), block_size_(block_size) {
   VPAGE_CHECK(num_blocks >= 0, "number of blocks must be >= 0, got " << num_blocks);
+  VPAGE_CHECK(!enable_caching || block_size > 0, "a caching pool needs block_size > 0, got " << block_size);
   const size_t n = static_cast<size_t>(num_blocks);
   refcount_.assign(n, 0);
   prev_.assign(n + 1, num_blocks);
   next_.assign(n + 1, num_blocks);
-  hash_.assign(n, 0);
-  hashed_.assign(n, 0);
+  cid_.assign(n, kNoContent);
+  if (caching_) {
+    hash_.assign(n, BlockHash{});
+    parent_.assign(n, kNoContent);
+    salt_.assign(n, std::string());
+    tokens_.assign(n * static_cast<size_t>(block_size), 0);
+  }
   for (BlockId b = 0; b < num_blocks; ++b) push_back(b);
 }
 
@@ -39,9 +47,19 @@ void BlockPool::push_back(BlockId block) {
 }
 
 void BlockPool::drop_hash(BlockId block) {
-  if (!hashed_[block]) return;
+  if (cid_[block] == kNoContent) return;
   cached_.erase(hash_[block]);
-  hashed_[block] = 0;
+  cid_[block] = kNoContent;
+  salt_[block].clear();
+}
+
+bool BlockPool::same_content(BlockId block, const BlockContent& content) const {
+  if (parent_[block] != content.parent) return false;
+  if (content.parent == kFirstBlock && salt_[block] != (content.salt ? *content.salt : std::string())) {
+    return false;
+  }
+  const TokenId* recorded = tokens_.data() + static_cast<size_t>(block) * block_size_;
+  return std::equal(recorded, recorded + block_size_, content.tokens);
 }
 
 BlockId BlockPool::allocate() {
@@ -49,7 +67,7 @@ BlockId BlockPool::allocate() {
                                                      << " pool");
   const BlockId block = next_[num_blocks_];
   unlink(block);
-  if (hashed_[block]) {
+  if (cid_[block] != kNoContent) {
     drop_hash(block);
     ++stats_.evictions;
   }
@@ -67,9 +85,14 @@ void BlockPool::decref(BlockId block) {
   if (--refcount_[block] == 0) push_back(block);
 }
 
-BlockId BlockPool::lookup(uint64_t hash, bool count) {
+BlockId BlockPool::lookup(const BlockHash& hash, const BlockContent& content, bool count) {
+  if (!caching_ || content.parent == kNoContent) return -1;
   const auto it = cached_.find(hash);
-  const BlockId found = it == cached_.end() ? -1 : it->second;
+  BlockId found = it == cached_.end() ? -1 : it->second;
+  if (found >= 0 && !same_content(found, content)) {
+    found = -1;
+    if (count) ++stats_.collisions;
+  }
   if (count) {
     ++stats_.queries;
     stats_.hits += found >= 0;
@@ -78,16 +101,26 @@ BlockId BlockPool::lookup(uint64_t hash, bool count) {
 }
 
 void BlockPool::acquire_cached(BlockId block) {
-  VPAGE_CHECK(hashed_[check_id(block)], "block " << block << " is not a cached block");
+  VPAGE_CHECK(cid_[check_id(block)] != kNoContent, "block " << block << " is not a cached block");
   if (refcount_[block]++ == 0) unlink(block);
 }
 
-void BlockPool::register_hash(BlockId block, uint64_t hash) {
-  VPAGE_CHECK(refcount_[check_id(block)] > 0, "register_hash on free block " << block);
-  if (!caching_ || hashed_[block]) return;
-  if (!cached_.emplace(hash, block).second) return;
+uint64_t BlockPool::register_block(BlockId block, const BlockHash& hash, const BlockContent& content) {
+  VPAGE_CHECK(refcount_[check_id(block)] > 0, "register_block on free block " << block);
+  if (!caching_ || content.parent == kNoContent) return kNoContent;
+  if (cid_[block] != kNoContent) return cid_[block];
+  const auto [it, inserted] = cached_.emplace(hash, block);
+  if (!inserted) {
+    if (same_content(it->second, content)) return cid_[it->second];
+    ++stats_.collisions;
+    return kNoContent;
+  }
   hash_[block] = hash;
-  hashed_[block] = 1;
+  cid_[block] = next_cid_++;
+  parent_[block] = content.parent;
+  if (content.parent == kFirstBlock && content.salt) salt_[block] = *content.salt;
+  std::copy(content.tokens, content.tokens + block_size_, tokens_.begin() + static_cast<size_t>(block) * block_size_);
+  return cid_[block];
 }
 
 void BlockPool::check_invariants(const std::vector<int32_t>& expected_refcounts) const {
@@ -110,7 +143,8 @@ void BlockPool::check_invariants(const std::vector<int32_t>& expected_refcounts)
   VPAGE_CHECK(zero == num_free_, "free + used != total");
   size_t hashed = 0;
   for (int32_t b = 0; b < num_blocks_; ++b) {
-    if (!hashed_[b]) continue;
+    if (cid_[b] == kNoContent) continue;
+    VPAGE_CHECK(caching_, "block " << b << " is cached in a pool without caching");
     ++hashed;
     const auto it = cached_.find(hash_[b]);
     VPAGE_CHECK(it != cached_.end() && it->second == b, "cache index misses block " << b);

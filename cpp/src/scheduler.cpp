@@ -1,12 +1,24 @@
 #include "vpage/scheduler.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
-#include "vpage/prefix_hash.h"
 #include "step_builder.h"
 
 namespace vpage {
+namespace {
+
+// Inserts `group` after every group that arrived no later (FCFS order of the queue).
+template <typename Queue>
+void insert_by_arrival(Queue& queue, SequenceGroup* group) {
+  const auto it = std::upper_bound(queue.begin(), queue.end(), group, [](const SequenceGroup* a, const SequenceGroup* b) {
+    return a->arrival_time() < b->arrival_time();
+  });
+  queue.insert(it, group);
+}
+
+}  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config, const BlockManagerConfig& block_config)
     : config_(config), blocks_(block_config), plan_(std::make_shared<SchedulePlan>()) {
@@ -26,8 +38,8 @@ std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id,
   VPAGE_CHECK(stop.min_tokens >= 0 && stop.min_tokens <= stop.max_tokens,
               "min_tokens must be in [0, max_tokens], got " << stop.min_tokens);
   VPAGE_CHECK(!groups_.count(request_id), "request id '" << request_id << "' is already in use");
-  auto group = std::make_unique<SequenceGroup>(request_id, arrival_time, stop,
-                                               hash_cache_salt(cache_salt));
+  auto group = std::make_unique<SequenceGroup>(request_id, arrival_time, stop, cache_salt,
+                                               blocks_.hash_salt(cache_salt));
   std::vector<SeqId> ids;
   for (int32_t i = 0; i < num_seqs; ++i) {
     group->seqs_.push_back(std::make_unique<Sequence>(next_seq_id_++, prompt));
@@ -53,13 +65,6 @@ const Sequence* Scheduler::find_sequence(SeqId seq_id) const {
   return it == seqs_.end() ? nullptr : it->second.seq;
 }
 
-void Scheduler::insert_by_arrival(std::deque<SequenceGroup*>& queue, SequenceGroup* group) {
-  auto it = std::upper_bound(queue.begin(), queue.end(), group, [](const SequenceGroup* a, const SequenceGroup* b) {
-    return a->arrival_time() < b->arrival_time();
-  });
-  queue.insert(it, group);
-}
-
 void Scheduler::set_status(SequenceGroup& group, SequenceStatus status) {
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) s->status_ = status;
@@ -75,7 +80,7 @@ void Scheduler::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus s
   for (auto& s : group.seqs_) {
     if (is_finished(s->status_)) continue;
     s->num_computed_ = std::min(s->num_computed_, seq.num_computed_);
-    s->num_registered_blocks_ = std::min(s->num_registered_blocks_, s->num_computed_ / blocks_.block_size());
+    s->block_cids_.resize(std::min<size_t>(s->block_cids_.size(), s->num_computed_ / blocks_.block_size()));
   }
   group.shared_len_ = 0;
 }
@@ -103,7 +108,6 @@ void Scheduler::ignore(SequenceGroup& group, const std::string& reason, Schedule
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) finish_seq(group, *s, SequenceStatus::kFinishedIgnored);
   }
-  group.ignore_reason_ = reason;
   plan.ignored.emplace_back(group.request_id(), reason);
   remove_group(group);
 }
@@ -124,7 +128,7 @@ void Scheduler::preempt(SequenceGroup& group, SchedulePlan& plan) {
       if (is_finished(s->status_)) continue;
       blocks_.free(*s);
       s->num_computed_ = 0;
-      s->num_registered_blocks_ = 0;
+      s->block_cids_.clear();
     }
     group.shared_len_ = 0;
     set_status(group, SequenceStatus::kWaiting);
@@ -143,7 +147,7 @@ bool Scheduler::is_decode(const SequenceGroup& group) {
   return true;
 }
 
-void Scheduler::schedule_group(SequenceGroup& group, int32_t& token_budget, StepBuilder& step) {
+void Scheduler::schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step) {
   std::vector<Sequence*> live;
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) live.push_back(s.get());
@@ -152,12 +156,12 @@ void Scheduler::schedule_group(SequenceGroup& group, int32_t& token_budget, Step
   // Diverged ones wait until the first has computed the blocks they share (shared_len_).
   const size_t num_computing = group.identical_ ? 1 : live.size();
   const bool shared_pending = !live.empty() && live[0]->num_computed_ < group.shared_len_;
-  for (size_t i = 0; i < num_computing && token_budget > 0; ++i) {
+  for (size_t i = 0; i < num_computing && budget.tokens > 0; ++i) {
     Sequence& seq = *live[i];
     if (i > 0 && shared_pending) break;
-    const int32_t n = std::min(seq.num_uncomputed_tokens(), token_budget);
+    const int32_t n = std::min(seq.num_uncomputed_tokens(), budget.tokens);
     if (n == 0) continue;
-    token_budget -= n;
+    budget.tokens -= n;
     const int64_t last = step.add_row(seq, n);
     const bool samples = seq.num_computed_ + n == seq.num_tokens();
     const size_t followers_end = group.identical_ ? live.size() : i + 1;
@@ -167,6 +171,137 @@ void Scheduler::schedule_group(SequenceGroup& group, int32_t& token_budget, Step
     }
   }
   group.last_step_ = plan_->step_id;
+}
+
+void Scheduler::make_running(SequenceGroup& group, StepBudget& budget) {
+  set_status(group, SequenceStatus::kRunning);
+  insert_by_arrival(running_, &group);
+  budget.num_seqs += group.num_unfinished();
+}
+
+void Scheduler::preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan) {
+  SequenceGroup* group = running_[index];
+  running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
+  budget.num_seqs -= group->num_unfinished();
+  budget.preempted = true;
+  preempt(*group, plan);
+}
+
+void Scheduler::schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+  for (size_t i = 0; i < running_.size(); ++i) {
+    SequenceGroup& group = *running_[i];
+    const bool decode = is_decode(group);
+    // Groups still computing one shared prompt hold all their blocks since admission.
+    if (group.identical_ || (decode && group.num_unfinished() > budget.tokens)) continue;
+    bool preempted_self = false;
+    while (!blocks_.can_append_slots(group)) {
+      // The latest arrival not scheduled in this step gives its blocks up; else this group.
+      size_t victim = running_.size();
+      for (size_t j = running_.size(); j-- > i + 1;) {
+        if (!scheduled_now(*running_[j])) {
+          victim = j;
+          break;
+        }
+      }
+      if (victim == running_.size()) {
+        preempted_self = true;
+        break;
+      }
+      preempt_running(victim, budget, plan);
+    }
+    if (preempted_self) {
+      preempt_running(i--, budget, plan);
+      continue;
+    }
+    blocks_.append_slots(group, plan.blocks_to_copy);
+    if (decode) schedule_group(group, budget, step);
+  }
+}
+
+void Scheduler::schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+  while (!budget.preempted && !swapped_.empty()) {
+    SequenceGroup& group = *swapped_.front();
+    const AllocStatus status = blocks_.can_swap_in(group);
+    if (status == AllocStatus::kNever) {
+      swapped_.pop_front();
+      ignore(group, "the swapped request no longer fits in the KV cache", plan);
+      continue;
+    }
+    const int32_t k = group.num_unfinished();
+    const bool decode = is_decode(group);
+    if (status == AllocStatus::kLater || budget.num_seqs + k > config_.max_num_seqs ||
+        budget.tokens < (decode ? k : 1)) {
+      break;
+    }
+    swapped_.pop_front();
+    blocks_.swap_in(group, plan.blocks_to_swap_in);
+    make_running(group, budget);
+    blocks_.append_slots(group, plan.blocks_to_copy);
+    if (decode) schedule_group(group, budget, step);
+  }
+}
+
+void Scheduler::schedule_prefills(StepBudget& budget, StepBuilder& step) {
+  for (SequenceGroup* g : running_) {
+    if (budget.tokens == 0) break;
+    if (scheduled_now(*g) || is_decode(*g)) continue;
+    if (!config_.enable_chunked_prefill) {
+      int32_t uncomputed = 0;
+      for (auto& s : g->seqs_) {
+        if (!is_finished(s->status_)) uncomputed += s->num_uncomputed_tokens();
+        if (g->identical_) break;
+      }
+      if (uncomputed > budget.tokens) continue;
+    }
+    schedule_group(*g, budget, step);
+  }
+}
+
+AllocStatus Scheduler::admission_status(SequenceGroup& group, int32_t len, std::string& reason) {
+  if (len > config_.max_model_len) {
+    reason = "prompt of " + std::to_string(len) + " tokens exceeds max_model_len " +
+             std::to_string(config_.max_model_len);
+    return AllocStatus::kNever;
+  }
+  if (!config_.enable_chunked_prefill && len > config_.max_num_batched_tokens) {
+    reason = "prompt of " + std::to_string(len) + " tokens exceeds max_num_batched_tokens " +
+             std::to_string(config_.max_num_batched_tokens) + " and chunked prefill is off";
+    return AllocStatus::kNever;
+  }
+  const AllocStatus status = blocks_.can_allocate(group);
+  if (status == AllocStatus::kNever) {
+    reason = "prompt of " + std::to_string(len) + " tokens needs more KV blocks than the cache holds (" +
+             std::to_string(blocks_.config().num_gpu_blocks) + " blocks of " +
+             std::to_string(blocks_.block_size()) + " tokens, minus the watermark)";
+  }
+  return status;
+}
+
+void Scheduler::schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+  while (!budget.preempted && swapped_.empty() && !waiting_.empty() && budget.tokens > 0) {
+    SequenceGroup& group = *waiting_.front();
+    int32_t len = 0, total = 0;
+    for (auto& s : group.seqs_) {
+      if (is_finished(s->status_)) continue;
+      len = std::max(len, s->num_tokens());
+      total += group.identical_ && total > 0 ? 0 : s->num_tokens();
+    }
+    std::string reason;
+    const AllocStatus status = admission_status(group, len, reason);
+    if (status == AllocStatus::kNever) {
+      waiting_.pop_front();
+      ignore(group, reason, plan);
+      continue;
+    }
+    if (status == AllocStatus::kLater) break;
+    if (budget.num_seqs + group.num_unfinished() > config_.max_num_seqs) break;
+    if (!config_.enable_chunked_prefill && total > budget.tokens) break;
+    waiting_.pop_front();
+    blocks_.allocate(group);
+    stats_.num_cached_prompt_tokens += group.num_cached_tokens_;
+    make_running(group, budget);
+    schedule_group(group, budget, step);
+  }
 }
 
 std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
@@ -179,134 +314,19 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
   plan.step_id = next_step_id_++;
   pending_.clear();
   StepBuilder step(plan, blocks_.block_size());
-  int32_t token_budget = config_.max_num_batched_tokens;
-  int32_t num_running_seqs = 0;
-  for (const SequenceGroup* g : running_) num_running_seqs += g->num_unfinished();
+  StepBudget budget;
+  budget.tokens = config_.max_num_batched_tokens;
+  for (const SequenceGroup* g : running_) budget.num_seqs += g->num_unfinished();
 
   // 1. Slots for the newest tokens of running groups, FCFS, preempting the latest arrivals
-  //    when blocks run out; decodes are scheduled right away. (Groups still computing one
-  //    shared prompt hold all their blocks since admission.)
-  for (size_t i = 0; i < running_.size(); ++i) {
-    SequenceGroup& group = *running_[i];
-    const bool decode = is_decode(group);
-    if (group.identical_ || (decode && group.num_unfinished() > token_budget)) continue;
-    bool preempted_self = false;
-    while (!blocks_.can_append_slots(group)) {
-      size_t victim = running_.size();
-      for (size_t j = running_.size(); j-- > i + 1;) {
-        if (!scheduled_now(*running_[j])) {
-          victim = j;
-          break;
-        }
-      }
-      if (victim == running_.size()) {
-        preempted_self = true;
-        break;
-      }
-      SequenceGroup* v = running_[victim];
-      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(victim));
-      num_running_seqs -= v->num_unfinished();
-      preempt(*v, plan);
-    }
-    if (preempted_self) {
-      running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(i));
-      num_running_seqs -= group.num_unfinished();
-      preempt(group, plan);
-      --i;
-      continue;
-    }
-    blocks_.append_slots(group, plan.blocks_to_copy);
-    if (decode) schedule_group(group, token_budget, step);
-  }
-  const bool preempted = plan.num_preempted_recompute + plan.num_preempted_swap > 0;
-
+  //    when blocks run out; decodes are scheduled right away.
+  schedule_running(budget, step, plan);
   // 2. Swapped groups come back (FCFS) before any new prompt, unless this step preempted.
-  while (!preempted && !swapped_.empty()) {
-    SequenceGroup& group = *swapped_.front();
-    const AllocStatus status = blocks_.can_swap_in(group);
-    if (status == AllocStatus::kNever) {
-      swapped_.pop_front();
-      ignore(group, "the swapped request no longer fits in the KV cache", plan);
-      continue;
-    }
-    const int32_t k = group.num_unfinished();
-    const bool decode = is_decode(group);
-    if (status == AllocStatus::kLater || num_running_seqs + k > config_.max_num_seqs ||
-        token_budget < (decode ? k : 1)) {
-      break;
-    }
-    swapped_.pop_front();
-    blocks_.swap_in(group, plan.blocks_to_swap_in);
-    set_status(group, SequenceStatus::kRunning);
-    running_.insert(std::upper_bound(running_.begin(), running_.end(), &group,
-                                     [](const SequenceGroup* a, const SequenceGroup* b) {
-                                       return a->arrival_time() < b->arrival_time();
-                                     }),
-                    &group);
-    num_running_seqs += k;
-    blocks_.append_slots(group, plan.blocks_to_copy);
-    if (decode) schedule_group(group, token_budget, step);
-  }
-
+  schedule_swapped(budget, step, plan);
   // 3. Prefill chunks of running groups.
-  for (SequenceGroup* g : running_) {
-    if (token_budget == 0) break;
-    if (scheduled_now(*g) || is_decode(*g)) continue;
-    if (!config_.enable_chunked_prefill) {
-      int32_t uncomputed = 0;
-      for (auto& s : g->seqs_) {
-        if (!is_finished(s->status_)) uncomputed += s->num_uncomputed_tokens();
-        if (g->identical_) break;
-      }
-      if (uncomputed > token_budget) continue;
-    }
-    schedule_group(*g, token_budget, step);
-  }
-
+  schedule_prefills(budget, step);
   // 4. New prompts (FCFS) while the budgets and the KV cache allow.
-  while (!preempted && swapped_.empty() && !waiting_.empty() && token_budget > 0) {
-    SequenceGroup& group = *waiting_.front();
-    int32_t len = 0, total = 0;
-    for (auto& s : group.seqs_) {
-      if (is_finished(s->status_)) continue;
-      len = std::max(len, s->num_tokens());
-      total += group.identical_ && total > 0 ? 0 : s->num_tokens();
-    }
-    std::string reason;
-    if (len > config_.max_model_len) {
-      reason = "prompt of " + std::to_string(len) + " tokens exceeds max_model_len " +
-               std::to_string(config_.max_model_len);
-    } else if (!config_.enable_chunked_prefill && len > config_.max_num_batched_tokens) {
-      reason = "prompt of " + std::to_string(len) + " tokens exceeds max_num_batched_tokens " +
-               std::to_string(config_.max_num_batched_tokens) + " and chunked prefill is off";
-    }
-    const AllocStatus status = reason.empty() ? blocks_.can_allocate(group) : AllocStatus::kNever;
-    if (status == AllocStatus::kNever) {
-      if (reason.empty()) {
-        reason = "prompt of " + std::to_string(len) + " tokens needs more KV blocks than the cache holds (" +
-                 std::to_string(blocks_.config().num_gpu_blocks) + " blocks of " +
-                 std::to_string(blocks_.block_size()) + " tokens, minus the watermark)";
-      }
-      waiting_.pop_front();
-      ignore(group, reason, plan);
-      continue;
-    }
-    if (status == AllocStatus::kLater) break;
-    const int32_t k = group.num_unfinished();
-    if (num_running_seqs + k > config_.max_num_seqs) break;
-    if (!config_.enable_chunked_prefill && total > token_budget) break;
-    waiting_.pop_front();
-    blocks_.allocate(group);
-    stats_.num_cached_prompt_tokens += group.num_cached_tokens_;
-    set_status(group, SequenceStatus::kRunning);
-    running_.insert(std::upper_bound(running_.begin(), running_.end(), &group,
-                                     [](const SequenceGroup* a, const SequenceGroup* b) {
-                                       return a->arrival_time() < b->arrival_time();
-                                     }),
-                    &group);
-    num_running_seqs += k;
-    schedule_group(group, token_budget, step);
-  }
+  schedule_waiting(budget, step, plan);
 
   step.finish();
   ++stats_.num_steps;
@@ -345,19 +365,39 @@ SequenceStatus Scheduler::status_after_token(const SequenceGroup& group, const S
   return SequenceStatus::kRunning;
 }
 
+void Scheduler::check_commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) const {
+  VPAGE_CHECK(count >= 0 && (count == 0 || (seq_ids && token_ids)), "commit of " << count << " tokens without arrays");
+  std::unordered_map<SeqId, int32_t> computing;  // tokens each sequence computes in this step
+  for (const auto& [id, n] : pending_) computing[id] += n;
+  std::unordered_set<SeqId> seen;
+  for (int64_t i = 0; i < count; ++i) {
+    const SeqId id = seq_ids[i];
+    VPAGE_CHECK(id >= 0 && id < next_seq_id_, "commit: sequence id " << id << " was never issued");
+    VPAGE_CHECK(seen.insert(id).second, "commit: sequence " << id << " given twice");
+    VPAGE_CHECK(token_ids[i] >= 0, "commit: negative token id " << token_ids[i] << " for sequence " << id);
+    const auto it = seqs_.find(id);
+    if (it == seqs_.end() || is_finished(it->second.seq->status_)) continue;  // aborted meanwhile
+    const Sequence& seq = *it->second.seq;
+    const auto c = computing.find(id);
+    VPAGE_CHECK(c != computing.end() && seq.num_computed_ + c->second == seq.num_tokens(),
+                "commit: sequence " << id << " was not scheduled to sample in this step");
+  }
+}
+
 CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
+  check_commit(seq_ids, token_ids, count);
   for (const auto& [id, n] : pending_) {
     const auto it = seqs_.find(id);
     if (it == seqs_.end() || is_finished(it->second.seq->status_)) continue;
     Sequence& seq = *it->second.seq;
     seq.num_computed_ += n;
-    VPAGE_CHECK(seq.num_computed_ <= seq.num_tokens(), "sequence " << id << " computed past its tokens");
     blocks_.register_computed_blocks(*it->second.group, seq);
   }
   pending_.clear();
 
   CommitResult result;
   result.statuses.resize(static_cast<size_t>(count));
+  result.stop_token_ids.assign(static_cast<size_t>(count), -1);
   std::vector<SequenceGroup*> touched;
   for (int64_t i = 0; i < count; ++i) {
     const auto it = seqs_.find(seq_ids[i]);
@@ -368,14 +408,15 @@ CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, i
     Sequence& seq = *it->second.seq;
     SequenceGroup& group = *it->second.group;
     if (!is_finished(seq.status_)) {
-      VPAGE_CHECK(seq.num_computed_ == seq.num_tokens(),
-                  "sequence " << seq.seq_id() << " has " << seq.num_uncomputed_tokens()
-                              << " uncomputed tokens: it was not scheduled to sample");
       seq.tokens_.push_back(token_ids[i]);
       group.identical_ = false;
       const SequenceStatus status = status_after_token(group, seq, token_ids[i]);
       if (is_finished(status)) {
+        const auto& ids = group.stop_.stop_token_ids;
         seq.stop_token_ = status == SequenceStatus::kFinishedStopped ? token_ids[i] : -1;
+        if (seq.stop_token_ >= 0 && std::find(ids.begin(), ids.end(), seq.stop_token_) != ids.end()) {
+          result.stop_token_ids[i] = seq.stop_token_;
+        }
         finish_seq(group, seq, status);
       }
       touched.push_back(&group);

@@ -22,15 +22,21 @@ Sequence::Sequence(SeqId seq_id, std::vector<TokenId> prompt)
   VPAGE_CHECK(prompt_len_ > 0, "a sequence needs at least one prompt token");
 }
 
-int32_t Sequence::num_filled_in_last_block(int32_t block_size) const {
-  if (tokens_.empty()) return 0;
-  return (num_tokens() - 1) % block_size + 1;
+SequenceSnapshot Sequence::snapshot() const {
+  return SequenceSnapshot{seq_id_, status_, tokens_, prompt_len_, num_computed_, block_table_, block_device_,
+                          stop_token_};
+}
+
+SequenceGroupSnapshot SequenceGroup::snapshot() const {
+  SequenceGroupSnapshot s{request_id_, arrival_time_, num_unfinished(), num_preemptions_, num_cached_tokens_, {}};
+  for (const auto& seq : seqs_) s.seqs.push_back(seq->snapshot());
+  return s;
 }
 
 SequenceGroup::SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                             uint64_t cache_salt_hash)
+                             std::string cache_salt, const BlockHash& cache_salt_hash)
     : request_id_(std::move(request_id)), arrival_time_(arrival_time), stop_(std::move(stop)),
-      cache_salt_hash_(cache_salt_hash) {}
+      cache_salt_(std::move(cache_salt)), cache_salt_hash_(cache_salt_hash) {}
 
 int32_t SequenceGroup::num_unfinished() const {
   int32_t count = 0;

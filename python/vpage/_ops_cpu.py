@@ -55,7 +55,7 @@ def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> dict:
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _core.cpu_reshape_and_cache(
+    _core._cpu_reshape_and_cache(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         slot_mapping.data_ptr(), num_tokens=key.shape[0], key_stride=key.stride(0),
         value_stride=value.stride(0), num_threads=get_num_threads(),
@@ -66,7 +66,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
                     scale: float, max_context_len: int) -> None:
-    _core.cpu_paged_attention(
+    _core._cpu_paged_attention(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(),
         0 if query_start_loc is None else query_start_loc.data_ptr(),
@@ -80,7 +80,7 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
                 block_mapping: torch.Tensor) -> None:
     if not key_caches:
         return
-    _core.cpu_copy_blocks(
+    _core._cpu_copy_blocks(
         [t.data_ptr() for t in key_caches], [t.data_ptr() for t in value_caches],
         block_mapping.data_ptr(), num_pairs=block_mapping.shape[0],
         num_threads=get_num_threads(), **_cache_geometry(key_caches[0], value_caches[0]))
@@ -88,7 +88,7 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     block_bytes = math.prod(src.shape[1:]) * src.element_size()
-    _core.cpu_swap_blocks(
+    _core._cpu_swap_blocks(
         src.data_ptr(), dst.data_ptr(), block_bytes, block_mapping.data_ptr(),
         num_pairs=block_mapping.shape[0], src_num_blocks=src.shape[0],
         dst_num_blocks=dst.shape[0], num_threads=get_num_threads())
@@ -97,7 +97,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
                      head_size: int) -> None:
     """In place; CPU only (other devices use the torch version in vpage.ops)."""
-    _core.cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
+    _core._cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
                                cos_sin.shape[0], x.shape[0], num_heads, head_size, _DTYPE_CODES[x.dtype],
                                get_num_threads())
 
@@ -105,11 +105,11 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
 def rms_norm(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
              eps: float) -> None:
     """CPU only; see vpage.ops.rms_norm / fused_add_rms_norm."""
-    _core.cpu_rms_norm(out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+    _core._cpu_rms_norm(out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
                        weight.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], get_num_threads())
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """CPU only; see vpage.ops.silu_and_mul."""
-    _core.cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], _DTYPE_CODES[x.dtype],
+    _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], _DTYPE_CODES[x.dtype],
                            get_num_threads())

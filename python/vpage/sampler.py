@@ -18,6 +18,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # required for seeded requests (see make_generator)
+    # Tokens this row may not pick now (the output processor's min_tokens rule).
+    banned_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -97,7 +99,7 @@ class Sampler:
     """Samples one token per row, batched over the rows of a step."""
 
     def __init__(self, eos_token_ids: Sequence[int] = ()):
-        self.eos_token_ids = list(eos_token_ids)
+        self.eos_token_ids = list(eos_token_ids)  # sizes beam candidate lists
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -114,7 +116,7 @@ class Sampler:
                 raise ValueError(f"row {i} has seed {r.params.seed} but no generator (see make_generator)")
         raw = logits.float()  # the model's own distribution; not modified
         log_norm = torch.logsumexp(raw, dim=-1)  # logprob = logit - log_norm, without a softmax copy
-        early = self._early_stop_bans(rows)
+        early = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
         random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
@@ -139,17 +141,6 @@ class Sampler:
     @staticmethod
     def _has_penalties(p: SamplingParams) -> bool:
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-    def _early_stop_bans(self, rows: list[SamplingRow]) -> list[tuple[int, list[int]]]:
-        """Rows still under min_tokens and the tokens they may not pick yet: EOS (unless
-        ignore_eos) and stop_token_ids."""
-        bans = []
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
-                banned = list(r.params.stop_token_ids) + ([] if r.params.ignore_eos else self.eos_token_ids)
-                if banned:
-                    bans.append((i, banned))
-        return bans
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -51,16 +51,18 @@ TEST_CASE("pool: allocate, refcount, double free") {
 }
 
 TEST_CASE("pool: LRU eviction takes the least recently freed cached block") {
-  BlockPool pool(Device::kGpu, 2, true);
+  BlockPool pool(Device::kGpu, 2, true, 2);
   const BlockId a = pool.allocate();
   const BlockId b = pool.allocate();
-  pool.register_hash(a, 111);
-  pool.register_hash(b, 222);
+  const TokenId ta[2] = {1, 2}, tb[2] = {3, 4};
+  const BlockContent ca{ta, kFirstBlock, nullptr}, cb{tb, kFirstBlock, nullptr};
+  pool.register_block(a, BlockHash{111, 0}, ca);
+  pool.register_block(b, BlockHash{222, 0}, cb);
   pool.decref(b);  // freed first: evicted first
   pool.decref(a);
-  EXPECT(pool.lookup(111, true) == a && pool.lookup(222, true) == b);
+  EXPECT(pool.lookup(BlockHash{111, 0}, ca, true) == a && pool.lookup(BlockHash{222, 0}, cb, true) == b);
   EXPECT(pool.allocate() == b);
-  EXPECT(pool.lookup(222, true) == -1);
+  EXPECT(pool.lookup(BlockHash{222, 0}, cb, true) == -1);
   EXPECT(pool.cache_stats().evictions == 1 && pool.cache_stats().hits == 2);
   pool.acquire_cached(a);  // a hit on a free cached block takes it out of the free queue
   EXPECT(pool.num_free() == 0 && pool.refcount(a) == 1);

@@ -54,10 +54,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     assert llm.generate([PROMPTS[3]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
-def test_chat_template_and_stop_string(llm):
-    out = llm.chat([{"role": "user", "content": "Name three colours."}],
-                   SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
-    assert out.text.strip() and out.finish_reason in ("stop", "length")
+def test_chat_template_and_stop_string(llm, hf_model):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    eos = llm.engine.model_config.eos_token_ids
+    ids = torch.tensor([tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)])
+    with torch.no_grad():
+        ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                eos_token_id=eos, pad_token_id=eos[0])
+    expected = ref[0, ids.shape[1]:].tolist()
+    assert out.token_ids == expected
+    assert out.text == tok.decode(expected, skip_special_tokens=True) and out.text.strip()
+    assert out.finish_reason == ("stop" if expected[-1] in eos else "length")
     full = llm.generate(PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     stop = full.text.strip().split()[2]  # a word the model will produce
     cut = llm.generate(PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]),

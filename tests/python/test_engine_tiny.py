@@ -65,6 +65,10 @@ def test_cli_generate_streams_text(tiny, capsys):
     folder, _ = tiny
     assert cli_main(["generate", "the quick brown fox", "--model", str(folder), "--max-tokens", "8",
                      "--kv-cache-memory", "0.01"]) == 0
-    assert capsys.readouterr().out.strip()
+    streamed = capsys.readouterr().out
+    llm = LLM(str(folder), kv_cache_memory=0.01)
+    expected = llm.generate("the quick brown fox", SamplingParams(temperature=0.0, max_tokens=8),
+                            use_tqdm=False)[0].outputs[0].text
+    assert expected.strip() and streamed.rstrip("\n") == expected
     assert cli_main(["generate", "x", "--model", str(folder / "missing")]) == 2
     assert "no such model" in capsys.readouterr().err

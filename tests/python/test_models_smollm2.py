@@ -44,7 +44,7 @@ def test_logits_and_greedy_match_transformers(vpage_model, hf_model):
     cache = PagedKVCache(vpage_model.config, num_blocks=32, block_size=16)
     model = vpage_model.model
     batch = cache.step(prompts)
-    logits = model.compute_logits(model(batch, cache.caches))[batch.last_token_indices()]
+    logits = model.compute_logits(model(batch, cache.caches))[batch.query_start_loc[1:].long() - 1]
     for step in range(4):
         with torch.no_grad():
             ref = torch.stack([hf_model(torch.tensor([t])).logits[0, -1] for t in prompts.values()])

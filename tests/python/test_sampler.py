@@ -83,14 +83,16 @@ def test_penalties_match_hand_computation():
     assert logits[0].tolist() == pytest.approx(expected)
 
 
-def test_min_tokens_bans_eos_and_stop_ids():
-    logits = torch.zeros(1, VOCAB)
-    logits[0, 7] = 100.0
-    logits[0, 9] = 50.0
-    row = SamplingRow(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[9]), [1], [4])
-    assert Sampler(eos_token_ids=[7]).sample(logits, [row]).token_ids.tolist() != [7]
-    row.output_token_ids = [4, 5]
-    assert Sampler(eos_token_ids=[7]).sample(logits, [row]).token_ids.tolist() == [7]
+def test_banned_tokens_are_never_picked():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 100.0
+    logits[:, 9] = 50.0
+    banned = SamplingRow(SamplingParams(temperature=0), [1], [4], banned_token_ids=[7, 9])
+    free = SamplingRow(SamplingParams(temperature=0), [1], [4])
+    out = Sampler().sample(logits, [banned, free])
+    assert out.token_ids.tolist()[1] == 7 and out.token_ids.tolist()[0] not in (7, 9)
+    random_row = SamplingRow(SamplingParams(temperature=1.0, seed=3), [1], [], make_generator(3), banned_token_ids=[7])
+    assert all(Sampler().sample(logits[:1], [random_row]).token_ids.item() != 7 for _ in range(20))
 
 
 def test_random_sampling_respects_masks_and_distribution():

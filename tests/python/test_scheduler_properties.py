@@ -1,6 +1,9 @@
 """Property tests: random traces of add / schedule / commit / abort / fork / finish drive the
-scheduler and block manager under tiny pools; the invariants hold after every operation and
-every block is free once every request has finished or been aborted."""
+scheduler and block manager under tiny pools; the invariants hold after every operation,
+every block is free once every request has finished or been aborted, and a shadow of the KV
+cache (what each slot holds: the salt and the token prefix its key/value were computed from)
+shows that every row reads exactly its own tokens' K/V, with prefix caching on and with every
+block hash forced to collide."""
 
 import numpy as np
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -35,19 +38,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 8),
         chunked=st.booleans(),
         caching=st.booleans(),
+        collide=st.booleans(),
         mode=st.sampled_from(list(core.PreemptionMode.__members__.values())),
     )
-    def setup(self, num_gpu_blocks, num_cpu_blocks, block_size, budget, max_num_seqs, chunked, caching, mode):
+    def setup(self, num_gpu_blocks, num_cpu_blocks, block_size, budget, max_num_seqs, chunked, caching, collide,
+              mode):
         self.config = core.SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=64,
             enable_chunked_prefill=chunked, preemption_mode=mode)
         self.blocks = core.BlockManagerConfig(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-            watermark=0.0, enable_prefix_caching=caching)
+            watermark=0.0, enable_prefix_caching=caching, collide_prefix_hashes_for_testing=collide)
         self.block_size = block_size
         self.scheduler = core.Scheduler(self.config, self.blocks)
         self.next_request = 0
         self.live = set()
+        self.salt_of_seq: dict[int, str] = {}
+        # Shadow KV: (pool, block) -> per slot (salt, token prefix) its K/V was computed from.
+        self.shadow: dict[tuple[str, int], list] = {}
         self.plan = None
         self.clock = 0.0
 
@@ -62,13 +70,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_request += 1
         self.clock += 1.0
         stop = core.StopConditions(max_tokens=max_tokens, eos_token_ids=[EOS])
-        self.scheduler.add_sequence_group(request_id, prefix + rest, num_seqs, stop, self.clock, salt)
+        for seq_id in self.scheduler.add_sequence_group(request_id, prefix + rest, num_seqs, stop, self.clock, salt):
+            self.salt_of_seq[seq_id] = salt
         self.live.add(request_id)
+
+    def run_shadow(self, plan):
+        """Carries out the plan's block operations and its rows on the shadow KV cache, checking
+        that each row reads slots holding exactly its own salt and token prefix."""
+        bs = self.block_size
+        moves = [("gpu", "cpu", plan.blocks_to_swap_out), ("cpu", "gpu", plan.blocks_to_swap_in),
+                 ("gpu", "gpu", plan.blocks_to_copy)]
+        for src_pool, dst_pool, pairs in moves:
+            for src, dst in pairs.tolist():
+                self.shadow[(dst_pool, dst)] = list(self.shadow.get((src_pool, src), [None] * bs))
+        qsl = plan.query_start_loc.tolist()
+        positions = plan.positions.tolist()
+        for row, seq_id in enumerate(plan.seq_ids.tolist()):
+            seq = self.scheduler.find_sequence(seq_id)
+            salt = self.salt_of_seq[seq_id]
+            table = plan.block_tables[row].tolist()
+            for p in range(positions[qsl[row]]):
+                held = self.shadow.get(("gpu", table[p // bs]), [None] * bs)[p % bs]
+                assert held == (salt, tuple(seq.tokens[: p + 1])), f"sequence {seq_id} reads wrong K/V at {p}"
+            for t in range(qsl[row], qsl[row + 1]):
+                p = positions[t]
+                slots = self.shadow.setdefault(("gpu", table[p // bs]), [None] * bs)
+                slots[p % bs] = (salt, tuple(seq.tokens[: p + 1]))
 
     @rule(data=st.data())
     def step(self, data):
         plan = self.scheduler.schedule()
         check_plan(plan, self.config, self.block_size)
+        self.run_shadow(plan)
         for request_id, _reason in plan.ignored:
             self.live.discard(request_id)
         self.scheduler.check_invariants()
@@ -107,13 +140,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def fork_then_commit(self, data):
         plan = self.scheduler.schedule()
         check_plan(plan, self.config, self.block_size)
+        self.run_shadow(plan)
         for request_id, _reason in plan.ignored:
             self.live.discard(request_id)
         ids = list(plan.sample_seq_ids)
         if ids:
             parent = data.draw(st.sampled_from(ids))
             if self.scheduler.find_sequence(parent) is not None:
-                ids.append(self.scheduler.fork_sequence(parent))
+                child = self.scheduler.fork_sequence(parent)
+                self.salt_of_seq[child] = self.salt_of_seq[parent]
+                ids.append(child)
         self.scheduler.check_invariants()
         result = self.scheduler.commit(np.array(ids, dtype=np.int64), np.full(len(ids), 3, dtype=np.int32))
         for request_id in result.finished_request_ids:
@@ -165,14 +201,19 @@ test_scheduler_traces = SchedulerMachine.TestCase
 def test_block_pool_trace_keeps_counts():
     """Random allocate / incref / decref on a pool: free + used = total, no double free."""
     rng = np.random.default_rng(0)
-    pool = core.BlockPool(core.Device.GPU, 16, True)
+    pool = core.BlockPool(core.Device.GPU, 16, True, block_size=2)
     held = []
     for i in range(2000):
         op = rng.integers(0, 3)
         if op == 0 and pool.num_free:
             block = pool.allocate()
             if rng.random() < 0.3:
-                pool.register_hash(block, int(rng.integers(1, 40)))
+                tokens = [int(t) for t in rng.integers(0, 4, 2)]
+                key = (int(rng.integers(1, 40)), 0)
+                cid = pool.register_block(block, key, tokens)
+                found = pool.lookup(key, tokens, count=False)
+                # Registered (or joined an equal entry): found exactly; refused: a collision.
+                assert (found >= 0 and pool.content_id(found) == cid) if cid != core.NO_CONTENT else found == -1
             held.append(block)
         elif op == 1 and held:
             block = held[rng.integers(0, len(held))]

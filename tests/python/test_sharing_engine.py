@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model_fixtures import save_tiny_model
-from vpage import EngineArgs, LLMEngine, SamplingParams
+from vpage import EngineArgs, LLMEngine, SamplingParams, _core
 
 BS = 8
 BLOCK_BYTES = 2 * 2 * 2 * 16 * BS * 4  # layers x (K, V) x kv heads x head size x block size x float32
@@ -208,6 +208,42 @@ def test_cache_salts_isolate_prefixes(folder):
     assert_all_free(engine)
 
 
+def colliding(engine: LLMEngine) -> LLMEngine:
+    """The engine with a fresh scheduler whose block hashes all collide (the test hook)."""
+    blocks = engine.scheduler.block_config
+    blocks.collide_prefix_hashes_for_testing = True
+    engine.scheduler = engine.outputs.scheduler = _core.Scheduler(engine.scheduler.config, blocks)
+    return engine
+
+
+def test_forced_hash_collisions_never_share_wrong_blocks(folder):
+    # Distinct prompts (some with a common first block, most not), in two waves so the second
+    # looks the first one's blocks up: every lookup meets the one colliding index entry.
+    prompts = [[(13 * k + 5 * j) % 300 + 10 for j in range(40)] for k in range(6)]
+    prompts += [prompts[0][:8] + [250 + k] * 20 for k in range(2)]
+
+    def run(engine: LLMEngine, salt=None) -> list[list[int]]:
+        results = []
+        for wave in (prompts[:4], prompts[4:]):
+            for i, p in enumerate(wave):
+                engine.add_request(f"{len(results)}-{i}", p, greedy(10), cache_salt=salt)
+            outs, _ = drain(engine)
+            results += [outs[f"{len(results)}-{i}"].outputs[0].token_ids for i in range(len(wave))]
+        assert_all_free(engine)
+        return results
+
+    reference = run(make_engine(folder, enable_prefix_caching=False))
+    engine = colliding(make_engine(folder))
+    assert run(engine) == reference
+    cache = engine.scheduler.usage().prefix_cache
+    assert cache.collisions > 0 and cache.hits <= cache.queries - cache.collisions
+    # Under another salt the same prompts hit nothing: the one index entry holds prompts[0]'s
+    # first block, same tokens and hash, but no salt.
+    hits = cache.hits
+    assert run(engine, salt="tenant-2") == reference
+    assert engine.scheduler.usage().prefix_cache.hits == hits
+
+
 def test_prefix_cache_eviction_under_a_tiny_pool_stays_correct(folder):
     # 6 distinct 72-token prefixes through a pool of 14 blocks (one request needs 10), one
     # request at a time: each new prefix evicts the tail of the cached chains, so a repeated
@@ -360,3 +396,38 @@ def test_aborting_a_swapped_request_frees_everything(folder):
     outs, _ = drain(engine)
     assert set(outs) == {str(i) for i in range(len(PRESSURE))} - set(swapped)
     assert_all_free(engine)
+
+
+# ------------------------------------------------------------------------ statistics
+
+def test_stats_count_a_scripted_trace_exactly(folder):
+    # Two 8-token prompts (one block each) generating 16 tokens each in a pool of 5 blocks,
+    # recompute mode, no prefix cache. Both grow into their second block at their 9th token;
+    # at the 17th (third block) only one block is left: A takes it and B, the latest
+    # arrival, is preempted with 9 outputs. When A finishes B comes back as a 17-token prompt.
+    engine = make_engine(folder, kv_cache_memory=pool(5), enable_prefix_caching=False,
+                         preemption_mode="recompute")
+    engine.add_request("A", list(range(10, 18)), greedy(16), arrival_time=0.0)
+    engine.add_request("B", list(range(20, 28)), greedy(16), arrival_time=1.0)
+    outs, _ = drain(engine)
+    assert [len(outs[r].outputs[0].token_ids) for r in "AB"] == [16, 16]
+    stats = engine.get_stats()
+    assert stats.num_preempted_recompute == 1 and stats.num_preempted_swap == 0
+    assert stats.prefill_tokens == 8 + 8 + 17  # the prompts, then B's prompt + 9 outputs again
+    assert stats.generation_tokens == 32
+    assert engine.scheduler.stats.num_decode_tokens == 15 + (8 + 6)  # B: 8 before, 6 after
+    assert stats.num_running == stats.num_waiting == stats.num_swapped == 0 and stats.kv_cache_usage == 0.0
+
+    # Prefix cache: a 20-token prompt looks up its 2 full blocks (the last token's block is
+    # never looked up) and misses; a second one sharing those 16 tokens hits both.
+    engine = make_engine(folder)
+    engine.add_request("first", list(range(30, 50)), greedy(3))
+    drain(engine)
+    engine.add_request("second", list(range(30, 46)) + [90, 91, 92, 93], greedy(3))
+    outs, _ = drain(engine)
+    cache = engine.scheduler.usage().prefix_cache
+    assert (cache.queries, cache.hits, cache.collisions) == (4, 2, 0)
+    assert outs["second"].num_cached_tokens == 16
+    stats = engine.get_stats()
+    assert stats.prefix_cache_hit_rate == 0.5
+    assert stats.prefill_tokens == 20 + 4 and stats.generation_tokens == 6

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,9 @@ struct BlockManagerConfig {
   int32_t num_cpu_blocks = 0;   ///< blocks in the CPU swap space
   double watermark = 0.01;      ///< fraction of GPU blocks kept free at admission
   bool enable_prefix_caching = true;
+  /// Test hook: every block hashes to one constant, so every lookup meets a collision
+  /// (hits stay exact: only blocks whose recorded content matches are shared).
+  bool collide_prefix_hashes_for_testing = false;
 };
 
 /// Occupancy of both pools and the prefix-cache counters.
@@ -78,6 +82,9 @@ class BlockManager {
   /// Offers the blocks of `seq` (of `group`) that became full and computed to the prefix cache.
   void register_computed_blocks(const SequenceGroup& group, Sequence& seq);
 
+  /// Keyed hash of a cache salt (what SequenceGroup keeps beside the salt).
+  BlockHash hash_salt(const std::string& salt) const;
+
   BlockUsage usage() const;
   const BlockPool& gpu_pool() const { return gpu_; }
   const BlockPool& cpu_pool() const { return cpu_; }
@@ -88,7 +95,10 @@ class BlockManager {
  private:
   int32_t blocks_for(int32_t num_tokens) const;
   // Hashes of the first `num_blocks` full blocks of `seq` (computed once, then kept).
-  void ensure_hashes(Sequence& seq, uint64_t salt, int32_t num_blocks);
+  void ensure_hashes(const SequenceGroup& group, Sequence& seq, int32_t num_blocks);
+  // The recorded content of block `index` of `seq` whose previous block is entry `parent`.
+  BlockContent content_of(const SequenceGroup& group, const Sequence& seq, int32_t index,
+                          uint64_t parent) const;
   // What admitting a group takes: blocks in all, and prefix-cache hits (found without
   // counting them as queries).
   struct AdmissionPlan {
@@ -110,6 +120,7 @@ class BlockManager {
   BlockManagerConfig config_;
   BlockPool gpu_;
   BlockPool cpu_;
+  PrefixHasher hasher_;
   int32_t watermark_blocks_;
 };
 

@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "vpage/common.h"
+#include "vpage/prefix_hash.h"
 
 namespace vpage {
 
@@ -15,7 +17,22 @@ struct PrefixCacheStats {
   int64_t queries = 0;    ///< full blocks looked up
   int64_t hits = 0;       ///< lookups that found a cached block
   int64_t evictions = 0;  ///< cached blocks reused for other content
+  int64_t collisions = 0; ///< hash matches whose recorded content differed (each a miss)
 };
+
+/// What a full block holds, recorded when it enters the prefix cache and compared exactly
+/// on every hit. A block's salt is its chain's: it is recorded and compared for first
+/// blocks only, later blocks inherit it through `parent`.
+struct BlockContent {
+  const TokenId* tokens = nullptr;    ///< [block_size] token ids of the block
+  uint64_t parent = 0;                ///< content id of the previous block (kFirstBlock for none)
+  const std::string* salt = nullptr;  ///< cache salt of the request (first blocks); null = ""
+};
+
+/// Content ids name cache entries: unique per pool, never reused, so a parent that was
+/// evicted can never be confused with new content in the same block.
+constexpr uint64_t kFirstBlock = 0;                 ///< `parent` of a sequence's first block
+constexpr uint64_t kNoContent = ~uint64_t{0};       ///< not in the cache (nothing can chain on it)
 
 /// Allocator of `num_blocks` blocks. Free blocks sit in an intrusive doubly linked queue:
 /// allocate() takes the front (least recently freed), decref() to zero appends at the back,
@@ -23,14 +40,15 @@ struct PrefixCacheStats {
 /// A freed block keeps its hash (stays reusable) until allocate() evicts it.
 class BlockPool {
  public:
-  /// `num_blocks` >= 0; `enable_caching` keeps a hash -> block index of full blocks.
-  BlockPool(Device device, int32_t num_blocks, bool enable_caching);
+  /// `num_blocks` >= 0; `enable_caching` keeps a hash -> block index of full blocks of
+  /// `block_size` tokens (> 0 when caching) with their recorded contents.
+  BlockPool(Device device, int32_t num_blocks, bool enable_caching, int32_t block_size = 16);
 
-  Device device() const { return device_; }
   int32_t num_blocks() const { return num_blocks_; }
   int32_t num_free() const { return num_free_; }
   int32_t num_used() const { return num_blocks_ - num_free_; }
   bool caching_enabled() const { return caching_; }
+  int32_t block_size() const { return block_size_; }
 
   /// Takes the front block of the free queue with refcount 1, evicting its cached hash.
   /// Precondition: num_free() > 0.
@@ -42,14 +60,20 @@ class BlockPool {
   void decref(BlockId block);
   int32_t refcount(BlockId block) const { return refcount_.at(check_id(block)); }
 
-  /// Cached block holding content `hash`, or -1. With `count`, records a query (and a hit).
-  BlockId lookup(uint64_t hash, bool count);
+  /// Cached block indexed by `hash` whose recorded content equals `content`, or -1 (a
+  /// different content under that hash is a miss, counted as a collision). With `count`,
+  /// records a query (and a hit).
+  BlockId lookup(const BlockHash& hash, const BlockContent& content, bool count);
   /// Takes a reference on a block found by lookup(): leaves the free queue if it was free.
   void acquire_cached(BlockId block);
-  /// Records that `block` (in use, full, computed) holds content `hash`. No-op when that
-  /// content is already cached in another block or the block already has a hash.
-  void register_hash(BlockId block, uint64_t hash);
-  bool has_hash(BlockId block) const { return hashed_.at(check_id(block)) != 0; }
+  /// Offers `block` (in use, full, computed) to the cache as holding `content` under
+  /// `hash`. Returns the content id of the entry that now holds that content: the block's
+  /// own (new, or kept if it was already cached), or an equal entry's in another block.
+  /// Returns kNoContent when caching is off, `content.parent` is kNoContent, or another
+  /// content holds `hash` (a collision, counted).
+  uint64_t register_block(BlockId block, const BlockHash& hash, const BlockContent& content);
+  /// Content id of a cached block, kNoContent when it holds none.
+  uint64_t content_id(BlockId block) const { return cid_.at(check_id(block)); }
 
   const PrefixCacheStats& cache_stats() const { return stats_; }
 
@@ -62,18 +86,26 @@ class BlockPool {
   void unlink(BlockId block);
   void push_back(BlockId block);
   void drop_hash(BlockId block);
+  bool same_content(BlockId block, const BlockContent& content) const;
 
   Device device_;
   int32_t num_blocks_;
   bool caching_;
+  int32_t block_size_;
   int32_t num_free_ = 0;
   std::vector<int32_t> refcount_;
   // Free queue links; index num_blocks_ is the sentinel. -1 = not in the queue.
   std::vector<int32_t> prev_;
   std::vector<int32_t> next_;
-  std::vector<uint64_t> hash_;
-  std::vector<uint8_t> hashed_;
-  std::unordered_map<uint64_t, BlockId> cached_;
+  // Prefix cache: per block its index key, content id (kNoContent = not cached), recorded
+  // parent, salt (first blocks) and tokens ([num_blocks, block_size]).
+  std::vector<BlockHash> hash_;
+  std::vector<uint64_t> cid_;
+  std::vector<uint64_t> parent_;
+  std::vector<std::string> salt_;
+  std::vector<TokenId> tokens_;
+  std::unordered_map<BlockHash, BlockId, BlockHashHasher> cached_;
+  uint64_t next_cid_ = 1;
   PrefixCacheStats stats_;
 };
 

@@ -56,6 +56,9 @@ struct SchedulePlan {
 /// What commit() did to the sequences it was given tokens for.
 struct CommitResult {
   std::vector<int32_t> statuses;  ///< per given (seq, token): SequenceStatus after commit
+  /// Per given (seq, token): the token id when it is one of the request's stop_token_ids
+  /// and finished the sequence in this commit (vLLM's stop_reason), else -1 (EOS too).
+  std::vector<int32_t> stop_token_ids;
   std::vector<std::string> finished_request_ids;  ///< groups that finished in this commit
 };
 

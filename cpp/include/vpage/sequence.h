@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "vpage/common.h"
+#include "vpage/prefix_hash.h"
 
 namespace vpage {
 
@@ -38,6 +39,28 @@ struct StopConditions {
   bool ignore_eos = false;
 };
 
+/// A copy of one sequence's state, safe to keep after its request ends.
+struct SequenceSnapshot {
+  SeqId seq_id = -1;
+  SequenceStatus status = SequenceStatus::kWaiting;
+  std::vector<TokenId> tokens;  ///< prompt followed by generated tokens
+  int32_t prompt_len = 0;
+  int32_t num_computed_tokens = 0;
+  std::vector<BlockId> block_table;
+  Device block_device = Device::kGpu;
+  TokenId stop_token = -1;
+};
+
+/// A copy of one request's state (its sequences included), safe to keep after it ends.
+struct SequenceGroupSnapshot {
+  std::string request_id;
+  double arrival_time = 0.0;
+  int32_t num_unfinished = 0;
+  int32_t num_preemptions = 0;
+  int32_t num_cached_prompt_tokens = 0;
+  std::vector<SequenceSnapshot> seqs;
+};
+
 /// One token stream and its KV blocks. Tokens = prompt followed by generated tokens;
 /// tokens [0, num_computed_tokens) have their K/V in the cache.
 class Sequence {
@@ -53,7 +76,6 @@ class Sequence {
   /// Tokens still to compute before a new token can be sampled.
   int32_t num_uncomputed_tokens() const { return num_tokens() - num_computed_; }
   const std::vector<TokenId>& tokens() const { return tokens_; }
-  TokenId last_token() const { return tokens_.back(); }
   /// Token that stopped the sequence (EOS or a stop token id), or -1.
   TokenId stop_token() const { return stop_token_; }
 
@@ -61,8 +83,7 @@ class Sequence {
   const std::vector<BlockId>& block_table() const { return block_table_; }
   /// Pool of the blocks in block_table().
   Device block_device() const { return block_device_; }
-  /// Slots used in the last block of the table for `num_tokens()` tokens.
-  int32_t num_filled_in_last_block(int32_t block_size) const;
+  SequenceSnapshot snapshot() const;
 
  private:
   friend class BlockManager;
@@ -76,22 +97,23 @@ class Sequence {
   TokenId stop_token_ = -1;
   std::vector<BlockId> block_table_;
   Device block_device_ = Device::kGpu;
-  std::vector<uint64_t> block_hashes_;  // chained hashes of full blocks of tokens_
-  int32_t num_registered_blocks_ = 0;   // leading blocks offered to the prefix cache
+  std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_
+  // Per leading block offered to the prefix cache: the content id of the cache entry that
+  // holds it (kNoContent when none does, or not known yet for a block another sequence of
+  // the group computes).
+  std::vector<uint64_t> block_cids_;
 };
 
 /// One request: `n`/`best_of` samples or beams over one prompt, scheduled together.
 class SequenceGroup {
  public:
   SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                uint64_t cache_salt_hash);
+                std::string cache_salt, const BlockHash& cache_salt_hash);
   SequenceGroup(const SequenceGroup&) = delete;
   SequenceGroup& operator=(const SequenceGroup&) = delete;
 
   const std::string& request_id() const { return request_id_; }
   double arrival_time() const { return arrival_time_; }
-  const StopConditions& stop_conditions() const { return stop_; }
-  uint64_t cache_salt_hash() const { return cache_salt_hash_; }
   int32_t num_seqs() const { return static_cast<int32_t>(seqs_.size()); }
   Sequence& seq(int32_t i) { return *seqs_[i]; }
   const Sequence& seq(int32_t i) const { return *seqs_[i]; }
@@ -102,8 +124,7 @@ class SequenceGroup {
   int32_t num_preemptions() const { return num_preemptions_; }
   /// Prompt tokens served from the prefix cache at the last admission.
   int32_t num_cached_prompt_tokens() const { return num_cached_tokens_; }
-  /// Reason set when the group was finished as ignored.
-  const std::string& ignore_reason() const { return ignore_reason_; }
+  SequenceGroupSnapshot snapshot() const;
 
  private:
   friend class BlockManager;
@@ -112,7 +133,8 @@ class SequenceGroup {
   std::string request_id_;
   double arrival_time_;
   StopConditions stop_;
-  uint64_t cache_salt_hash_;
+  std::string cache_salt_;
+  BlockHash cache_salt_hash_;
   std::vector<std::unique_ptr<Sequence>> seqs_;
   // Diverged sequences re-admitted after a recompute share the blocks of their first
   // shared_len_ tokens: the first unfinished sequence computes them while the others, which
@@ -125,7 +147,6 @@ class SequenceGroup {
   int32_t num_preemptions_ = 0;
   int32_t num_cached_tokens_ = 0;
   int64_t last_step_ = -1;  // last step that scheduled this group
-  std::string ignore_reason_;
 };
 
 }  // namespace vpage

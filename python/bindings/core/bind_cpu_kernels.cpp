@@ -30,7 +30,7 @@ CacheShape cache_shape(int64_t num_blocks, int32_t num_kv_heads, int32_t head_si
 
 void bind_cpu_kernels(py::module_& m) {
   m.def(
-      "cpu_rms_norm",
+      "_cpu_rms_norm",
       [](uintptr_t out, uintptr_t x, uintptr_t residual, uintptr_t weight, int64_t num_tokens, int32_t hidden_size,
          float eps, int32_t dtype, int num_threads) {
         RmsNormArgs args;
@@ -50,7 +50,7 @@ void bind_cpu_kernels(py::module_& m) {
       "out = rms_norm(x) * weight per row; with residual != 0: residual += x first, then out =\n"
       "rms_norm(residual) * weight. Contiguous rows; out may be x.");
   m.def(
-      "cpu_silu_and_mul",
+      "_cpu_silu_and_mul",
       [](uintptr_t out, uintptr_t x, int64_t num_tokens, int32_t d, int32_t dtype, int num_threads) {
         SiluAndMulArgs args;
         args.out = ptr<void>(out);
@@ -64,7 +64,7 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"), py::arg("num_threads"),
       "out [num_tokens, d] = silu(x[:, :d]) * x[:, d:] for contiguous x [num_tokens, 2 d].");
   m.def(
-      "cpu_rotary_embedding",
+      "_cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,
          int64_t num_tokens, int32_t num_heads, int32_t head_size, int32_t dtype, int num_threads) {
         RotaryArgs args;
@@ -86,7 +86,7 @@ void bind_cpu_kernels(py::module_& m) {
       "cos/sin rows of the float32 cos_sin table [max_position, head_size] at int64 positions.");
 
   m.def(
-      "cpu_reshape_and_cache",
+      "_cpu_reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t key_cache, uintptr_t value_cache, uintptr_t slot_mapping,
          int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_blocks, int32_t num_kv_heads,
          int32_t head_size, int32_t block_size, int32_t dtype, int num_threads) {
@@ -112,7 +112,7 @@ void bind_cpu_kernels(py::module_& m) {
       "dtype: 0 float32, 1 float16, 2 bfloat16.");
 
   m.def(
-      "cpu_paged_attention",
+      "_cpu_paged_attention",
       [](uintptr_t out, uintptr_t query, uintptr_t key_cache, uintptr_t value_cache, uintptr_t block_tables,
          uintptr_t context_lens, uintptr_t query_start_loc, int32_t num_seqs, int64_t num_query_tokens,
          int32_t num_heads, int32_t max_blocks_per_seq, int32_t max_context_len, int64_t query_stride, float scale,
@@ -147,12 +147,12 @@ void bind_cpu_kernels(py::module_& m) {
       "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].");
 
   m.def(
-      "cpu_copy_blocks",
+      "_cpu_copy_blocks",
       [](const std::vector<uintptr_t>& key_caches, const std::vector<uintptr_t>& value_caches,
          uintptr_t block_mapping, int64_t num_pairs, int64_t num_blocks, int32_t num_kv_heads, int32_t head_size,
          int32_t block_size, int32_t dtype, int num_threads) {
         if (key_caches.size() != value_caches.size()) {
-          throw py::value_error("cpu_copy_blocks: key_caches and value_caches differ in length");
+          throw py::value_error("_cpu_copy_blocks: key_caches and value_caches differ in length");
         }
         std::vector<void*> keys, values;
         for (uintptr_t p : key_caches) keys.push_back(ptr<void>(p));
@@ -174,7 +174,7 @@ void bind_cpu_kernels(py::module_& m) {
       "value cache; key_caches/value_caches are lists of data_ptr() ints of one cache shape.");
 
   m.def(
-      "cpu_swap_blocks",
+      "_cpu_swap_blocks",
       [](uintptr_t src, uintptr_t dst, int64_t block_bytes, uintptr_t block_mapping, int64_t num_pairs,
          int64_t src_num_blocks, int64_t dst_num_blocks, int num_threads) {
         SwapBlocksArgs args;

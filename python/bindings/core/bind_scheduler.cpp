@@ -1,4 +1,6 @@
 // vpage._core: the scheduler and its step plan (flat buffers as numpy views, no copies).
+#include <optional>
+
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -80,6 +82,9 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("statuses", [](const CommitResult& r) {
             return py::array_t<int32_t>(static_cast<py::ssize_t>(r.statuses.size()), r.statuses.data());
           }, "[count] int32 SequenceStatus value of each given sequence after the commit")
+      .def_property_readonly("stop_token_ids", [](const CommitResult& r) {
+            return py::array_t<int32_t>(static_cast<py::ssize_t>(r.stop_token_ids.size()), r.stop_token_ids.data());
+          }, "[count] int32 the stop token id that finished each given sequence now, else -1")
       .def_readonly("finished_request_ids", &CommitResult::finished_request_ids);
 
   py::class_<Scheduler>(m, "Scheduler",
@@ -131,11 +136,22 @@ void bind_scheduler(py::module_& m) {
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def("num_kv_tokens", &Scheduler::num_kv_tokens,
            "Tokens whose K/V the running sequences hold (identical samples' prompt counted once).")
-      .def("find_group", &Scheduler::find_group, py::return_value_policy::reference_internal,
-           py::arg("request_id"), "The unfinished group or None.")
-      .def("find_sequence", &Scheduler::find_sequence, py::return_value_policy::reference_internal,
-           py::arg("seq_id"), "The sequence of an unfinished group or None.")
+      .def("find_group",
+           [](const Scheduler& s, const std::string& request_id) -> std::optional<SequenceGroupSnapshot> {
+             const SequenceGroup* g = s.find_group(request_id);
+             if (!g) return std::nullopt;
+             return g->snapshot();
+           },
+           py::arg("request_id"), "A snapshot (copy) of the unfinished group, or None.")
+      .def("find_sequence",
+           [](const Scheduler& s, SeqId seq_id) -> std::optional<SequenceSnapshot> {
+             const Sequence* q = s.find_sequence(seq_id);
+             if (!q) return std::nullopt;
+             return q->snapshot();
+           },
+           py::arg("seq_id"), "A snapshot (copy) of a sequence of an unfinished group, or None.")
       .def_property_readonly("config", &Scheduler::config)
+      .def_property_readonly("block_config", [](const Scheduler& s) { return s.block_manager().config(); })
       .def_property_readonly("stats", &Scheduler::stats)
       .def("usage", [](const Scheduler& s) { return s.block_manager().usage(); },
            "Occupancy of both pools and prefix-cache counters.")

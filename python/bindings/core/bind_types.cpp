@@ -9,6 +9,23 @@
 namespace py = pybind11;
 
 namespace vpage::bindings {
+namespace {
+
+// BlockContent over a Python token list, which must hold exactly one block.
+BlockContent content(const BlockPool& pool, const std::vector<TokenId>& tokens, uint64_t parent,
+                     const std::string& salt) {
+  if (static_cast<int64_t>(tokens.size()) != pool.block_size()) {
+    throw py::value_error("a block holds " + std::to_string(pool.block_size()) + " tokens, got " +
+                          std::to_string(tokens.size()));
+  }
+  BlockContent c;
+  c.tokens = tokens.data();
+  c.parent = parent;
+  c.salt = &salt;
+  return c;
+}
+
+}  // namespace
 
 void bind_types(py::module_& m) {
   py::enum_<Device>(m, "Device", "Pool a block lives in.")
@@ -56,17 +73,19 @@ void bind_types(py::module_& m) {
 
   py::class_<BlockManagerConfig>(m, "BlockManagerConfig", "Sizes of the KV pools and the admission watermark.")
       .def(py::init([](int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks,
-                       double watermark, bool enable_prefix_caching) {
+                       double watermark, bool enable_prefix_caching, bool collide_prefix_hashes_for_testing) {
              return BlockManagerConfig{block_size, num_gpu_blocks, num_cpu_blocks, watermark,
-                                       enable_prefix_caching};
+                                       enable_prefix_caching, collide_prefix_hashes_for_testing};
            }),
            py::arg("block_size") = 16, py::arg("num_gpu_blocks") = 0, py::arg("num_cpu_blocks") = 0,
-           py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true)
+           py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true,
+           py::arg("collide_prefix_hashes_for_testing") = false)
       .def_readwrite("block_size", &BlockManagerConfig::block_size)
       .def_readwrite("num_gpu_blocks", &BlockManagerConfig::num_gpu_blocks)
       .def_readwrite("num_cpu_blocks", &BlockManagerConfig::num_cpu_blocks)
       .def_readwrite("watermark", &BlockManagerConfig::watermark)
-      .def_readwrite("enable_prefix_caching", &BlockManagerConfig::enable_prefix_caching);
+      .def_readwrite("enable_prefix_caching", &BlockManagerConfig::enable_prefix_caching)
+      .def_readwrite("collide_prefix_hashes_for_testing", &BlockManagerConfig::collide_prefix_hashes_for_testing);
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig", "Budgets and policies of the scheduler.")
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,
@@ -83,32 +102,37 @@ void bind_types(py::module_& m) {
       .def_readwrite("enable_chunked_prefill", &SchedulerConfig::enable_chunked_prefill)
       .def_readwrite("preemption_mode", &SchedulerConfig::preemption_mode);
 
-  py::class_<Sequence>(m, "Sequence", "Read-only view of one sequence (valid while its group is unfinished).")
-      .def_property_readonly("seq_id", &Sequence::seq_id)
-      .def_property_readonly("status", &Sequence::status)
-      .def_property_readonly("tokens", &Sequence::tokens)
-      .def_property_readonly("prompt_len", &Sequence::prompt_len)
-      .def_property_readonly("num_tokens", &Sequence::num_tokens)
-      .def_property_readonly("num_output_tokens", &Sequence::num_output_tokens)
-      .def_property_readonly("num_computed_tokens", &Sequence::num_computed_tokens)
-      .def_property_readonly("block_table", &Sequence::block_table)
-      .def_property_readonly("block_device", &Sequence::block_device)
-      .def_property_readonly("stop_token", &Sequence::stop_token);
+  py::class_<SequenceSnapshot>(m, "SequenceSnapshot",
+      "A copy of one sequence's state, taken by Scheduler.find_sequence/find_group; it stays "
+      "readable (and unchanged) after the request finishes or is aborted.")
+      .def_readonly("seq_id", &SequenceSnapshot::seq_id)
+      .def_readonly("status", &SequenceSnapshot::status)
+      .def_readonly("tokens", &SequenceSnapshot::tokens)
+      .def_readonly("prompt_len", &SequenceSnapshot::prompt_len)
+      .def_property_readonly("num_tokens", [](const SequenceSnapshot& s) { return s.tokens.size(); })
+      .def_property_readonly("num_output_tokens",
+                             [](const SequenceSnapshot& s) { return static_cast<int32_t>(s.tokens.size()) - s.prompt_len; })
+      .def_readonly("num_computed_tokens", &SequenceSnapshot::num_computed_tokens)
+      .def_readonly("block_table", &SequenceSnapshot::block_table)
+      .def_readonly("block_device", &SequenceSnapshot::block_device)
+      .def_readonly("stop_token", &SequenceSnapshot::stop_token);
 
-  py::class_<SequenceGroup>(m, "SequenceGroup", "Read-only view of one request (valid while unfinished).")
-      .def_property_readonly("request_id", &SequenceGroup::request_id)
-      .def_property_readonly("arrival_time", &SequenceGroup::arrival_time)
-      .def_property_readonly("num_seqs", &SequenceGroup::num_seqs)
-      .def_property_readonly("num_unfinished", &SequenceGroup::num_unfinished)
-      .def_property_readonly("num_preemptions", &SequenceGroup::num_preemptions)
-      .def_property_readonly("num_cached_prompt_tokens", &SequenceGroup::num_cached_prompt_tokens)
-      .def("seq", py::overload_cast<int32_t>(&SequenceGroup::seq, py::const_),
-           py::return_value_policy::reference_internal, py::arg("index"));
+  py::class_<SequenceGroupSnapshot>(m, "SequenceGroupSnapshot",
+      "A copy of one request's state (sequences included); readable after the request ends.")
+      .def_readonly("request_id", &SequenceGroupSnapshot::request_id)
+      .def_readonly("arrival_time", &SequenceGroupSnapshot::arrival_time)
+      .def_property_readonly("num_seqs", [](const SequenceGroupSnapshot& g) { return g.seqs.size(); })
+      .def_readonly("num_unfinished", &SequenceGroupSnapshot::num_unfinished)
+      .def_readonly("num_preemptions", &SequenceGroupSnapshot::num_preemptions)
+      .def_readonly("num_cached_prompt_tokens", &SequenceGroupSnapshot::num_cached_prompt_tokens)
+      .def_readonly("seqs", &SequenceGroupSnapshot::seqs)
+      .def("seq", [](const SequenceGroupSnapshot& g, size_t index) { return g.seqs.at(index); }, py::arg("index"));
 
   py::class_<PrefixCacheStats>(m, "PrefixCacheStats", "Prefix-cache counters.")
       .def_readonly("queries", &PrefixCacheStats::queries)
       .def_readonly("hits", &PrefixCacheStats::hits)
-      .def_readonly("evictions", &PrefixCacheStats::evictions);
+      .def_readonly("evictions", &PrefixCacheStats::evictions)
+      .def_readonly("collisions", &PrefixCacheStats::collisions);
   py::class_<BlockUsage>(m, "BlockUsage", "Occupancy of both pools.")
       .def_readonly("num_gpu_blocks", &BlockUsage::num_gpu_blocks)
       .def_readonly("free_gpu_blocks", &BlockUsage::free_gpu_blocks)
@@ -124,8 +148,8 @@ void bind_types(py::module_& m) {
       .def_readonly("num_cached_prompt_tokens", &SchedulerStats::num_cached_prompt_tokens);
 
   py::class_<BlockPool>(m, "BlockPool", "One pool of KV blocks with refcounts and an O(1) LRU free queue.")
-      .def(py::init<Device, int32_t, bool>(), py::arg("device"), py::arg("num_blocks"),
-           py::arg("enable_caching") = false)
+      .def(py::init<Device, int32_t, bool, int32_t>(), py::arg("device"), py::arg("num_blocks"),
+           py::arg("enable_caching") = false, py::arg("block_size") = 16)
       .def_property_readonly("num_blocks", &BlockPool::num_blocks)
       .def_property_readonly("num_free", &BlockPool::num_free)
       .def_property_readonly("num_used", &BlockPool::num_used)
@@ -133,11 +157,28 @@ void bind_types(py::module_& m) {
       .def("incref", &BlockPool::incref, py::arg("block"))
       .def("decref", &BlockPool::decref, py::arg("block"), "Drops a reference; raises on a double free.")
       .def("refcount", &BlockPool::refcount, py::arg("block"))
-      .def("lookup", &BlockPool::lookup, py::arg("hash"), py::arg("count") = true,
-           "Cached block holding content `hash`, or -1.")
+      .def("lookup",
+           [](BlockPool& p, std::pair<uint64_t, uint64_t> hash, const std::vector<TokenId>& tokens, uint64_t parent,
+              const std::string& salt, bool count) {
+             return p.lookup(BlockHash{hash.first, hash.second}, content(p, tokens, parent, salt), count);
+           },
+           py::arg("hash"), py::arg("tokens"), py::arg("parent") = kFirstBlock, py::arg("salt") = "",
+           py::arg("count") = true,
+           "Cached block indexed by `hash` (lo, hi) whose recorded content (tokens, parent content "
+           "id, salt) is equal, or -1.")
       .def("acquire_cached", &BlockPool::acquire_cached, py::arg("block"))
-      .def("register_hash", &BlockPool::register_hash, py::arg("block"), py::arg("hash"))
+      .def("register_block",
+           [](BlockPool& p, BlockId block, std::pair<uint64_t, uint64_t> hash, const std::vector<TokenId>& tokens,
+              uint64_t parent, const std::string& salt) {
+             return p.register_block(block, BlockHash{hash.first, hash.second}, content(p, tokens, parent, salt));
+           },
+           py::arg("block"), py::arg("hash"), py::arg("tokens"), py::arg("parent") = kFirstBlock,
+           py::arg("salt") = "",
+           "Offers a full block to the cache; returns the content id of the entry holding that content.")
+      .def("content_id", &BlockPool::content_id, py::arg("block"))
       .def_property_readonly("cache_stats", &BlockPool::cache_stats);
+  m.attr("FIRST_BLOCK") = kFirstBlock;
+  m.attr("NO_CONTENT") = kNoContent;
 }
 
 }  // namespace vpage::bindings

@@ -7,7 +7,6 @@ import math
 import time
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from vpage import _core, ops
@@ -16,6 +15,7 @@ from vpage.engine.beam_search import BeamSearch
 from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.model_runner import ModelRunner
+from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
 from vpage.model_executor.loader.model_loader import load_model
 from vpage.outputs import RequestOutput
@@ -74,9 +74,8 @@ class LLMEngine:
                                      enable_prefix_caching=args.enable_prefix_caching))
         self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
         self.sampler = Sampler(self.model_config.eos_token_ids)
-        self.requests: dict[str, RequestState] = {}
-        self.seq_owner: dict[int, RequestState] = {}
         self.metrics = EngineMetrics()
+        self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
         logger.info("vpage: %s on %s (%s), KV cache %d blocks x %d tokens (%.1f KiB per block) = %d tokens, "
                     "swap %d blocks, max_model_len %d", self.model_config.architecture, self.device,
                     str(self.model_config.dtype).removeprefix("torch."), num_gpu_blocks, args.block_size,
@@ -146,7 +145,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = str(request_id)
-        if request_id in self.requests:
+        if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         if not ids:
@@ -171,136 +170,46 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
                                                     cache_salt or "")
-        state = RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival, beam)
-        self.requests[request_id] = state
-        for seq_id in seq_ids:
-            self.seq_owner[seq_id] = state
+        self.outputs.add(RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival,
+                                      beam))
 
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
         """Aborts unfinished requests (unknown ids are ignored) and frees their blocks."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            state = self.requests.get(rid)
-            if state is None:
-                continue
-            self.scheduler.abort(rid)
-            state.finish_all("abort")
-            self._forget(state)
+            self.outputs.abort(rid)
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The unfinished requests by id (read-only: the output processor owns them)."""
+        return self.outputs.requests
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.outputs.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.outputs.requests)
 
     def get_stats(self) -> EngineStats:
         return self.metrics.snapshot(self.scheduler)
 
-    def _forget(self, state: RequestState) -> None:
-        self.requests.pop(state.request_id, None)
-        for seq_id in state.seqs:
-            self.seq_owner.pop(seq_id, None)
-
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of requests that advanced or finished."""
+        """Runs one engine step (schedule, cache operations, forward, sample, process the
+        outputs); returns the outputs of requests that advanced or finished."""
         start = time.perf_counter()
         plan = self.scheduler.schedule()
-        touched: dict[str, RequestState] = {}
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
-            state = self.requests[request_id]
-            state.finish_all("length")
-            touched[request_id] = state
-            self._forget(state)
         self.cache.swap_out(plan.blocks_to_swap_out)
         self.cache.swap_in(plan.blocks_to_swap_in)
         self.cache.copy(plan.blocks_to_copy)
-        # What to commit: (sequence, token) pairs and, per pair, (owner, logprob, top logprobs).
-        commit_ids: list[int] = []
-        commit_tokens: list[int] = []
-        commit_info: list[tuple[RequestState, float, Optional[list]]] = []
-        finished_ids: set[str] = set()
+        seq_ids: list[int] = []
+        sampled = None
         if plan.num_seqs:
             logits = self.runner.execute(plan)
             seq_ids = plan.sample_seq_ids.tolist()
-            owners = [self.seq_owner[s] for s in seq_ids]
-            for owner in owners:
-                if owner.metrics.first_token_time is None:  # before commit may remove the group
-                    owner.num_cached_tokens = self.scheduler.find_group(owner.request_id).num_cached_prompt_tokens
-            sampled = self.sampler.sample(logits, [owner.seqs[s].row for owner, s in zip(owners, seq_ids)])
-            tokens = sampled.token_ids.tolist()
-            logprobs = sampled.logprobs.tolist()
-            beam_rows: dict[str, list[int]] = {}
-            for i, (seq_id, owner) in enumerate(zip(seq_ids, owners)):
-                if owner.beam is not None:
-                    beam_rows.setdefault(owner.request_id, []).append(i)
-                    continue
-                commit_ids.append(seq_id)
-                commit_tokens.append(tokens[i])
-                commit_info.append((owner, logprobs[i], sampled.top_logprobs[i]))
-            for request_id, rows in beam_rows.items():
-                owner = self.requests[request_id]
-                touched[request_id] = owner
-                beams = [(seq_ids[i], sampled.top_logprobs[i]) for i in rows]
-                for seq_id, token, cumulative in self._advance_beams(owner, beams, finished_ids):
-                    commit_ids.append(seq_id)
-                    commit_tokens.append(token)
-                    commit_info.append((owner, cumulative, None))
-        result = self.scheduler.commit(np.array(commit_ids, dtype=np.int64), np.array(commit_tokens, dtype=np.int32))
-        now = time.monotonic()
-        finished_ids.update(result.finished_request_ids)
-        for i, (seq_id, (owner, logprob, top)) in enumerate(zip(commit_ids, commit_info)):
-            seq = owner.seqs[seq_id]
-            touched[owner.request_id] = owner
-            if owner.metrics.first_token_time is None:
-                owner.metrics.first_token_time = now
-            if owner.beam is not None:
-                seq.add_beam_token(commit_tokens[i], logprob)
-                continue
-            if seq.finish_reason is not None:
-                continue
-            stop_string = seq.add_token(commit_tokens[i], logprob, top, int(result.statuses[i]))
-            if stop_string and self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED):
-                finished_ids.add(owner.request_id)
-        for request_id in finished_ids:
-            state = touched[request_id]
-            state.finish_all("stop")  # every sequence already has its own reason
-            self.metrics.on_request_finished(state.metrics.arrival_time, state.metrics.first_token_time,
-                                             max((len(s.output_token_ids) for s in state.seqs.values()), default=0))
-            self._forget(state)
-        self.metrics.on_step(time.perf_counter() - start, len(commit_ids))
-        return [state.output() for state in touched.values()]
-
-    def _advance_beams(self, state: RequestState, beams: list[tuple[int, list]],
-                       finished_ids: set[str]) -> list[tuple[int, int, float]]:
-        """One beam-search step of `state` (its running beams and their top candidates):
-        forks sequences whose beam continues several ways, frees the beams that lost, and
-        returns the (sequence, token, cumulative logprob) pairs to commit. When the search is
-        done, every beam is finished and nothing is committed."""
-        search = state.beam
-        running, done = search.advance(
-            [(state.seqs[s].output_token_ids, state.seqs[s].cumulative_logprob, top) for s, top in beams],
-            first_step=search.num_generated == 0)
-        if done:
-            for seq_id in list(state.seqs):
-                if self.scheduler.find_sequence(seq_id) is not None:
-                    self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
-            finished_ids.add(state.request_id)
-            return []
-        used: set[int] = set()
-        commits = []
-        for c in running:
-            target = parent = beams[c.parent][0]
-            if parent in used:
-                target = self.scheduler.fork_sequence(parent)
-                state.fork(parent, target)
-                self.seq_owner[target] = state
-            used.add(parent)
-            commits.append((target, c.token, c.cumulative_logprob))
-        for seq_id, _ in beams:
-            if seq_id not in used:
-                self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
-                state.drop(seq_id)
-                self.seq_owner.pop(seq_id, None)
-        return commits
+            sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
+        outputs = self.outputs.process(plan, seq_ids, sampled)
+        self.metrics.on_step(time.perf_counter() - start)
+        return outputs

@@ -38,9 +38,11 @@ class EngineMetrics:
         self.ttft: list[float] = []
         self.tpot: list[float] = []
 
-    def on_step(self, seconds: float, num_generated: int) -> None:
+    def on_step(self, seconds: float) -> None:
         self.step_time += seconds
-        self.generation_tokens += num_generated
+
+    def on_generated(self, num_tokens: int) -> None:
+        self.generation_tokens += num_tokens
 
     def on_request_finished(self, arrival: float, first_token: Optional[float], num_tokens: int) -> None:
         if first_token is None:

@@ -1,26 +1,18 @@
-"""Python-side state of one request: generated tokens, text, stop strings, logprobs."""
+"""Python-side state of one request: generated tokens, text, stop strings, logprobs.
+
+Plain state: engine/output_processor.py is the only code that writes it during a step."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
 
-from vpage import _core
 from vpage.engine.beam_search import BeamSearch
 from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vpage.sampler import SamplingRow, make_generator
 from vpage.sampling_params import SamplingParams
 from vpage.tokenizer import IncrementalDetokenizer, StopStringMatcher
-
-_STOPPED = int(_core.SequenceStatus.FINISHED_STOPPED)
-_FINISH_REASONS = {
-    int(_core.SequenceStatus.FINISHED_STOPPED): "stop",
-    int(_core.SequenceStatus.FINISHED_LENGTH): "length",
-    int(_core.SequenceStatus.FINISHED_ABORTED): "abort",
-    int(_core.SequenceStatus.FINISHED_IGNORED): "length",
-}
 
 
 def _sample_seed(seed: int, index: int) -> int:
@@ -49,43 +41,12 @@ class SequenceState:
         # A view of the prompt + output for the sampler (penalties).
         self.row = SamplingRow(params, prompt_token_ids, self.output_token_ids)
 
-    def add_token(self, token: int, logprob: float, top: Optional[list[tuple[int, float]]], status: int) -> bool:
-        """Records a sampled token and the C++ status after it. Returns True when a stop
-        string matched (the caller then finishes the sequence in the scheduler)."""
-        self.output_token_ids.append(token)
-        self.cumulative_logprob += logprob
-        if self.logprobs is not None:
-            entry = {tid: Logprob(lp, rank + 1, self._decode_one(tid)) for rank, (tid, lp) in enumerate(top or [])}
-            if token not in entry:
-                entry[token] = Logprob(logprob, None, self._decode_one(token))
-            self.logprobs.append(entry)
-        stopped_by_token = status == _STOPPED
-        if stopped_by_token:
-            self.stop_reason = token if token in self.params.stop_token_ids else None
-        # An EOS / stop token adds no text unless asked for (stop token ids only).
-        if self.detokenizer is not None and (not stopped_by_token or
-                                             (self.params.include_stop_str_in_output and self.stop_reason is not None)):
-            self.text += self.stop_matcher.feed(self.detokenizer.add_token(token))
-        if status in _FINISH_REASONS:
-            self.finish(_FINISH_REASONS[status])
-            return False
-        if self.stop_matcher.stopped:
-            self.stop_reason = self.stop_matcher.stop_str
-            self.finish("stop")
-            return True
-        return False
-
-    def add_beam_token(self, token: int, cumulative_logprob: float) -> None:
-        """Records the token a beam continues with (text is decoded once, at the end)."""
-        self.output_token_ids.append(token)
-        self.cumulative_logprob = cumulative_logprob
-
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
             self.text += self.stop_matcher.flush()
             self.finish_reason = reason
 
-    def _decode_one(self, token: int) -> Optional[str]:
+    def decode_one(self, token: int) -> Optional[str]:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def output(self) -> CompletionOutput:
@@ -129,11 +90,12 @@ class RequestState:
         """Forgets a beam that lost."""
         del self.seqs[seq_id]
 
-    def finish_all(self, reason: str) -> None:
+    def finish_all(self, reason: str, now: float) -> None:
+        """Finishes every sequence that has no reason yet with `reason`."""
         for seq in self.seqs.values():
             seq.finish(reason)
         self.finished = True
-        self.metrics.finished_time = time.monotonic()
+        self.metrics.finished_time = now
 
     def _beam_outputs(self) -> list[CompletionOutput]:
         decode = (lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)

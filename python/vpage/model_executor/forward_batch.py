@@ -39,7 +39,3 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """True when every sequence contributes exactly one token."""
         return self.max_query_len == 1
-
-    def last_token_indices(self) -> torch.Tensor:
-        """Row of each sequence's last token, ``[num_seqs]`` int64 (rows to sample from)."""
-        return self.query_start_loc[1:].to(torch.int64) - 1
