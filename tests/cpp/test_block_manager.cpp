@@ -3,34 +3,14 @@
 #include <vector>
 
 #include "check.h"
+#include "scheduler_fixtures.h"
 #include "vpage/block_manager.h"
 #include "vpage/scheduler.h"
 
 using namespace vpage;
+using namespace vpage_test;
 
 namespace {
-
-std::vector<TokenId> tokens(int n, int start = 1) {
-  std::vector<TokenId> t(n);
-  for (int i = 0; i < n; ++i) t[i] = start + i;
-  return t;
-}
-
-BlockManagerConfig pools(int gpu, int cpu, bool caching = false, double watermark = 0.0) {
-  BlockManagerConfig c;
-  c.block_size = 4;
-  c.num_gpu_blocks = gpu;
-  c.num_cpu_blocks = cpu;
-  c.watermark = watermark;
-  c.enable_prefix_caching = caching;
-  return c;
-}
-
-StopConditions stop(int max_tokens) {
-  StopConditions s;
-  s.max_tokens = max_tokens;
-  return s;
-}
 
 }  // namespace
 

@@ -4,34 +4,18 @@
 #include <vector>
 
 #include "check.h"
+#include "scheduler_fixtures.h"
 #include "vpage/scheduler.h"
 
 using namespace vpage;
+using namespace vpage_test;
 
 namespace {
 
-std::vector<TokenId> tokens(int n, int start = 1) {
-  std::vector<TokenId> t(n);
-  for (int i = 0; i < n; ++i) t[i] = start + i;
-  return t;
-}
-
 BlockManagerConfig caching_pools(int gpu, bool collide = false) {
-  BlockManagerConfig c;
-  c.block_size = 4;
-  c.num_gpu_blocks = gpu;
-  c.num_cpu_blocks = 8;
-  c.watermark = 0.0;
-  c.enable_prefix_caching = true;
+  BlockManagerConfig c = pools(gpu, 8, true);
   c.collide_prefix_hashes_for_testing = collide;
   return c;
-}
-
-StopConditions stop(int max_tokens) {
-  StopConditions s;
-  s.max_tokens = max_tokens;
-  s.eos_token_ids = {0};
-  return s;
 }
 
 // Runs request `id` over `prompt` to completion (one token, 7) and returns the prompt tokens

@@ -4,34 +4,13 @@
 #include <vector>
 
 #include "check.h"
+#include "scheduler_fixtures.h"
 #include "vpage/scheduler.h"
 
 using namespace vpage;
+using namespace vpage_test;
 
 namespace {
-
-std::vector<TokenId> tokens(int n, int start = 1) {
-  std::vector<TokenId> t(n);
-  for (int i = 0; i < n; ++i) t[i] = start + i;
-  return t;
-}
-
-BlockManagerConfig pools(int gpu, int cpu, int block_size = 4) {
-  BlockManagerConfig c;
-  c.block_size = block_size;
-  c.num_gpu_blocks = gpu;
-  c.num_cpu_blocks = cpu;
-  c.watermark = 0.0;
-  c.enable_prefix_caching = false;
-  return c;
-}
-
-StopConditions stop(int max_tokens) {
-  StopConditions s;
-  s.max_tokens = max_tokens;
-  s.eos_token_ids = {0};
-  return s;
-}
 
 // Schedules one step and commits `token` for every sampling sequence.
 std::shared_ptr<const SchedulePlan> step(Scheduler& s, TokenId token, CommitResult* out = nullptr) {
