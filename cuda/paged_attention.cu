@@ -65,6 +65,24 @@ cudaError_t query_device_limits(DeviceLimits* limits) {
   return err;
 }
 
+/// The fields AttentionParams and PrefillParams share, from the public argument struct.
+template <typename Params>
+void copy_common_params(const PagedAttentionArgs& a, Params* p) {
+  p->out = a.out;
+  p->query = a.query;
+  p->key_cache = a.key_cache;
+  p->value_cache = a.value_cache;
+  p->block_tables = a.block_tables;
+  p->context_lens = a.context_lens;
+  p->query_start_loc = a.query_start_loc;
+  p->query_stride = a.query_stride;
+  p->num_seqs = a.num_seqs;
+  p->num_heads = a.num_heads;
+  p->num_kv_heads = a.cache.num_kv_heads;
+  p->head_size = a.cache.head_size;
+  p->max_blocks_per_seq = a.max_blocks_per_seq;
+}
+
 /// Whether the tiled prefill kernel can run for `a` on a device with `limits`: 16-bit
 /// types need tensor cores of sm_80+, and its tiles must fit the shared memory.
 bool tiled_prefill_fits(const PagedAttentionArgs& a, const DeviceLimits& limits) {
@@ -80,20 +98,8 @@ cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, cudaStream_t strea
   if (err != cudaSuccess) return err;
   if (!tiled_prefill_fits(a, limits)) return cudaErrorInvalidValue;
   detail::PrefillParams p;
-  p.out = a.out;
-  p.query = a.query;
-  p.key_cache = a.key_cache;
-  p.value_cache = a.value_cache;
-  p.block_tables = a.block_tables;
-  p.context_lens = a.context_lens;
-  p.query_start_loc = a.query_start_loc;
-  p.query_stride = a.query_stride;
-  p.num_seqs = a.num_seqs;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.cache.num_kv_heads;
-  p.head_size = a.cache.head_size;
+  copy_common_params(a, &p);
   p.block_shift = a.cache.block_size == 8 ? 3 : a.cache.block_size == 16 ? 4 : 5;
-  p.max_blocks_per_seq = a.max_blocks_per_seq;
   p.group_size = a.num_heads / a.cache.num_kv_heads;
   p.heads_per_tile = std::min(p.group_size, detail::kPrefillRows);
   p.head_chunks = (p.group_size + p.heads_per_tile - 1) / p.heads_per_tile;
@@ -153,21 +159,9 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
   if (version == AttentionVersion::kTiled) return launch_tiled_prefill(a, stream);
 
   detail::AttentionParams p;
-  p.out = a.out;
-  p.query = a.query;
-  p.key_cache = a.key_cache;
-  p.value_cache = a.value_cache;
-  p.block_tables = a.block_tables;
-  p.context_lens = a.context_lens;
-  p.query_start_loc = a.query_start_loc;
+  copy_common_params(a, &p);
   p.num_rows = rows;
-  p.query_stride = a.query_stride;
-  p.num_seqs = a.num_seqs;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.cache.num_kv_heads;
-  p.head_size = a.cache.head_size;
   p.block_size = a.cache.block_size;
-  p.max_blocks_per_seq = a.max_blocks_per_seq;
   p.scale = a.scale;
   if (version == AttentionVersion::kV1) {
     DeviceLimits limits;

@@ -83,6 +83,15 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 #endif
 }
 
+/// CUDA-core twin of one lane's share of an mma: the accumulators of rows g, g + 8 and
+/// columns c, c + 1 (layout c0..c3 of m16n8) += (a, b) x (x0, x1).
+__device__ __forceinline__ void outer_2x2(float (&acc)[4], float a, float b, float x0, float x1) {
+  acc[0] = fmaf(a, x0, acc[0]);
+  acc[1] = fmaf(a, x1, acc[1]);
+  acc[2] = fmaf(b, x0, acc[2]);
+  acc[3] = fmaf(b, x1, acc[3]);
+}
+
 /// Stores two neighbouring output elements (8-byte or 4-byte aligned when `vec`).
 __device__ __forceinline__ void store2(float* dst, float a, float b, bool vec) {
   if (vec) {
@@ -172,10 +181,7 @@ __device__ __forceinline__ void tile_qk(float (&s)[kTile / 8][4], const T* q_w, 
       for (int j = 0; j < kTile / 8; ++j) {
         const float k0 = to_float(k_s[(8 * j + 2 * t) * kStride + d]);
         const float k1 = to_float(k_s[(8 * j + 2 * t + 1) * kStride + d]);
-        s[j][0] = fmaf(qa, k0, s[j][0]);
-        s[j][1] = fmaf(qa, k1, s[j][1]);
-        s[j][2] = fmaf(qb, k0, s[j][2]);
-        s[j][3] = fmaf(qb, k1, s[j][3]);
+        outer_2x2(s[j], qa, qb, k0, k1);
       }
     }
   }
@@ -220,10 +226,7 @@ __device__ __forceinline__ void tile_pv(float (&o)[kHeadSize / 8][4], const floa
       for (int dt = 0; dt < kHeadSize / 8; ++dt) {
         const float v0 = to_float(v_s[(8 * dt + 2 * t) * kStride + token]);
         const float v1 = to_float(v_s[(8 * dt + 2 * t + 1) * kStride + token]);
-        o[dt][0] = fmaf(pa, v0, o[dt][0]);
-        o[dt][1] = fmaf(pa, v1, o[dt][1]);
-        o[dt][2] = fmaf(pb, v0, o[dt][2]);
-        o[dt][3] = fmaf(pb, v1, o[dt][3]);
+        outer_2x2(o[dt], pa, pb, v0, v1);
       }
     }
     __syncwarp();  // the next tile rewrites p_w
