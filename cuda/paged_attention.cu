@@ -1,11 +1,12 @@
-// Host side of paged attention: argument checks, the v1/v2 choice, workspace layout and
-// dispatch to the per-dtype launchers.
+// Host side of paged attention: argument checks, the v1/v2/tiled choice, workspace layout
+// and dispatch to the per-dtype launchers.
 #include "vpage/cuda/attention.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <climits>
 
 #include "attention_params.h"
 
@@ -40,9 +41,13 @@ int num_partitions(int32_t max_context_len) {
   return std::max(1, (max_context_len + kAttentionPartitionSize - 1) / kAttentionPartitionSize);
 }
 
+bool is_prefill(const PagedAttentionArgs& a) { return a.query_start_loc != nullptr; }
+
 struct DeviceLimits {
   int num_sms = 1;
-  size_t max_smem_bytes = 48 * 1024;
+  size_t max_smem_bytes = 48 * 1024;    // v1 logits: opt-in limit minus kStaticSmemReserve
+  size_t optin_smem_bytes = 48 * 1024;  // dynamic shared memory per block (opt-in limit)
+  int compute_major = 0;
 };
 
 cudaError_t query_device_limits(DeviceLimits* limits) {
@@ -51,10 +56,67 @@ cudaError_t query_device_limits(DeviceLimits* limits) {
   if (err != cudaSuccess) return err;
   err = cudaDeviceGetAttribute(&limits->num_sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) return err;
+  err = cudaDeviceGetAttribute(&limits->compute_major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return err;
   int smem = 0;
   err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  limits->optin_smem_bytes = static_cast<size_t>(smem);
   limits->max_smem_bytes = static_cast<size_t>(smem) - std::min<size_t>(smem, kStaticSmemReserve);
   return err;
+}
+
+/// The fields AttentionParams and PrefillParams share, from the public argument struct.
+template <typename Params>
+void copy_common_params(const PagedAttentionArgs& a, Params* p) {
+  p->out = a.out;
+  p->query = a.query;
+  p->key_cache = a.key_cache;
+  p->value_cache = a.value_cache;
+  p->block_tables = a.block_tables;
+  p->context_lens = a.context_lens;
+  p->query_start_loc = a.query_start_loc;
+  p->query_stride = a.query_stride;
+  p->num_seqs = a.num_seqs;
+  p->num_heads = a.num_heads;
+  p->num_kv_heads = a.cache.num_kv_heads;
+  p->head_size = a.cache.head_size;
+  p->max_blocks_per_seq = a.max_blocks_per_seq;
+}
+
+/// Whether the tiled prefill kernel can run for `a` on a device with `limits`: 16-bit
+/// types need tensor cores of sm_80+, and its tiles must fit the shared memory.
+bool tiled_prefill_fits(const PagedAttentionArgs& a, const DeviceLimits& limits) {
+  const int elem = dtype_size(a.cache.dtype);
+  if (elem == 2 && limits.compute_major < 8) return false;
+  return detail::prefill_smem_bytes(a.cache.head_size, elem) <= limits.optin_smem_bytes;
+}
+
+/// The tiled prefill kernel: one thread block per (query tile, KV head, head chunk).
+cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, cudaStream_t stream) {
+  DeviceLimits limits;
+  const cudaError_t err = query_device_limits(&limits);
+  if (err != cudaSuccess) return err;
+  if (!tiled_prefill_fits(a, limits)) return cudaErrorInvalidValue;
+  detail::PrefillParams p;
+  copy_common_params(a, &p);
+  p.block_shift = a.cache.block_size == 8 ? 3 : a.cache.block_size == 16 ? 4 : 5;
+  p.group_size = a.num_heads / a.cache.num_kv_heads;
+  p.heads_per_tile = std::min(p.group_size, detail::kPrefillRows);
+  p.head_chunks = (p.group_size + p.heads_per_tile - 1) / p.heads_per_tile;
+  p.q_per_tile = detail::kPrefillRows / p.heads_per_tile;
+  p.scale_log2 = a.scale * 1.4426950408889634f;  // log2(e)
+  // Sequence s owns virtual tiles from query_start_loc[s] / q_per_tile + s: enough for
+  // ceil(query_len / q_per_tile) tiles each (see prefill_attention_kernel.cuh).
+  const int64_t num_tiles = a.num_query_tokens / p.q_per_tile + a.num_seqs;
+  const int64_t grid_y = int64_t{p.num_kv_heads} * p.head_chunks;
+  if (num_tiles > INT_MAX || grid_y > 65535) return cudaErrorInvalidValue;
+  if (a.num_seqs == 0) return cudaSuccess;
+  switch (a.cache.dtype) {
+    case DType::kFloat32: return detail::launch_prefill_attention_typed<float>(p, num_tiles, stream);
+    case DType::kFloat16: return detail::launch_prefill_attention_typed<__half>(p, num_tiles, stream);
+    case DType::kBFloat16: return detail::launch_prefill_attention_typed<__nv_bfloat16>(p, num_tiles, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 size_t v1_smem_bytes(const PagedAttentionArgs& a) {
@@ -63,6 +125,7 @@ size_t v1_smem_bytes(const PagedAttentionArgs& a) {
 }
 
 cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion requested, AttentionVersion* out) {
+  if (requested == AttentionVersion::kTiled && !is_prefill(a)) return cudaErrorInvalidValue;
   if (requested != AttentionVersion::kAuto) {
     *out = requested;
     return cudaSuccess;
@@ -70,6 +133,10 @@ cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion reques
   DeviceLimits limits;
   const cudaError_t err = query_device_limits(&limits);
   if (err != cudaSuccess) return err;
+  if (is_prefill(a) && tiled_prefill_fits(a, limits)) {
+    *out = AttentionVersion::kTiled;
+    return cudaSuccess;
+  }
   *out = choose_attention_version(num_rows(a), a.num_heads, a.max_context_len, limits.num_sms,
                                   limits.max_smem_bytes);
   return cudaSuccess;
@@ -89,23 +156,12 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
   if (err != cudaSuccess) return err;
   const int64_t rows = num_rows(a);
   if (rows == 0) return cudaSuccess;
+  if (version == AttentionVersion::kTiled) return launch_tiled_prefill(a, stream);
 
   detail::AttentionParams p;
-  p.out = a.out;
-  p.query = a.query;
-  p.key_cache = a.key_cache;
-  p.value_cache = a.value_cache;
-  p.block_tables = a.block_tables;
-  p.context_lens = a.context_lens;
-  p.query_start_loc = a.query_start_loc;
+  copy_common_params(a, &p);
   p.num_rows = rows;
-  p.query_stride = a.query_stride;
-  p.num_seqs = a.num_seqs;
-  p.num_heads = a.num_heads;
-  p.num_kv_heads = a.cache.num_kv_heads;
-  p.head_size = a.cache.head_size;
   p.block_size = a.cache.block_size;
-  p.max_blocks_per_seq = a.max_blocks_per_seq;
   p.scale = a.scale;
   if (version == AttentionVersion::kV1) {
     DeviceLimits limits;
@@ -157,13 +213,13 @@ size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args, Attention
 
 cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,
                                    cudaStream_t stream, AttentionVersion version) {
-  if (args.query_start_loc != nullptr) return cudaErrorInvalidValue;
+  if (is_prefill(args)) return cudaErrorInvalidValue;
   return launch(args, workspace, workspace_bytes, stream, version);
 }
 
 cudaError_t paged_prefill_attention(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,
                                     cudaStream_t stream, AttentionVersion version) {
-  if (args.query_start_loc == nullptr) return cudaErrorInvalidValue;
+  if (!is_prefill(args)) return cudaErrorInvalidValue;
   return launch(args, workspace, workspace_bytes, stream, version);
 }
 

@@ -1,8 +1,10 @@
 """CUDA backend of :mod:`vpage.ops`: thin calls into ``vpage._cuda`` for CUDA tensors.
 
 ``vpage.ops`` validates dtype, device, shape and contiguity before calling these functions;
-here tensors become raw device pointers, sizes and strides, and every launch goes onto
-``torch.cuda.current_stream()``.
+here tensors become raw device pointers, sizes and strides. Every launch runs on the
+tensors' device (a ``torch.cuda.device`` guard around the call) and on that device's
+current stream (``torch.cuda.current_stream(device)``), so tensors on ``cuda:1`` work
+whatever the current device is.
 
 Overlapping swaps with compute: run :func:`swap_blocks` under
 ``with torch.cuda.stream(swap_stream):`` (host pools pinned), record a ``torch.cuda.Event``
@@ -23,7 +25,7 @@ except ImportError:  # built without CUDA
     _cuda = None
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_VERSIONS = {"auto": 0, "v1": 1, "v2": 2}
+_VERSIONS = {"auto": 0, "v1": 1, "v2": 2, "tiled": 3}
 _attention_version = "auto"
 
 
@@ -33,8 +35,11 @@ def is_available() -> bool:
 
 
 def set_attention_version(version: str) -> str:
-    """Selects the decode/prefill kernel: "auto" (heuristic), "v1" (one pass) or "v2"
-    (split context + reduce). Returns the previous setting. For tests and benchmarks."""
+    """Selects the attention kernel: "auto" (decode: v1/v2 heuristic; prefill: the tiled
+    kernel where the GPU can run it, else the per-row kernels), "v1" (one pass) or "v2" (split
+    context + reduce) per query row, or "tiled" (prefill only: one thread block per query
+    tile and KV head group; decode raises). Returns the previous setting. For tests and
+    benchmarks."""
     global _attention_version
     if version not in _VERSIONS:
         raise ValueError(f"attention version must be one of {sorted(_VERSIONS)}, got {version!r}")
@@ -52,8 +57,9 @@ def attention_version(version: str) -> Iterator[None]:
         set_attention_version(previous)
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
+def _stream(device: torch.device) -> int:
+    """Handle of the current stream of ``device`` (not of the current device)."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _cache_geometry(key_cache: torch.Tensor) -> dict:
@@ -67,11 +73,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Writes key/value [num_tokens, num_kv_heads, head_size] (rows may be strided) into
     their slots (int64 slot_mapping [num_tokens], slot < 0 skips)."""
-    _cuda.reshape_and_cache(
-        key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(),
-        value_cache=value_cache.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
-        num_tokens=key.shape[0], key_stride=key.stride(0), value_stride=value.stride(0),
-        stream=_stream(), **_cache_geometry(key_cache))
+    device = key_cache.device
+    with torch.cuda.device(device):
+        _cuda.reshape_and_cache(
+            key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), slot_mapping=slot_mapping.data_ptr(),
+            num_tokens=key.shape[0], key_stride=key.stride(0), value_stride=value.stride(0),
+            stream=_stream(device), **_cache_geometry(key_cache))
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -89,22 +97,24 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     num_heads = query.shape[1]
     version = _VERSIONS[_attention_version]
     prefill = query_start_loc is not None
-    workspace_bytes = _cuda.paged_attention_workspace_bytes(
-        num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
-        max_context_len=max_context_len, prefill=prefill, version=version, **geometry)
-    workspace = None
-    if workspace_bytes:
-        workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=query.device)
-    _cuda.paged_attention(
-        out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
-        value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
-        context_lens=context_lens.data_ptr(),
-        query_start_loc=query_start_loc.data_ptr() if prefill else 0,
-        num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
-        query_stride=query.stride(0), max_blocks_per_seq=block_tables.shape[1],
-        max_context_len=max_context_len, scale=float(scale),
-        workspace=workspace.data_ptr() if workspace is not None else 0,
-        workspace_bytes=workspace_bytes, version=version, stream=_stream(), **geometry)
+    device = query.device
+    with torch.cuda.device(device):  # the workspace size depends on the device too
+        workspace_bytes = _cuda.paged_attention_workspace_bytes(
+            num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
+            max_context_len=max_context_len, prefill=prefill, version=version, **geometry)
+        workspace = None
+        if workspace_bytes:
+            workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        _cuda.paged_attention(
+            out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), block_tables=block_tables.data_ptr(),
+            context_lens=context_lens.data_ptr(),
+            query_start_loc=query_start_loc.data_ptr() if prefill else 0,
+            num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
+            query_stride=query.stride(0), max_blocks_per_seq=block_tables.shape[1],
+            max_context_len=max_context_len, scale=float(scale),
+            workspace=workspace.data_ptr() if workspace is not None else 0,
+            workspace_bytes=workspace_bytes, version=version, stream=_stream(device), **geometry)
     return out
 
 
@@ -118,21 +128,24 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
     mapping = block_mapping.to(device=device, dtype=torch.int64).contiguous()
     key_ptrs = torch.tensor([t.data_ptr() for t in key_caches], dtype=torch.int64).to(device)
     value_ptrs = torch.tensor([t.data_ptr() for t in value_caches], dtype=torch.int64).to(device)
-    _cuda.copy_blocks(
-        key_caches=key_ptrs.data_ptr(), value_caches=value_ptrs.data_ptr(),
-        num_layers=len(key_caches), block_mapping=mapping.data_ptr(),
-        num_pairs=mapping.shape[0], stream=_stream(), **_cache_geometry(key_caches[0]))
+    with torch.cuda.device(device):
+        _cuda.copy_blocks(
+            key_caches=key_ptrs.data_ptr(), value_caches=value_ptrs.data_ptr(),
+            num_layers=len(key_caches), block_mapping=mapping.data_ptr(),
+            num_pairs=mapping.shape[0], stream=_stream(device), **_cache_geometry(key_caches[0]))
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copies whole blocks src[i] -> dst[j] for (i, j) in block_mapping (int64 [num_pairs, 2],
     on the CPU) between a CUDA cache and a (pinned) CPU cache of the same block layout,
-    asynchronously on the current stream."""
+    asynchronously on the current stream of the CUDA side's device."""
     mapping = block_mapping.to(dtype=torch.int64).contiguous()
     if mapping.numel() == 0:
         return
     if mapping.device.type != "cpu":
         mapping = mapping.cpu()
-    _cuda.swap_blocks(
-        src=src.data_ptr(), dst=dst.data_ptr(), block_bytes=src.stride(0) * src.element_size(),
-        block_mapping=mapping.data_ptr(), num_pairs=mapping.shape[0], stream=_stream())
+    device = src.device if src.device.type == "cuda" else dst.device
+    with torch.cuda.device(device):
+        _cuda.swap_blocks(
+            src=src.data_ptr(), dst=dst.data_ptr(), block_bytes=src.stride(0) * src.element_size(),
+            block_mapping=mapping.data_ptr(), num_pairs=mapping.shape[0], stream=_stream(device))

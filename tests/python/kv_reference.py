@@ -85,9 +85,11 @@ def reference_paged_attention(query, key_cache, value_cache, block_tables, conte
 
 
 def reference_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                context_lens, scale: float) -> torch.Tensor:
+                                context_lens, scale: float, max_rows: int = 256) -> torch.Tensor:
     """Causal prefill: float64 [num_tokens, num_heads, head_size]; the queries of sequence s
-    are rows [query_start_loc[s], query_start_loc[s+1]), the last tokens of its context."""
+    are rows [query_start_loc[s], query_start_loc[s+1]), the last tokens of its context.
+    Queries go in chunks of at most ``max_rows`` (chunk [a, b) of q queries over a context of
+    L tokens = the last b - a queries of a context of L - (q - b) tokens), bounding memory."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for s, length in enumerate(context_lens.tolist()):
@@ -95,5 +97,8 @@ def reference_prefill_attention(query, key_cache, value_cache, block_tables, que
         if end == begin:
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[s].cpu(), length)
-        out[begin:end] = _attend(query[begin:end], k, v, scale)
+        for a in range(begin, end, max_rows):
+            b = min(end, a + max_rows)
+            visible = length - (end - b)
+            out[a:b] = _attend(query[a:b], k[:visible], v[:visible], scale)
     return out

@@ -302,3 +302,183 @@ def test_swap_round_trip_pinned(dtype):
     for (src, _), (_, dst) in zip(out_map.tolist(), in_map.tolist()):
         assert torch.equal(back[dst], gpu[src])
 
+
+
+# ---------------------------------------------------------------------------------------
+# Tiled prefill (one thread block per query tile x KV head group) against the float64
+# reference of kv_reference.py. Inputs are uniform in [-1, 1) (never zero); cache slots past
+# each context and unused blocks hold NaN; outputs are NaN before the kernel runs.
+
+# (context_len, query_len): whole prompts and chunked prefill over cached tokens, around the
+# 64-token KV tiles, the 64-row query tiles and the block sizes; 1..4100.
+PREFILL_SEQS = [(1, 1), (17, 17), (64, 64), (65, 65), (100, 37), (300, 1), (777, 200), (4100, 67)]
+
+
+def _poisoned_prefill_case(seqs, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
+    """Caches (NaN outside the written tokens), block tables, lens and a query on the GPU."""
+    from kv_reference import make_block_tables, make_random_cache
+
+    g = torch.Generator().manual_seed(seed)
+    contexts = [c for c, _ in seqs]
+    query_lens = [q for _, q in seqs]
+    num_blocks = sum(math.ceil(c / block_size) for c in contexts) + 5
+    key_cache, value_cache = make_random_cache(num_blocks, num_kv_heads, head_size, block_size, dtype, generator=g)
+    block_tables = make_block_tables(contexts, block_size, num_blocks, generator=g)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for s, n in enumerate(contexts):
+        for i in range(math.ceil(n / block_size)):
+            written[block_tables[s, i], : min(block_size, n - i * block_size)] = True
+    key_cache.masked_fill_(~written[:, None, None, :, None], float("nan"))
+    value_cache.masked_fill_(~written[:, None, None, :], float("nan"))
+    dev = torch.device("cuda")
+    query = (torch.rand(sum(query_lens), num_heads, head_size, generator=g) * 2 - 1).to(dtype)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return dict(query=query.to(dev), key_cache=key_cache.to(dev), value_cache=value_cache.to(dev),
+                block_tables=block_tables.to(dev), query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+                context_lens=torch.tensor(contexts, dtype=torch.int32, device=dev))
+
+
+def _run_prefill(case, scale, version="tiled", out=None):
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    if out is None:
+        out = torch.full_like(case["query"], float("nan"))
+    with _ops_cuda.attention_version(version):
+        ops.paged_prefill_attention(case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
+                                    case["query_start_loc"], case["context_lens"], scale, out=out)
+    torch.cuda.synchronize(out.device)
+    return out
+
+
+def _prefill_expected(case, scale):
+    from kv_reference import reference_prefill_attention
+
+    return reference_prefill_attention(case["query"].cpu(), case["key_cache"].cpu(), case["value_cache"].cpu(),
+                                       case["block_tables"].cpu(), case["query_start_loc"].cpu(),
+                                       case["context_lens"].cpu(), scale)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_tiled_prefill_matches_reference(dtype, block_size, head_size, num_heads, num_kv_heads):
+    case = _poisoned_prefill_case(PREFILL_SEQS, num_heads, num_kv_heads, head_size, block_size, dtype, seed=5)
+    scale = head_size ** -0.5
+    out = _run_prefill(case, scale)
+    assert not out.isnan().any(), "rows left unwritten or NaN read from the cache"
+    _assert_close(out, _prefill_expected(case, scale), dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_prefill_long_whole_prompt(dtype):
+    """A 4100-token prompt in one step next to a long chunk of another sequence."""
+    case = _poisoned_prefill_case([(4100, 4100), (2500, 1300)], 6, 2, 128, 16, dtype, seed=6)
+    out = _run_prefill(case, 128 ** -0.5)
+    _assert_close(out, _prefill_expected(case, 128 ** -0.5), dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [80, 96, 256])
+def test_tiled_prefill_other_head_sizes(dtype, head_size):
+    case = _poisoned_prefill_case([(33, 33), (130, 70), (1, 1)], 6, 2, head_size, 32, dtype, seed=7)
+    out = _run_prefill(case, 0.1)
+    _assert_close(out, _prefill_expected(case, 0.1), dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tiled_prefill_group_wider_than_a_tile(dtype):
+    """72 query heads on one KV head: a tile holds 64 heads of one query, 2 head chunks."""
+    case = _poisoned_prefill_case([(20, 3), (70, 70)], 72, 1, 64, 16, dtype, seed=8)
+    out = _run_prefill(case, 0.125)
+    _assert_close(out, _prefill_expected(case, 0.125), dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiled_prefill_strided_unaligned_query_and_empty_rows(dtype):
+    """Query as a slice of a fused qkv tensor, then shifted off 16-byte alignment (element
+    loads), an unaligned `out`, and a sequence without query tokens in the batch."""
+    seqs = [(50, 50), (9, 0), (200, 31)]
+    case = _poisoned_prefill_case(seqs, 4, 2, 64, 8, dtype, seed=9)
+    n = case["query"].shape[0]
+    qkv = torch.full((n, 4 + 2 * 2, 64), float("nan"), dtype=dtype, device="cuda")
+    qkv[:, :4] = case["query"]
+    expected = _prefill_expected(case, 0.125)
+    case["query"] = qkv[:, :4]
+    _assert_close(_run_prefill(case, 0.125), expected, dtype)
+    flat = torch.full((n * 4 * 64 + 1,), float("nan"), dtype=dtype, device="cuda")
+    shifted = flat[1:].view(n, 4, 64)
+    shifted.copy_(qkv[:, :4])
+    case["query"] = shifted
+    out_flat = torch.full((n * 4 * 64 + 1,), float("nan"), dtype=dtype, device="cuda")
+    out = _run_prefill(case, 0.125, out=out_flat[1:].view(n, 4, 64))
+    _assert_close(out, expected, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_tiled_prefill_matches_per_row_kernel(dtype, block_size):
+    """The tiled and the per-row (v1) kernels are independent implementations."""
+    case = _poisoned_prefill_case(PREFILL_SEQS, 8, 2, 128, block_size, dtype, seed=10)
+    tiled = _run_prefill(case, 0.09)
+    per_row = _run_prefill(case, 0.09, version="v1")
+    _assert_close(tiled, per_row, dtype)
+    _assert_close(_run_prefill(case, 0.09, version="auto"), tiled, dtype)  # tiled where the GPU can
+
+
+@requires_cuda
+def test_tiled_version_rejects_decode():
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    case = _poisoned_prefill_case([(10, 1)], 4, 4, 64, 16, torch.float16)
+    with _ops_cuda.attention_version("tiled"), pytest.raises(RuntimeError):
+        ops.paged_attention(case["query"], case["key_cache"], case["value_cache"], case["block_tables"],
+                            case["context_lens"], 0.125)
+
+
+def _two_gpus() -> bool:
+    return _cuda_ready() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 NVIDIA GPUs and vpage._cuda")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kernels_run_on_the_tensors_device(dtype):
+    """Tensors on cuda:1 while cuda:0 is current (and a side stream is current on cuda:1):
+    every kernel must run on cuda:1 and its current stream."""
+    ops = _ops()
+    with torch.cuda.device(0):
+        case = _poisoned_prefill_case([(40, 40), (300, 20)], 4, 2, 64, 16, dtype, seed=11)
+        case = {k: v.to("cuda:1") for k, v in case.items()}
+        side = torch.cuda.Stream(device="cuda:1")
+        with torch.cuda.stream(side):
+            out = torch.full_like(case["query"], float("nan"))
+            ops.paged_prefill_attention(case["query"], case["key_cache"], case["value_cache"],
+                                        case["block_tables"], case["query_start_loc"], case["context_lens"],
+                                        0.125, out=out)
+            last = case["query_start_loc"][1:] - 1
+            decode_out = ops.paged_attention(case["query"][last], case["key_cache"], case["value_cache"],
+                                             case["block_tables"], case["context_lens"], 0.125)
+            new_key = case["key_cache"].clone()
+            new_value = case["value_cache"].clone()
+            rows = torch.rand(3, 2, 64, device="cuda:1").to(dtype)
+            ops.reshape_and_cache(rows, rows, new_key, new_value,
+                                  torch.tensor([0, 5, 17], dtype=torch.int64, device="cuda:1"))
+            ops.copy_blocks([new_key], [new_value], torch.tensor([[0, 1]], dtype=torch.int64))
+        side.synchronize()
+    expected = _prefill_expected(case, 0.125)
+    _assert_close(out, expected, dtype)
+    _assert_close(decode_out, expected[last.cpu()], dtype)
+    assert torch.equal(new_key[0, :, :, 5].reshape(2, 64), rows[1])
+    for cache in (new_key, new_value):  # bitwise: the blocks hold NaN poison too
+        assert torch.equal(cache[1].view(torch.uint8), cache[0].view(torch.uint8))

@@ -29,7 +29,7 @@ PagedAttentionArgs make_args(int32_t num_seqs, int64_t num_query_tokens, int32_t
 }
 
 cuda::AttentionVersion to_version(int version) {
-  if (version < 0 || version > 2) throw py::value_error("version must be 0 (auto), 1 (v1) or 2 (v2)");
+  if (version < 0 || version > 3) throw py::value_error("version must be 0 (auto), 1 (v1), 2 (v2) or 3 (tiled prefill)");
   return static_cast<cuda::AttentionVersion>(version);
 }
 

@@ -13,8 +13,13 @@ namespace vpage::cuda {
 /// Tokens per partition of the split (v2) kernels; a multiple of every block size.
 inline constexpr int kAttentionPartitionSize = 512;
 
-/// Which attention kernel runs: kAuto applies choose_attention_version, kV1/kV2 force one.
-enum class AttentionVersion : int { kAuto = 0, kV1 = 1, kV2 = 2 };
+/// Which attention kernel runs. Decode: kAuto applies choose_attention_version, kV1/kV2
+/// force one, kTiled is invalid. Prefill: kAuto runs the tiled kernel (one thread block per
+/// query tile x KV head group) when the GPU can (sm_80+ for 16-bit types, enough shared
+/// memory), else the per-row v1/v2 kernels chosen as for decode; kTiled forces the tiled
+/// kernel (cudaErrorInvalidValue when it cannot run); kV1/kV2 force the per-row kernels
+/// (one thread block per query token and head), kept as an independent cross-check.
+enum class AttentionVersion : int { kAuto = 0, kV1 = 1, kV2 = 2, kTiled = 3 };
 
 /// The heuristic behind kAuto. v1 (one thread block per query row and head, whole context)
 /// is chosen when the context fits one partition (<= kAttentionPartitionSize tokens), or when
@@ -28,7 +33,8 @@ AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads,
                                           size_t max_smem_bytes);
 
 /// Bytes of device scratch that paged_attention_decode / paged_prefill_attention need for
-/// `args` and `version` (0 when v1 runs). Queries the current device's SM count for kAuto.
+/// `args` and `version` (0 when v1 or the tiled prefill runs). Queries the current device
+/// (SM count, shared memory, compute capability) for kAuto.
 size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args,
                                        AttentionVersion version = AttentionVersion::kAuto);
 
@@ -43,7 +49,8 @@ cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspa
 
 /// Prefill / chunked-prefill attention (args.query_start_loc != nullptr): query row j of a
 /// sequence with q query tokens and context L attends causally to positions [0, L - q + j].
-/// Same workspace and shape rules as paged_attention_decode.
+/// Same workspace and shape rules as paged_attention_decode; see AttentionVersion for the
+/// kernel choice. Launches on `stream`, which must belong to the current device.
 cudaError_t paged_prefill_attention(const PagedAttentionArgs& args, void* workspace,
                                     size_t workspace_bytes, cudaStream_t stream,
                                     AttentionVersion version = AttentionVersion::kAuto);
