@@ -1,0 +1,166 @@
+// Dequantization of ggml blocks (layouts in vpage/kernels/quant_matmul.h) into float32, one
+// function per format. Plain loops of fixed length that the compiler vectorises with the
+// flags of the ISA build including this file (everything lives in VPAGE_ISA_NAMESPACE, like
+// simd_vec.h, so no inline function is shared between builds with different flags).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#else
+#include "vpage/kernels/half.h"
+#endif
+#include "vpage/kernels/quant_matmul.h"
+
+#ifndef VPAGE_ISA_NAMESPACE
+#error "define VPAGE_ISA_NAMESPACE before including quant_blocks.h"
+#endif
+
+namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {  // qmm: no name clash with attention_impl.h's
+
+/// The little-endian IEEE half at `p` as a float.
+inline float load_f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof(h));
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return vpage::half_to_float(h);
+#endif
+}
+
+// 32-value blocks: dst[32].
+inline void dequant_q4_0(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    dst[j] = d * static_cast<float>(static_cast<int>(qs[j] & 15) - 8);
+    dst[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+  }
+}
+
+inline void dequant_q4_1(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const float m = load_f16(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    dst[j] = d * static_cast<float>(qs[j] & 15) + m;
+    dst[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+  }
+}
+
+inline void dequant_q8_0(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(qs[j]);
+}
+
+// Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block (`s`: its 12 scale bytes).
+inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// 256-value super-blocks: dst[256].
+inline void dequant_q4_k(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const float dmin = load_f16(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int pair = 0; pair < 4; ++pair) {
+    int sc0, mn0, sc1, mn1;
+    k_scale_min(scales, 2 * pair, &sc0, &mn0);
+    k_scale_min(scales, 2 * pair + 1, &sc1, &mn1);
+    const float d0 = d * static_cast<float>(sc0), m0 = dmin * static_cast<float>(mn0);
+    const float d1 = d * static_cast<float>(sc1), m1 = dmin * static_cast<float>(mn1);
+    const uint8_t* q = qs + 32 * pair;
+    float* y = dst + 64 * pair;
+    for (int l = 0; l < 32; ++l) {
+      y[l] = d0 * static_cast<float>(q[l] & 15) - m0;
+      y[l + 32] = d1 * static_cast<float>(q[l] >> 4) - m1;
+    }
+  }
+}
+
+inline void dequant_q5_k(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const float dmin = load_f16(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int pair = 0; pair < 4; ++pair) {
+    int sc0, mn0, sc1, mn1;
+    k_scale_min(scales, 2 * pair, &sc0, &mn0);
+    k_scale_min(scales, 2 * pair + 1, &sc1, &mn1);
+    const float d0 = d * static_cast<float>(sc0), m0 = dmin * static_cast<float>(mn0);
+    const float d1 = d * static_cast<float>(sc1), m1 = dmin * static_cast<float>(mn1);
+    const uint8_t* q = qs + 32 * pair;
+    const int shift = 2 * pair;
+    float* y = dst + 64 * pair;
+    for (int l = 0; l < 32; ++l) {
+      const int lo = (q[l] & 15) | (((qh[l] >> shift) & 1) << 4);
+      const int hi = (q[l] >> 4) | (((qh[l] >> (shift + 1)) & 1) << 4);
+      y[l] = d0 * static_cast<float>(lo) - m0;
+      y[l + 32] = d1 * static_cast<float>(hi) - m1;
+    }
+  }
+}
+
+inline void dequant_q6_k(const uint8_t* b, float* dst) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = load_f16(b + 208);
+  for (int half = 0; half < 2; ++half) {
+    const uint8_t* l4 = ql + 64 * half;
+    const uint8_t* h2 = qh + 32 * half;
+    const int8_t* sc = scales + 8 * half;
+    float* y = dst + 128 * half;
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((l4[l] & 15) | (((h2[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((l4[l + 32] & 15) | (((h2[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * static_cast<float>(sc[is] * q1);
+      y[l + 32] = d * static_cast<float>(sc[is + 2] * q2);
+      y[l + 64] = d * static_cast<float>(sc[is + 4] * q3);
+      y[l + 96] = d * static_cast<float>(sc[is + 6] * q4);
+    }
+  }
+}
+
+/// Dequantizes `num_values` values (whole blocks) starting at block `first_block` of the
+/// row at `row` into dst[num_values].
+inline void dequantize_range(QuantType type, const uint8_t* row, int64_t first_block, int32_t num_values,
+                             float* dst) {
+  switch (type) {
+    case QuantType::kQ4_0:
+      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q4_0(row + (first_block + i) * 18, dst + 32 * i);
+      break;
+    case QuantType::kQ4_1:
+      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q4_1(row + (first_block + i) * 20, dst + 32 * i);
+      break;
+    case QuantType::kQ8_0:
+      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q8_0(row + (first_block + i) * 34, dst + 32 * i);
+      break;
+    case QuantType::kQ4_K:
+      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q4_k(row + (first_block + i) * 144, dst + 256 * i);
+      break;
+    case QuantType::kQ5_K:
+      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q5_k(row + (first_block + i) * 176, dst + 256 * i);
+      break;
+    case QuantType::kQ6_K:
+      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q6_k(row + (first_block + i) * 210, dst + 256 * i);
+      break;
+  }
+}
+
+}  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm
