@@ -7,9 +7,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__F16C__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#else
+#endif
+#if !defined(__F16C__)
 #include "vpage/kernels/half.h"
 #endif
 #include "vpage/kernels/quant_matmul.h"
@@ -31,31 +32,72 @@ inline float load_f16(const uint8_t* p) {
 #endif
 }
 
-// 32-value blocks: dst[32].
-inline void dequant_q4_0(const uint8_t* b, float* dst) {
-  const float d = load_f16(b);
-  const uint8_t* qs = b + 2;
-  for (int j = 0; j < 16; ++j) {
-    dst[j] = d * static_cast<float>(static_cast<int>(qs[j] & 15) - 8);
-    dst[j + 16] = d * static_cast<float>(static_cast<int>(qs[j] >> 4) - 8);
+// 32-value blocks: dst[32] = scale * q + offset. The x86 builds unpack with intrinsics (the
+// compiler does not vectorise the nibble split well); the portable build uses plain loops.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// q: 16 unsigned bytes (values of one half of a 4-bit block) -> dst[16].
+inline void store_u8x16(__m128i q, __m512 scale, __m512 offset, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), scale, offset));
+}
+inline void store_i8x16(__m128i q, __m512 scale, float* dst) {
+  _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale));
+}
+inline void dequant_nibbles(const uint8_t* qs, float scale, float offset, float* dst) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m512 vs = _mm512_set1_ps(scale), vo = _mm512_set1_ps(offset);
+  store_u8x16(_mm_and_si128(raw, mask), vs, vo, dst);
+  store_u8x16(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), vs, vo, dst + 16);
+}
+inline void dequant_q8_0(const uint8_t* b, float* dst) {
+  const __m512 d = _mm512_set1_ps(load_f16(b));
+  store_i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)), d, dst);
+  store_i8x16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)), d, dst + 16);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline void store_u8x8(__m128i q, __m256 scale, __m256 offset, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), scale, offset));
+}
+inline void dequant_nibbles(const uint8_t* qs, float scale, float offset, float* dst) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  const __m256 vs = _mm256_set1_ps(scale), vo = _mm256_set1_ps(offset);
+  store_u8x8(lo, vs, vo, dst);
+  store_u8x8(_mm_srli_si128(lo, 8), vs, vo, dst + 8);
+  store_u8x8(hi, vs, vo, dst + 16);
+  store_u8x8(_mm_srli_si128(hi, 8), vs, vo, dst + 24);
+}
+inline void dequant_q8_0(const uint8_t* b, float* dst) {
+  const __m256 d = _mm256_set1_ps(load_f16(b));
+  for (int i = 0; i < 4; ++i) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+    _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
   }
 }
-
-inline void dequant_q4_1(const uint8_t* b, float* dst) {
-  const float d = load_f16(b);
-  const float m = load_f16(b + 2);
-  const uint8_t* qs = b + 4;
+#else
+// 16 bytes of nibbles: low nibbles are values 0..15, high nibbles 16..31.
+inline void dequant_nibbles(const uint8_t* qs, float scale, float offset, float* dst) {
   for (int j = 0; j < 16; ++j) {
-    dst[j] = d * static_cast<float>(qs[j] & 15) + m;
-    dst[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    dst[j] = scale * static_cast<float>(qs[j] & 15) + offset;
+    dst[j + 16] = scale * static_cast<float>(qs[j] >> 4) + offset;
   }
 }
-
 inline void dequant_q8_0(const uint8_t* b, float* dst) {
   const float d = load_f16(b);
   const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
   for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(qs[j]);
 }
+#endif
+
+// d * (q - 8) = d * q - 8 d.
+inline void dequant_q4_0(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  dequant_nibbles(b + 2, d, -8.0f * d, dst);
+}
+
+inline void dequant_q4_1(const uint8_t* b, float* dst) { dequant_nibbles(b + 4, load_f16(b), load_f16(b + 2), dst); }
 
 // Sub-block j's 6-bit scale and min of a Q4_K / Q5_K super-block (`s`: its 12 scale bytes).
 inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
