@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +188,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
             raise
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
+    del reader  # the GGUF metadata objects and file mapping (hundreds of MB) go before the tokenizer's
+    gc.collect()
     tokenizer = _load_tokenizer(source)
     config = ModelConfig(
         architecture=architecture,
