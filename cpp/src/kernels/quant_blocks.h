@@ -165,16 +165,19 @@ inline void dequant_q6_k(const uint8_t* b, float* dst) {
     const uint8_t* h2 = qh + 32 * half;
     const int8_t* sc = scales + 8 * half;
     float* y = dst + 128 * half;
-    for (int l = 0; l < 32; ++l) {
-      const int is = l / 16;
-      const int q1 = ((l4[l] & 15) | (((h2[l] >> 0) & 3) << 4)) - 32;
-      const int q2 = ((l4[l + 32] & 15) | (((h2[l] >> 2) & 3) << 4)) - 32;
-      const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
-      const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
-      y[l] = d * static_cast<float>(sc[is] * q1);
-      y[l + 32] = d * static_cast<float>(sc[is + 2] * q2);
-      y[l + 64] = d * static_cast<float>(sc[is + 4] * q3);
-      y[l + 96] = d * static_cast<float>(sc[is + 6] * q4);
+    for (int g = 0; g < 2; ++g) {  // 16 values per scale: the inner loop has constant scales
+      const float s1 = d * static_cast<float>(sc[g]), s2 = d * static_cast<float>(sc[g + 2]);
+      const float s3 = d * static_cast<float>(sc[g + 4]), s4 = d * static_cast<float>(sc[g + 6]);
+      for (int l = 16 * g; l < 16 * g + 16; ++l) {
+        const int q1 = ((l4[l] & 15) | ((h2[l] & 3) << 4)) - 32;
+        const int q2 = ((l4[l + 32] & 15) | (((h2[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+        y[l] = s1 * static_cast<float>(q1);
+        y[l + 32] = s2 * static_cast<float>(q2);
+        y[l + 64] = s3 * static_cast<float>(q3);
+        y[l + 96] = s4 * static_cast<float>(q4);
+      }
     }
   }
 }
