@@ -110,33 +110,16 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
   }
 }
 
-// 256-value super-blocks: dst[256].
-inline void dequant_q4_k(const uint8_t* b, float* dst) {
-  const float d = load_f16(b);
-  const float dmin = load_f16(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qs = b + 16;
-  for (int pair = 0; pair < 4; ++pair) {
-    int sc0, mn0, sc1, mn1;
-    k_scale_min(scales, 2 * pair, &sc0, &mn0);
-    k_scale_min(scales, 2 * pair + 1, &sc1, &mn1);
-    const float d0 = d * static_cast<float>(sc0), m0 = dmin * static_cast<float>(mn0);
-    const float d1 = d * static_cast<float>(sc1), m1 = dmin * static_cast<float>(mn1);
-    const uint8_t* q = qs + 32 * pair;
-    float* y = dst + 64 * pair;
-    for (int l = 0; l < 32; ++l) {
-      y[l] = d0 * static_cast<float>(q[l] & 15) - m0;
-      y[l + 32] = d1 * static_cast<float>(q[l] >> 4) - m1;
-    }
-  }
-}
-
-inline void dequant_q5_k(const uint8_t* b, float* dst) {
+// Q4_K and Q5_K: per pair of sub-blocks (64 values), y[l] = d0 * q - m0 for the low
+// nibbles and y[l + 32] = d1 * q - m1 for the high ones; Q5_K adds a fifth bit from qh
+// (bit 2 pair of qh[l] for the low sub-block, the next bit for the high one).
+template <bool kFifthBit>
+inline void dequant_k_super_block(const uint8_t* b, float* dst) {
   const float d = load_f16(b);
   const float dmin = load_f16(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + 48;
+  const uint8_t* qs = kFifthBit ? b + 48 : b + 16;
   for (int pair = 0; pair < 4; ++pair) {
     int sc0, mn0, sc1, mn1;
     k_scale_min(scales, 2 * pair, &sc0, &mn0);
@@ -144,16 +127,23 @@ inline void dequant_q5_k(const uint8_t* b, float* dst) {
     const float d0 = d * static_cast<float>(sc0), m0 = dmin * static_cast<float>(mn0);
     const float d1 = d * static_cast<float>(sc1), m1 = dmin * static_cast<float>(mn1);
     const uint8_t* q = qs + 32 * pair;
-    const int shift = 2 * pair;
     float* y = dst + 64 * pair;
     for (int l = 0; l < 32; ++l) {
-      const int lo = (q[l] & 15) | (((qh[l] >> shift) & 1) << 4);
-      const int hi = (q[l] >> 4) | (((qh[l] >> (shift + 1)) & 1) << 4);
+      int lo = q[l] & 15, hi = q[l] >> 4;
+      if (kFifthBit) {
+        lo |= ((qh[l] >> (2 * pair)) & 1) << 4;
+        hi |= ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+      }
       y[l] = d0 * static_cast<float>(lo) - m0;
       y[l + 32] = d1 * static_cast<float>(hi) - m1;
     }
   }
 }
+
+// 256-value super-blocks: dst[256].
+inline void dequant_q4_k(const uint8_t* b, float* dst) { dequant_k_super_block<false>(b, dst); }
+
+inline void dequant_q5_k(const uint8_t* b, float* dst) { dequant_k_super_block<true>(b, dst); }
 
 inline void dequant_q6_k(const uint8_t* b, float* dst) {
   const uint8_t* ql = b;
@@ -182,29 +172,23 @@ inline void dequant_q6_k(const uint8_t* b, float* dst) {
   }
 }
 
+// Blocks [first_block, first_block + num_values / kValues) of a row into dst[num_values].
+template <int kValues, int kBytes, void (*kDequant)(const uint8_t*, float*)>
+inline void dequant_blocks(const uint8_t* row, int64_t first_block, int32_t num_values, float* dst) {
+  for (int32_t i = 0; i < num_values / kValues; ++i) kDequant(row + (first_block + i) * kBytes, dst + kValues * i);
+}
+
 /// Dequantizes `num_values` values (whole blocks) starting at block `first_block` of the
 /// row at `row` into dst[num_values].
 inline void dequantize_range(QuantType type, const uint8_t* row, int64_t first_block, int32_t num_values,
                              float* dst) {
   switch (type) {
-    case QuantType::kQ4_0:
-      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q4_0(row + (first_block + i) * 18, dst + 32 * i);
-      break;
-    case QuantType::kQ4_1:
-      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q4_1(row + (first_block + i) * 20, dst + 32 * i);
-      break;
-    case QuantType::kQ8_0:
-      for (int32_t i = 0; i < num_values / 32; ++i) dequant_q8_0(row + (first_block + i) * 34, dst + 32 * i);
-      break;
-    case QuantType::kQ4_K:
-      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q4_k(row + (first_block + i) * 144, dst + 256 * i);
-      break;
-    case QuantType::kQ5_K:
-      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q5_k(row + (first_block + i) * 176, dst + 256 * i);
-      break;
-    case QuantType::kQ6_K:
-      for (int32_t i = 0; i < num_values / 256; ++i) dequant_q6_k(row + (first_block + i) * 210, dst + 256 * i);
-      break;
+    case QuantType::kQ4_0: return dequant_blocks<32, 18, dequant_q4_0>(row, first_block, num_values, dst);
+    case QuantType::kQ4_1: return dequant_blocks<32, 20, dequant_q4_1>(row, first_block, num_values, dst);
+    case QuantType::kQ8_0: return dequant_blocks<32, 34, dequant_q8_0>(row, first_block, num_values, dst);
+    case QuantType::kQ4_K: return dequant_blocks<256, 144, dequant_q4_k>(row, first_block, num_values, dst);
+    case QuantType::kQ5_K: return dequant_blocks<256, 176, dequant_q5_k>(row, first_block, num_values, dst);
+    case QuantType::kQ6_K: return dequant_blocks<256, 210, dequant_q6_k>(row, first_block, num_values, dst);
   }
 }
 
