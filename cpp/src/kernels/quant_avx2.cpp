@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::avx2 {
 
-extern const QuantKernels kQuantKernels = {"avx2", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr};
+extern const QuantKernels kQuantKernels = {"avx2", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr, qmm::kPanel};
 
 }  // namespace vpage::cpu::avx2

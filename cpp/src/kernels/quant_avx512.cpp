@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::avx512 {
 
-extern const QuantKernels kQuantKernels = {"avx512", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr};
+extern const QuantKernels kQuantKernels = {"avx512", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr, qmm::kPanel};
 
 }  // namespace vpage::cpu::avx512

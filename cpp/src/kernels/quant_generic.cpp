@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::generic {
 
-extern const QuantKernels kQuantKernels = {"generic", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr};
+extern const QuantKernels kQuantKernels = {"generic", &qmm::run_task, &qmm::dequantize_rows, qmm::kNr, qmm::kPanel};
 
 }  // namespace vpage::cpu::generic

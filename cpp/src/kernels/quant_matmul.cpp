@@ -49,9 +49,9 @@ namespace {
 
 constexpr int64_t kDecodeRows = 16;     // up to this many x rows: one pass over the weights
 constexpr int32_t kDecodeKChunk = 512;  // decode tile: 8 rows x 512 floats = 16 KiB (L1)
-constexpr int32_t kPrefillRowsPerTask = 32;
-constexpr int32_t kPrefillKChunk = 256;  // prefill tile: 32 rows x 256 floats = 32 KiB
-constexpr int64_t kPrefillMChunk = 128;  // x chunk 128 rows x 256 floats = 128 KiB (L2)
+constexpr int32_t kPrefillPanels = 2;    // prefill task: 2 micro-kernel panels (32 or 64 weight rows)
+constexpr int32_t kPrefillKChunk = 256;  // prefill tile: 256 x 32 floats = 32 KiB (AVX2)
+constexpr int64_t kPrefillMChunk = 192;  // x chunk 192 rows x 256 floats = 192 KiB (L2)
 
 const QuantKernels& selected_quant_kernels() {
   const char* name = selected_kernels().name;
@@ -135,9 +135,10 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
     plan.k_chunk = kDecodeKChunk;
     plan.m_chunk = args.m;
   } else {
-    plan.rows_per_task = kPrefillRowsPerTask;
+    plan.rows_per_task = kPrefillPanels * kernels.panel_rows;
     plan.k_chunk = kPrefillKChunk;
     plan.m_chunk = kPrefillMChunk;
+    plan.k_major = true;
   }
   const int64_t num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
   ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {

@@ -15,6 +15,7 @@ struct QuantPlan {
   int32_t rows_per_task = 0;  // a multiple of QuantKernels::rows_multiple
   int32_t k_chunk = 0;        // a multiple of 256 (hence of every block size)
   int64_t m_chunk = 0;
+  bool k_major = false;       // prefill tile layout and micro-kernel (see quant_matmul_impl.h)
 };
 
 /// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
@@ -29,7 +30,8 @@ struct QuantKernels {
   const char* name;
   QuantTaskFn run_task;
   QuantDequantizeFn dequantize_rows;
-  int32_t rows_multiple;  // weight rows per micro-kernel column group
+  int32_t rows_multiple;   // weight rows per decode micro-kernel column group
+  int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };
 
 /// Writes out[row, col0 : col0 + cols] = values (converted to args.dtype). Compiled once
