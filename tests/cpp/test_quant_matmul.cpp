@@ -1,7 +1,7 @@
 // vpage::cpu::quant_matmul over hand-written ggml blocks: Q8_0 and Q4_1 against a scalar
 // reference of their layouts, every type against a double-precision matmul of
-// quant_dequantize_rows, in every instruction set the CPU has, on both paths (decode m <= 16,
-// prefill m > 16); bad arguments throw. (The Python tests check every layout against the
+// quant_dequantize_rows, in every instruction set the CPU has, on both paths (dot product
+// below 128 rows, outer product from 128); bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
 #include <cmath>
 #include <cstdint>
@@ -88,7 +88,7 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
     }
   }
   std::normal_distribution<float> normal;
-  for (int m : {1, 5, 20}) {
+  for (int m : {1, 5, 131}) {
     std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
     for (auto& v : x) v = normal(rng);
     vpage::QuantMatmulArgs a;

@@ -46,7 +46,7 @@ def test_every_type_every_isa_against_float64(isa, qtype):
     deq = ops.dequantize_rows(qweight, qtype, k)
     np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 3, 17, 64, 257):  # decode path (m <= 16) and prefill path with remainders
+    for m in (1, 3, 17, 64, 257):  # dot path (m < 128), outer-product path (257 = 42 * 6 + 5)
         x = torch.randn(m, k, generator=gen)
         _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6)
 
@@ -66,9 +66,9 @@ def test_16bit_activations_and_strided_rows(qtype, dtype):
 
 
 def test_shapes_of_the_default_model_and_many_threads():
-    # Tasks of the prefill path (32 rows) and the decode path, with a ragged last task.
+    # Tasks of the outer-product path (32 rows) and the dot path (8), with a ragged last task.
     qweight, w64 = _weights("Q4_1", 1536 + 24, 576, seed=3)
-    x = torch.randn(20, 576, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
     ops.set_num_threads(3)
     try:
         _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6)

@@ -48,11 +48,12 @@ struct QuantMatmulArgs {
 
 namespace cpu {
 
-/// Runs the matmul. Two paths by m: up to 16 rows (decode: bandwidth-bound) every weight
-/// row is dequantized once, a K chunk at a time, and multiplied with all rows of x; more
-/// rows (prefill: compute-bound) dequantize a 256-deep tile of 32 (AVX-512: 64) weight rows
-/// once per 192 rows of x and run an outer-product FMA micro-kernel over it. Threads: one
-/// task per block of weight rows (output columns). 16-bit x is converted to float32 first.
+/// Runs the matmul. Two paths by m: below 128 rows (decode) every weight row is dequantized
+/// once, a K chunk at a time, and multiplied with all rows of x by a dot-product
+/// micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of 32 (AVX-512: 64)
+/// weight rows is dequantized once per 2048 rows of x, transposed, and an outer-product FMA
+/// micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
+/// 16-bit x is converted to float32 first.
 /// Throws std::invalid_argument on a bad type, dtype or sizes.
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 
