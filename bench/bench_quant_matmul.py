@@ -14,6 +14,7 @@ Timing is round-robin (bench_attention.interleaved). Prints the CPU model and in
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ def bench_shape(qtype, n, k, ms, args, rng):
             for w in ws:
                 torch.matmul(x, w.t(), out=out_f)
 
-        (tq, _, _), (tf, _, _) = interleaved([vpage_run, torch_run], args.repeats)
+        (tq, _, _), (tf, _, _) = interleaved([vpage_run, torch_run], args.repeats, args.clock)
         tq, tf = tq / copies, tf / copies
         flops = 2 * m * n * k
         rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9,
@@ -79,13 +80,19 @@ def main():
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", default="auto", help="auto, avx512, avx2 or generic")
     parser.add_argument("--threads", type=int, default=None, help="threads of both (default: torch's)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --threads 1: time by thread CPU time (robust on a shared machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time needs --threads 1")
+    args.clock = time.thread_time if args.cpu_time else time.perf_counter
     _core.set_cpu_isa(args.isa)
     rng = np.random.default_rng(0)
     print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; "
-          f"threads: {ops.get_num_threads()}; torch {torch.__version__}")
+          f"threads: {ops.get_num_threads()}; torch {torch.__version__}; "
+          f"{'thread CPU time' if args.cpu_time else 'wall time'}")
     print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | torch f32 us | torch GB/s | "
           "torch GFLOP/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

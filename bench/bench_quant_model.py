@@ -9,6 +9,7 @@ Prints the CPU model and instruction set, ms per step, decode tokens/s, weight b
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -34,11 +35,17 @@ def main():
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --threads 1: time by thread CPU time (robust on a shared machine)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time needs --threads 1")
+    args.clock = time.thread_time if args.cpu_time else time.perf_counter
     models = {q: load_model(None, dtype="float32", device="cpu", quantization=q) for q in ("auto", "none")}
-    print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; threads: {ops.get_num_threads()}")
+    print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; threads: {ops.get_num_threads()}; "
+          f"{'thread CPU time' if args.cpu_time else 'wall time'}")
     for q, m in models.items():
         size = sum(p.numel() * p.element_size() for p in m.model.parameters())
         print(f"weights ({'quantized' if q == 'auto' else 'float32'}): {size / 2**20:.0f} MiB")
@@ -55,7 +62,7 @@ def main():
             caches = [(torch.randn(ops.key_cache_shape(*shape)), torch.randn(ops.value_cache_shape(*shape)))
                       for _ in range(cfg.num_layers)]
             fns.append(lambda net=loaded.model, caches=caches: net.compute_logits(net(step, caches)))
-        (tq, _, _), (tf, _, _) = interleaved(fns, args.repeats)
+        (tq, _, _), (tf, _, _) = interleaved(fns, args.repeats, args.clock)
         print(f"| {batch} | {tq * 1e3:.1f} | {tf * 1e3:.1f} | {batch / tq:.0f} | {batch / tf:.0f} | {tf / tq:.2f}x |",
               flush=True)
 
