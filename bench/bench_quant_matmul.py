@@ -71,14 +71,9 @@ def bench_shape(qtype, n, k, ms, args, rng):
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--types", default=",".join(ops.QUANT_TYPES))
-    parser.add_argument("--shapes", type=shapes, default=[(1536, 576), (576, 1536)], help="n x k weights")
-    parser.add_argument("--m", type=ints, default=[1, 8, 64, 512])
-    parser.add_argument("--copies", type=int, default=64, help="weight matrices cycled for m <= 16")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--isa", default="auto", help="auto, avx512, avx2 or generic")
+def parse_timing_args(parser):
+    """Adds --threads and --cpu-time to ``parser``, parses, sets torch's threads, and returns
+    the arguments with ``clock`` (the timer for ``interleaved``) and ``clock_name``."""
     parser.add_argument("--threads", type=int, default=None, help="threads of both (default: torch's)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="with --threads 1: time by thread CPU time (robust on a shared machine)")
@@ -88,11 +83,23 @@ def main():
     if args.cpu_time and args.threads != 1:
         parser.error("--cpu-time needs --threads 1")
     args.clock = time.thread_time if args.cpu_time else time.perf_counter
+    args.clock_name = "thread CPU time" if args.cpu_time else "wall time"
+    return args
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--types", default=",".join(ops.QUANT_TYPES))
+    parser.add_argument("--shapes", type=shapes, default=[(1536, 576), (576, 1536)], help="n x k weights")
+    parser.add_argument("--m", type=ints, default=[1, 8, 64, 512])
+    parser.add_argument("--copies", type=int, default=64, help="weight matrices cycled for m <= 16")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--isa", default="auto", help="auto, avx512, avx2 or generic")
+    args = parse_timing_args(parser)
     _core.set_cpu_isa(args.isa)
     rng = np.random.default_rng(0)
     print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; "
-          f"threads: {ops.get_num_threads()}; torch {torch.__version__}; "
-          f"{'thread CPU time' if args.cpu_time else 'wall time'}")
+          f"threads: {ops.get_num_threads()}; torch {torch.__version__}; {args.clock_name}")
     print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | torch f32 us | torch GB/s | "
           "torch GFLOP/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

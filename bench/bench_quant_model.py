@@ -9,11 +9,11 @@ Prints the CPU model and instruction set, ms per step, decode tokens/s, weight b
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from bench_attention import interleaved, ints, machine_description
+from bench_quant_matmul import parse_timing_args
 from vpage import _core, ops
 from vpage.model_executor import ForwardBatch, load_model
 
@@ -34,18 +34,10 @@ def main():
     parser.add_argument("--batch", type=ints, default=[1, 16, 64, 256])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--cpu-time", action="store_true",
-                        help="with --threads 1: time by thread CPU time (robust on a shared machine)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.cpu_time and args.threads != 1:
-        parser.error("--cpu-time needs --threads 1")
-    args.clock = time.thread_time if args.cpu_time else time.perf_counter
+    args = parse_timing_args(parser)
     models = {q: load_model(None, dtype="float32", device="cpu", quantization=q) for q in ("auto", "none")}
     print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; threads: {ops.get_num_threads()}; "
-          f"{'thread CPU time' if args.cpu_time else 'wall time'}")
+          f"{args.clock_name}")
     for q, m in models.items():
         size = sum(p.numel() * p.element_size() for p in m.model.parameters())
         print(f"weights ({'quantized' if q == 'auto' else 'float32'}): {size / 2**20:.0f} MiB")
