@@ -145,6 +145,42 @@ inline void dequant_q4_k(const uint8_t* b, float* dst) { dequant_k_super_block<f
 
 inline void dequant_q5_k(const uint8_t* b, float* dst) { dequant_k_super_block<true>(b, dst); }
 
+#if defined(__AVX2__)
+// 32 signed bytes q (values of one 32-value group, two scales of 16) -> dst[32] = s * q.
+inline void store_scaled_i8x32(__m256i q, float s_lo, float s_hi, float* dst) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m256 a = _mm256_set1_ps(s_lo), b = _mm256_set1_ps(s_hi);
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a));
+  _mm256_storeu_ps(dst + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a));
+  _mm256_storeu_ps(dst + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), b));
+  _mm256_storeu_ps(dst + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), b));
+}
+
+// Q6_K with 32-byte vectors: per half, low nibbles of ql[0..31] / ql[32..63] and their high
+// nibbles give the four 32-value groups; qh supplies 2 high bits each (bits 0-1, 2-3, 4-5, 6-7).
+inline void dequant_q6_k(const uint8_t* b, float* dst) {
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = load_f16(b + 208);
+  const __m256i low4 = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+    const __m256i q[4] = {
+        _mm256_or_si256(_mm256_and_si256(a, low4), _mm256_and_si256(_mm256_slli_epi16(h, 4), bits45)),
+        _mm256_or_si256(_mm256_and_si256(c, low4), _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), low4), _mm256_and_si256(h, bits45)),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low4),
+                        _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45)),
+    };
+    const int8_t* sc = scales + 8 * half;
+    for (int g = 0; g < 4; ++g) {
+      store_scaled_i8x32(_mm256_sub_epi8(q[g], bias), d * static_cast<float>(sc[2 * g]),
+                         d * static_cast<float>(sc[2 * g + 1]), dst + 128 * half + 32 * g);
+    }
+  }
+}
+#else
 inline void dequant_q6_k(const uint8_t* b, float* dst) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
@@ -171,6 +207,8 @@ inline void dequant_q6_k(const uint8_t* b, float* dst) {
     }
   }
 }
+
+#endif
 
 // Blocks [first_block, first_block + num_values / kValues) of a row into dst[num_values].
 template <int kValues, int kBytes, void (*kDequant)(const uint8_t*, float*)>
