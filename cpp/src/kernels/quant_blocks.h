@@ -113,6 +113,43 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
 // Q4_K and Q5_K: per pair of sub-blocks (64 values), y[l] = d0 * q - m0 for the low
 // nibbles and y[l + 32] = d1 * q - m1 for the high ones; Q5_K adds a fifth bit from qh
 // (bit 2 pair of qh[l] for the low sub-block, the next bit for the high one).
+#if defined(__AVX2__)
+// 32 unsigned bytes q -> dst[32] = scale * q - offset.
+inline void store_affine_u8x32(__m256i q, float scale, float offset, float* dst) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + 8 * i, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), s, o));
+  }
+}
+
+template <bool kFifthBit>
+inline void dequant_k_super_block(const uint8_t* b, float* dst) {
+  const float d = load_f16(b);
+  const float dmin = load_f16(b + 2);
+  const uint8_t* scales = b + 4;
+  const __m256i low4 = _mm256_set1_epi8(15), fifth = _mm256_set1_epi8(16);
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+  const uint8_t* qs = kFifthBit ? b + 48 : b + 16;
+  for (int pair = 0; pair < 4; ++pair) {
+    int sc0, mn0, sc1, mn1;
+    k_scale_min(scales, 2 * pair, &sc0, &mn0);
+    k_scale_min(scales, 2 * pair + 1, &sc1, &mn1);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * pair));
+    __m256i lo = _mm256_and_si256(q, low4);
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    if (kFifthBit) {  // 16 where the bit is set: compare the masked byte with the mask
+      const __m256i bit0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * pair)));
+      const __m256i bit1 = _mm256_set1_epi8(static_cast<char>(1 << (2 * pair + 1)));
+      lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit0), bit0), fifth));
+      hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bit1), bit1), fifth));
+    }
+    store_affine_u8x32(lo, d * static_cast<float>(sc0), dmin * static_cast<float>(mn0), dst + 64 * pair);
+    store_affine_u8x32(hi, d * static_cast<float>(sc1), dmin * static_cast<float>(mn1), dst + 64 * pair + 32);
+  }
+}
+#else
 template <bool kFifthBit>
 inline void dequant_k_super_block(const uint8_t* b, float* dst) {
   const float d = load_f16(b);
@@ -139,6 +176,7 @@ inline void dequant_k_super_block(const uint8_t* b, float* dst) {
     }
   }
 }
+#endif
 
 // 256-value super-blocks: dst[256].
 inline void dequant_q4_k(const uint8_t* b, float* dst) { dequant_k_super_block<false>(b, dst); }
