@@ -2,6 +2,7 @@
 
     python bench/bench_throughput.py                       # the full comparison (~15 min on 2 cores)
     python bench/bench_throughput.py --num-requests 64 --systems vpage-float32
+    python bench/bench_throughput.py --systems vpage-gguf-float32,vpage-float32   # GGUF blocks kept vs dequantized
 
 A seeded synthetic trace with ShareGPT-like lengths (log-normal; prompts 16-512 tokens,
 outputs 16-256, ignore_eos) is served by vpage (all requests at once, continuous batching)
@@ -45,7 +46,8 @@ def run_vpage(args) -> dict:
     from vpage.engine import EngineArgs, LLMEngine
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", kv_cache_memory=args.kv_cache_memory,
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
+                                  kv_cache_memory=args.kv_cache_memory,
                                   max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens))
     trace = make_trace(args.num_requests, args.seed, engine.model_config.vocab_size)
     reserved = {}
@@ -71,7 +73,8 @@ def run_vpage(args) -> dict:
             maxres.append(tokens / (len(running) * max_len))
     wall = time.perf_counter() - start
     stats = engine.get_stats()
-    return dict(system=f"vpage-{args.dtype}", dtype=args.dtype, batch="continuous", requests=len(trace),
+    name = "vpage-gguf" if args.quantization == "auto" else "vpage"
+    return dict(system=f"{name}-{args.dtype}", dtype=args.dtype, batch="continuous", requests=len(trace),
                 output_tokens=output_tokens, wall_s=wall, output_tok_s=output_tokens / wall,
                 requests_s=len(trace) / wall, peak_rss_mib=peak_rss_mib(), kv_blocks=usage.num_gpu_blocks,
                 block_size=bs, preempted=stats.num_preempted_recompute + stats.num_preempted_swap,
@@ -137,6 +140,7 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, default=16, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -148,8 +152,9 @@ def main() -> None:
     results, picks = [], []
     for system in args.systems.split(","):
         name, dtype = system.rsplit("-", 1)
-        if name == "vpage":
-            results.append(worker(["vpage", "--dtype", dtype], args))
+        if name in ("vpage", "vpage-gguf"):  # weights dequantized to dtype, or GGUF blocks kept
+            quantization = "auto" if name == "vpage-gguf" else "none"
+            results.append(worker(["vpage", "--dtype", dtype, "--quantization", quantization], args))
             continue
         picks = [worker(["hf", "--dtype", dtype, "--batch-size", b, "--limit", str(args.hf_pick_requests)], args)
                  for b in args.hf_batch_sizes.split(",")]

@@ -113,3 +113,15 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """CPU only; see vpage.ops.silu_and_mul."""
     _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], _DTYPE_CODES[x.dtype],
                            get_num_threads())
+
+
+def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int, n: int, k: int) -> None:
+    """CPU only; see vpage.ops.quant_matmul."""
+    _core._cpu_quant_matmul(out.data_ptr(), x.data_ptr(), qweight.data_ptr(), x.shape[0], n, k,
+                            max(x.stride(0), k), max(out.stride(0), n), type_id, _DTYPE_CODES[x.dtype],
+                            get_num_threads())
+
+
+def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int, k: int) -> None:
+    """CPU only; see vpage.ops.dequantize_rows."""
+    _core._cpu_quant_dequantize_rows(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)

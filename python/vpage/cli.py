@@ -23,7 +23,10 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="'smollm2' (default), a Hugging Face folder, or a .gguf file")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights, activations and KV cache dtype (default: auto)")
+                        help="activations and KV cache dtype, and weights unless kept quantized (default: auto)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none"],
+                        help="auto: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized on CPU (default); "
+                             "none: dequantize them to --dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
@@ -70,7 +73,7 @@ def _engine(args: argparse.Namespace, **extra):
     from vpage.engine.arg_utils import EngineArgs
     from vpage.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+    return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                 kv_cache_memory=args.kv_cache_memory, **({"max_num_seqs": 1} | extra)))
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+    "QUANT_TYPES", "quant_row_bytes", "quant_matmul", "dequantize_rows",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -346,3 +347,84 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _ops_cpu.silu_and_mul(out, input)
     else:
         torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)
+
+
+# GGUF block formats the CPU keeps quantized: name -> (ggml type id, values per block, bytes per block).
+QUANT_TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
+_QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in QUANT_TYPES.items()}
+
+
+def _quant_format(qtype: object) -> Tuple[int, int, int]:
+    """(ggml type id, values per block, bytes per block) of a type name or id (or a gguf enum)."""
+    key = getattr(qtype, "name", qtype)
+    if isinstance(key, str) and key in QUANT_TYPES:
+        return QUANT_TYPES[key]
+    if isinstance(qtype, int) and qtype in _QUANT_BY_ID:
+        return (int(qtype),) + _QUANT_BY_ID[int(qtype)][1:]
+    raise ValueError(f"unsupported quantization type {qtype!r}; supported: {sorted(QUANT_TYPES)}")
+
+
+def quant_row_bytes(qtype: object, k: int) -> int:
+    """Bytes of one weight row of ``k`` values in block format ``qtype`` (a name such as
+    ``"Q4_K"`` or its ggml type id); ValueError unless ``k`` is a positive multiple of the
+    block size (32, or 256 for the K types)."""
+    _, values, size = _quant_format(qtype)
+    if not isinstance(k, int) or k <= 0 or k % values:
+        raise ValueError(f"k = {k!r} must be a positive multiple of {values} for {qtype}")
+    return k // values * size
+
+
+def _check_qweight(qweight: object, qtype: object, n: int, k: int) -> Tuple[int, int]:
+    """qweight: contiguous CPU uint8 holding n rows of k values; returns (type id, row bytes)."""
+    type_id = _quant_format(qtype)[0]
+    row_bytes = quant_row_bytes(qtype, k)
+    _check_tensor("qweight", qweight, dtype=torch.uint8, device=torch.device("cpu"))
+    if not isinstance(n, int) or n < 0 or qweight.numel() != n * row_bytes:
+        raise ValueError(f"qweight has {qweight.numel()} bytes; {n!r} rows of {k} values in {qtype} need "
+                         f"{n} x {row_bytes}")
+    return type_id, row_bytes
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, k: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = x @ W.T`` with ``W`` ``[n, k]`` kept in a GGUF block format (CPU only).
+
+    x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous);
+    qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
+    qtype a name of ``QUANT_TYPES`` or its ggml id. Returns out ``[m, n]`` in x's dtype
+    (float32 accumulation). The weights are dequantized inside the kernel, never copied."""
+    type_id, _ = _check_qweight(qweight, qtype, n, k)
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    if x.device.type != "cpu":
+        raise ValueError(f"quant_matmul runs on the CPU, x is on {x.device} (on CUDA, GGUF weights are "
+                         "dequantized at load)")
+    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
+            k > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
+    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    _ops_cpu.quant_matmul(out, x, qweight, type_id, n, k)
+    return out
+
+
+def dequantize_rows(qweight: torch.Tensor, qtype: object, k: int) -> torch.Tensor:
+    """float32 ``[rows, k]`` from ``rows`` weight rows of ``k`` values in block format ``qtype``
+    (qweight: contiguous CPU uint8 ``[rows, quant_row_bytes(qtype, k)]``), e.g. the rows of an
+    embedding table picked by token id."""
+    row_bytes = quant_row_bytes(qtype, k)
+    _check_tensor("qweight", qweight, dtype=torch.uint8, device=torch.device("cpu"))
+    if qweight.numel() % row_bytes:
+        raise ValueError(f"qweight has {qweight.numel()} bytes, not a whole number of {row_bytes}-byte rows")
+    rows = qweight.numel() // row_bytes
+    out = torch.empty(rows, k, dtype=torch.float32)
+    _ops_cpu.dequantize_rows(out, qweight, _quant_format(qtype)[0], rows, k)
+    return out

@@ -140,9 +140,12 @@ def _llama_cpp_permute(w, num_heads: int):
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def save_tiny_gguf(hf_model, folder: Path, path: Path) -> None:
+def save_tiny_gguf(hf_model, folder: Path, path: Path, quantize=None) -> None:
     """Write ``hf_model`` (a tiny llama or qwen2) and the tokenizer of ``folder`` as an F32
-    GGUF file the way llama.cpp's converter does (llama: Q/K rows permuted)."""
+    GGUF file the way llama.cpp's converter does (llama: Q/K rows permuted).
+
+    ``quantize(hf_name, float32 array)`` may return ``(uint8 block rows in the same row order,
+    GGMLQuantizationType)`` to store a tensor quantized, or None to keep it F32."""
     import json
 
     import gguf
@@ -169,6 +172,10 @@ def save_tiny_gguf(hf_model, folder: Path, path: Path) -> None:
     writer.add_eos_token_id(cfg.eos_token_id)
     for name, tensor in hf_model.state_dict().items():
         w = tensor.float().numpy()
+        stored = quantize(name, w) if quantize is not None else None
+        raw_dtype = None
+        if stored is not None:
+            w, raw_dtype = stored
         if name.startswith("model.layers."):
             layer, rest = name[len("model.layers."):].split(".", 1)
             module, kind = rest.rsplit(".", 1)
@@ -180,7 +187,7 @@ def save_tiny_gguf(hf_model, folder: Path, path: Path) -> None:
         else:
             module, kind = name.rsplit(".", 1)
             gguf_name = f"{_GGUF_GLOBAL_NAMES[module]}.{kind}"
-        writer.add_tensor(gguf_name, w.copy())
+        writer.add_tensor(gguf_name, w.copy(), raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -22,7 +22,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu", kv_cache_memory=1.0, swap_space=0.25, max_num_batched_tokens=512)
+    # The dequantized float32 path, token-exact against transformers (quantized: test_quant_engine.py).
+    return LLM(dtype="float32", device="cpu", quantization="none", kv_cache_memory=1.0, swap_space=0.25,
+               max_num_batched_tokens=512)
 
 
 def test_greedy_batch_matches_transformers_one_by_one(llm, hf_model):

@@ -17,7 +17,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def vpage_model():
-    return load_model("smollm2", dtype="float32", device="cpu")
+    # The dequantized float32 path, as transformers runs it (the quantized path: test_quant_engine.py).
+    return load_model("smollm2", dtype="float32", device="cpu", quantization="none")
 
 
 def test_config_and_tokenizer(vpage_model):

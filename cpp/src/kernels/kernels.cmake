@@ -1,6 +1,8 @@
-# CPU kernels of vpage_core. The attention task kernel (attention_impl.h) is compiled once
-# per instruction set, each build in its own namespace with its own -m flags; cpu_isa.cpp
-# picks one at run time with __builtin_cpu_supports. Everything else uses baseline flags.
+# CPU kernels of vpage_core. The attention task kernel (attention_impl.h) and the quantized
+# matmul task (quant_matmul_impl.h) are compiled once per instruction set, each build in its
+# own namespace with its own -m flags; cpu_isa.cpp picks one at run time with
+# __builtin_cpu_supports (quant_matmul.cpp follows its choice). Everything else uses
+# baseline flags.
 set(_vpage_kernels_dir ${CMAKE_CURRENT_LIST_DIR})
 target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/thread_pool.cpp
@@ -9,7 +11,9 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/cache_ops.cpp
   ${_vpage_kernels_dir}/rotary.cpp
   ${_vpage_kernels_dir}/layer_ops.cpp
-  ${_vpage_kernels_dir}/attention_generic.cpp)
+  ${_vpage_kernels_dir}/attention_generic.cpp
+  ${_vpage_kernels_dir}/quant_matmul.cpp
+  ${_vpage_kernels_dir}/quant_generic.cpp)
 
 # Rotary and layer ops: no FMA contraction, so float32 results equal torch's unfused multiply and add.
 if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
@@ -21,13 +25,15 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
    AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   target_sources(vpage_core PRIVATE
     ${_vpage_kernels_dir}/attention_avx2.cpp
-    ${_vpage_kernels_dir}/attention_avx512.cpp)
-  set_source_files_properties(${_vpage_kernels_dir}/attention_avx2.cpp
+    ${_vpage_kernels_dir}/attention_avx512.cpp
+    ${_vpage_kernels_dir}/quant_avx2.cpp
+    ${_vpage_kernels_dir}/quant_avx512.cpp)
+  set_source_files_properties(${_vpage_kernels_dir}/attention_avx2.cpp ${_vpage_kernels_dir}/quant_avx2.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
-  # -Wno-maybe-uninitialized: GCC 12 false positives inside its own AVX-512 headers.
-  set_source_files_properties(${_vpage_kernels_dir}/attention_avx512.cpp
+  # -Wno-(maybe-)uninitialized: GCC 12 false positives inside its own AVX-512 headers.
+  set_source_files_properties(${_vpage_kernels_dir}/attention_avx512.cpp ${_vpage_kernels_dir}/quant_avx512.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES
-    COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized")
-  set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp
+    COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized;-Wno-uninitialized")
+  set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS VPAGE_X86_KERNELS=1)
 endif()

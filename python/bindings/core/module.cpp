@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m) {
   vpage::bindings::bind_types(m);
   vpage::bindings::bind_scheduler(m);
   vpage::bindings::bind_cpu_kernels(m);
+  vpage::bindings::bind_quant(m);
 }

@@ -19,6 +19,7 @@ class EngineArgs:
 
     model: Optional[str] = None  # None or "smollm2": the default model
     dtype: str = "auto"
+    quantization: str = "auto"  # auto: GGUF weights stay quantized on CPU; none: dequantize to dtype
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
@@ -38,6 +39,8 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
 
+        check(self.quantization in ("auto", "none"),
+              f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         check(self.block_size in (8, 16, 32), f"block_size must be 8, 16 or 32, got {self.block_size}")
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         check(self.max_num_batched_tokens >= 1,

@@ -46,7 +46,7 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             ops.set_num_threads(args.num_threads)
-        self.loaded = load_model(args.model, args.dtype, args.device)
+        self.loaded = load_model(args.model, args.dtype, args.device, args.quantization)
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device

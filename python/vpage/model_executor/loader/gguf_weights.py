@@ -1,13 +1,17 @@
-"""Weights of a GGUF file, dequantized and renamed to Hugging Face's convention."""
+"""Weights of a GGUF file, renamed to Hugging Face's convention: dequantized to float32, or
+(for the names the model asks for) kept as their raw GGUF block rows."""
 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import numpy as np
 import torch
+
+from vpage.model_executor.layers.quant_linear import QuantizedTensor
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -72,14 +76,39 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iterate_gguf(reader: Any, path: Path, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for each used tensor of the GGUF file."""
+def gguf_tensor_types(reader: Any) -> dict[str, int]:
+    """Hugging Face name -> ggml type id of every used tensor of the GGUF file."""
+    names = ((hf_tensor_name(t.name), int(t.tensor_type)) for t in reader.tensors)
+    return {name: type_id for name, type_id in names if name is not None}
+
+
+def _raw_rows(tensor: Any) -> QuantizedTensor:
+    """A GGUF tensor's block rows as a QuantizedTensor (a view of the file mapping)."""
+    cols = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+    with warnings.catch_warnings():  # a read-only file mapping, only ever copied from
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.from_numpy(tensor.data)
+    return QuantizedTensor(data, int(tensor.tensor_type), cols)
+
+
+def iterate_gguf(reader: Any, path: Path, num_heads: int, num_kv_heads: int,
+                 keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (Hugging Face name, float32 tensor) for each used tensor of the GGUF file, or
+    (name, QuantizedTensor of its raw rows) for the names in ``keep_quantized``. Q/K rows
+    permuted by llama.cpp's converter are un-permuted either way (quantization is per row)."""
     from gguf.quants import dequantize
 
     permuted = gguf_architecture(reader) in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
+            continue
+        if name in keep_quantized:
+            raw = _raw_rows(tensor)
+            if permuted and (".q_proj." in name or ".k_proj." in name):
+                heads = num_heads if ".q_proj." in name else num_kv_heads
+                raw.data = torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(tensor.data, heads)))
+            yield name, raw
             continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
-from vpage.model_executor.loader.gguf_weights import iterate_gguf, open_gguf
+from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf, open_gguf
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
 from vpage.model_executor.models import get_model_class
 from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
@@ -21,6 +22,7 @@ from vpage.tokenizer import get_tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+QUANTIZATION_MODES = ("auto", "none")
 
 
 @dataclass
@@ -139,9 +141,10 @@ def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]
     return sorted(set(ids))
 
 
-def _weights(source: _Source, hf_config: Any, reader: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(source: _Source, hf_config: Any, reader: Any, keep_quantized: set[str]) -> Iterator[tuple[str, Any]]:
     if reader is not None:
-        return iterate_gguf(reader, source.path, hf_config.num_attention_heads, num_kv_heads_of(hf_config))
+        return iterate_gguf(reader, source.path, hf_config.num_attention_heads, num_kv_heads_of(hf_config),
+                            keep_quantized)
     return iterate_safetensors(safetensors_files(source.folder))
 
 
@@ -151,15 +154,21 @@ def _load_tokenizer(source: _Source) -> Any:
     return None
 
 
-def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto") -> LoadedModel:
+def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto",
+               quantization: str = "auto") -> LoadedModel:
     """Load a model for inference.
 
     model: None or "smollm2" (the default SmolLM2-135M-Instruct GGUF), a Hugging Face
     folder (config.json + safetensors, sharded or not), or a .gguf file (or a folder
-    holding exactly one). dtype: auto|float32|bfloat16|float16. device: auto|cpu|cuda.
+    holding exactly one). dtype: auto|float32|bfloat16|float16 (with quantized weights, the
+    activation dtype). device: auto|cpu|cuda. quantization: "auto" keeps a GGUF file's
+    Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
+    the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
     Raises FileNotFoundError for missing files and ValueError for corrupt files,
     unsupported architectures or options; the message names the path.
     """
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     source = _resolve(model)
     torch_device = _resolve_device(device)
     reader = open_gguf(source.path) if source.gguf_file else None
@@ -170,12 +179,17 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     try:
         with torch.device(torch_device):
             net = model_class(hf_config, torch_dtype)
-        net.load_weights(_weights(source, hf_config, reader))
+        keep = set()
+        if reader is not None and quantization == "auto" and torch_device.type == "cpu":
+            keep = net.keep_quantized(gguf_tensor_types(reader))
+        net.load_weights(_weights(source, hf_config, reader, keep))
     except ValueError as e:
         if str(source.path) in str(e):  # already names the file
             raise
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
+    del reader  # the GGUF metadata objects and file mapping (hundreds of MB) go before the tokenizer's
+    gc.collect()
     tokenizer = _load_tokenizer(source)
     config = ModelConfig(
         architecture=architecture,

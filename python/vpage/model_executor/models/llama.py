@@ -12,6 +12,8 @@ from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.linear import Embedding, Linear
+from vpage.model_executor.layers.quant_linear import (QuantizedEmbedding, QuantizedLinear, QuantizedTensor,
+                                                      QuantizedWeight)
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding
 
@@ -183,13 +185,45 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[n, hidden_size]`` (rows to sample) -> logits ``[n, vocab_size]`` float32."""
+        if isinstance(self.lm_head, QuantizedWeight):
+            return self.lm_head.linear(hidden).float()
         return F.linear(hidden, self.lm_head.weight).float()
+
+    def keep_quantized(self, tensor_types: dict[str, int]) -> set[str]:
+        """Swap each Linear/Embedding whose checkpoint weights (``tensor_types``: checkpoint
+        name -> ggml type id) all have one type of ``ops.QUANT_TYPES`` for its quantized
+        twin; a fused projection whose parts differ in type stays float (dequantized at load).
+        Call before ``load_weights``; returns the checkpoint names to deliver as
+        ``QuantizedTensor``s (the others come as float tensors, as before)."""
+        by_id = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
+        raw: set[str] = set()
+        for module_name, module in list(self.named_modules()):
+            if not isinstance(module, (Linear, Embedding)):
+                continue
+            parent_name, _, leaf = module_name.rpartition(".")
+            parts = [part for fused, part, _ in _STACKED if fused == leaf] or [leaf]
+            names = [f"{parent_name}.{part}.weight" if parent_name else f"{part}.weight" for part in parts]
+            type_ids = {tensor_types.get(name) for name in names}
+            qtype = by_id.get(type_ids.pop()) if len(type_ids) == 1 else None
+            rows, cols = module.weight.shape
+            if qtype is None or cols % ops.QUANT_TYPES[qtype][1]:
+                continue
+            if isinstance(module, Embedding):
+                new: nn.Module = QuantizedEmbedding(rows, cols, self.dtype, qtype)
+                if self.lm_head is module:
+                    self.lm_head = new
+            else:
+                new = QuantizedLinear(cols, rows, module.bias is not None, self.dtype, qtype)
+            setattr(self.get_submodule(parent_name) if parent_name else self, leaf, new)
+            raw.update(names)
+        return raw
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names, any float dtype) into the parameters.
+        """Copy checkpoint tensors (Hugging Face names, any float dtype, or QuantizedTensor
+        rows for the modules ``keep_quantized`` swapped) into the parameters.
 
-        Raises ValueError on an unknown name, a shape mismatch, or a parameter left unloaded.
+        Raises ValueError on an unknown name, a shape or type mismatch, or a parameter left unloaded.
         """
         params = dict(self.named_parameters())
         needed = set()
@@ -199,7 +233,11 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
+            if isinstance(tensor, QuantizedTensor):
+                name = name.removesuffix("weight") + "qweight"
             param, rows, key = self._target(name, params)
+            if isinstance(tensor, QuantizedTensor):
+                tensor = self._quantized_rows(name, key[0], tensor)
             dest = param.data if rows is None else param.data.narrow(0, *rows)
             if dest.shape != tensor.shape:
                 raise ValueError(
@@ -210,6 +248,14 @@ class LlamaForCausalLM(nn.Module):
         if needed:
             names = sorted({name for name, _ in needed})
             raise ValueError(f"checkpoint lacks {len(needed)} tensors, e.g. for {names[:4]}")
+
+    def _quantized_rows(self, name: str, param_name: str, tensor: QuantizedTensor) -> torch.Tensor:
+        """The raw rows of ``tensor`` after checking its type against the module of ``param_name``."""
+        module = self.get_submodule(param_name.rpartition(".")[0])
+        if not isinstance(module, QuantizedWeight) or module.type_id != tensor.type_id or module.cols != tensor.cols:
+            raise ValueError(f"checkpoint tensor {name!r} (ggml type {tensor.type_id}, {tensor.cols} columns) does "
+                             f"not match the quantized parameter {param_name!r}")
+        return tensor.data
 
     def _target(
         self, name: str, params: dict[str, nn.Parameter]

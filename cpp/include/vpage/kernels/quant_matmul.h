@@ -1,0 +1,68 @@
+// Matrix multiplication with weights kept in a GGUF (ggml) block format: out = x @ W^T where
+// each of W's N rows is K values stored as consecutive quantization blocks, byte for byte as
+// in the GGUF file (no float copy). Blocks are dequantized inside the kernel, a weight tile at
+// a time, and multiplied in float32.
+#pragma once
+
+#include <cstdint>
+
+#include "vpage/kernels/kernel_args.h"
+
+namespace vpage {
+
+/// Block formats, numbered like ggml's `ggml_type` (and gguf's GGMLQuantizationType).
+///   kQ4_0: 32 values in 18 bytes: f16 d, 16 bytes of 4-bit q (low nibbles = values 0..15,
+///          high nibbles = 16..31); value = d * (q - 8).
+///   kQ4_1: 32 values in 20 bytes: f16 d, f16 m, 16 bytes of 4-bit q; value = d * q + m.
+///   kQ8_0: 32 values in 34 bytes: f16 d, 32 int8 q; value = d * q.
+///   kQ4_K: 256 values in 144 bytes: f16 d, f16 dmin, 12 bytes of eight 6-bit (scale, min)
+///          pairs, 128 bytes of 4-bit q; sub-block s of 32: value = d*sc[s]*q - dmin*mn[s].
+///   kQ5_K: 256 values in 176 bytes: like kQ4_K plus 32 bytes of fifth bits (bit s of byte l
+///          is the high bit of value l of sub-block s) before the 128 nibble bytes.
+///   kQ6_K: 256 values in 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8
+///          scales (one per 16 values), f16 d; value = d * scale * (q - 32).
+enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+/// True when `ggml_type` is one of QuantType's values.
+bool quant_type_supported(int32_t ggml_type);
+
+/// Values per block of `type` (32 or 256).
+int32_t quant_block_values(QuantType type);
+
+/// Bytes per block of `type`.
+int32_t quant_block_bytes(QuantType type);
+
+/// out[m, n] = sum_k x[m, k] * W[n, k], float32 accumulation.
+struct QuantMatmulArgs {
+  void* out = nullptr;              // [m, n], row stride out_stride, dtype `dtype`
+  const void* x = nullptr;          // [m, k], row stride x_stride, dtype `dtype`
+  const uint8_t* weight = nullptr;  // [n, k / block_values * block_bytes] raw GGUF blocks, contiguous
+  int64_t m = 0;                    // rows of x (tokens)
+  int32_t n = 0;                    // rows of W (output features)
+  int32_t k = 0;                    // a multiple of quant_block_values(type)
+  int64_t x_stride = 0;             // elements between rows of x (>= k)
+  int64_t out_stride = 0;           // elements between rows of out (>= n)
+  QuantType type = QuantType::kQ4_0;
+  DType dtype = DType::kFloat32;    // of x and out
+};
+
+namespace cpu {
+
+/// Runs the matmul. Two paths by m: below 128 rows (decode) every weight row is dequantized
+/// once, a K chunk at a time, and multiplied with all rows of x by a dot-product
+/// micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of 32 (AVX-512: 64)
+/// weight rows is dequantized once per 2048 rows of x, transposed, and an outer-product FMA
+/// micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
+/// 16-bit x is converted to float32 first.
+/// Throws std::invalid_argument on a bad type, dtype or sizes.
+void quant_matmul(const QuantMatmulArgs& args, int num_threads);
+
+/// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
+/// (embedding lookups, tests). Single-threaded. Throws std::invalid_argument on bad sizes.
+void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
+
+/// Instruction set quant_matmul uses: follows set_cpu_isa ("avx512", "avx2" or "generic").
+const char* quant_matmul_isa();
+
+}  // namespace cpu
+}  // namespace vpage

@@ -1,0 +1,167 @@
+// Quantized matmul dispatcher: checks the arguments, converts 16-bit x to float32, picks the
+// ISA build that set_cpu_isa selected for attention, plans the tasks and runs them on the
+// kernels' parallel_for. Also the block-format tables and the output conversion.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "attention_task.h"
+#include "quant_task.h"
+#include "thread_pool.h"
+#include "vpage/kernels/half.h"
+#include "vpage/kernels/quant_matmul.h"
+
+namespace vpage {
+
+bool quant_type_supported(int32_t ggml_type) {
+  switch (static_cast<QuantType>(ggml_type)) {
+    case QuantType::kQ4_0:
+    case QuantType::kQ4_1:
+    case QuantType::kQ8_0:
+    case QuantType::kQ4_K:
+    case QuantType::kQ5_K:
+    case QuantType::kQ6_K:
+      return true;
+  }
+  return false;
+}
+
+int32_t quant_block_values(QuantType type) {
+  return type == QuantType::kQ4_K || type == QuantType::kQ5_K || type == QuantType::kQ6_K ? 256 : 32;
+}
+
+int32_t quant_block_bytes(QuantType type) {
+  switch (type) {
+    case QuantType::kQ4_0: return 18;
+    case QuantType::kQ4_1: return 20;
+    case QuantType::kQ8_0: return 34;
+    case QuantType::kQ4_K: return 144;
+    case QuantType::kQ5_K: return 176;
+    case QuantType::kQ6_K: return 210;
+  }
+  return 0;
+}
+
+namespace cpu {
+namespace {
+
+// Below this many x rows the row-major tile and dot-product micro-kernel (one pass over the
+// weights for all rows) is at least as fast as the k-major one, whose tile transposition
+// costs as much as the multiply for few rows (CPU time on Zen 3, single thread: 40 vs 31
+// GFLOP/s at 32 rows, 48-64 vs 43-56 at 64, equal at 128).
+constexpr int64_t kDecodeRows = 128;
+// Decode tile: 16 rows x 2048 floats = 128 KiB (L2). Long K chunks read each weight row in
+// one contiguous run (K 1536 at m = 1: 0.6x the time of 512-value chunks).
+constexpr int32_t kDecodeRowGroups = 4;  // rows per task: 4 micro-kernel column groups
+constexpr int32_t kDecodeKChunk = 2048;
+constexpr int32_t kPrefillPanels = 2;    // prefill task: 2 micro-kernel panels (32 or 64 weight rows)
+constexpr int32_t kPrefillKChunk = 256;  // prefill tile: 256 x 32 floats = 32 KiB (AVX2)
+constexpr int64_t kPrefillMChunk = 2048;  // x rows per tile fill (x streams from L2/L3)
+
+const QuantKernels& selected_quant_kernels() {
+  const char* name = selected_kernels().name;
+#if defined(VPAGE_X86_KERNELS)
+  if (std::strcmp(name, "avx512") == 0) return avx512::kQuantKernels;
+  if (std::strcmp(name, "avx2") == 0) return avx2::kQuantKernels;
+#endif
+  (void)name;
+  return generic::kQuantKernels;
+}
+
+void check_args(const QuantMatmulArgs& a) {
+  if (!quant_type_supported(static_cast<int32_t>(a.type))) {
+    throw std::invalid_argument("quant_matmul: unsupported quantization type " +
+                                std::to_string(static_cast<int32_t>(a.type)) +
+                                " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
+  }
+  if (a.dtype != DType::kFloat32 && a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) {
+    throw std::invalid_argument("quant_matmul: unknown dtype code " + std::to_string(static_cast<int>(a.dtype)));
+  }
+  const int32_t block = quant_block_values(a.type);
+  if (a.m < 0 || a.n < 0 || a.k <= 0 || a.k % block != 0 || a.x_stride < a.k || a.out_stride < a.n) {
+    throw std::invalid_argument("quant_matmul: bad sizes (m " + std::to_string(a.m) + ", n " + std::to_string(a.n) +
+                                ", k " + std::to_string(a.k) + " must be a positive multiple of " +
+                                std::to_string(block) + ", x_stride " + std::to_string(a.x_stride) +
+                                ", out_stride " + std::to_string(a.out_stride) + ")");
+  }
+  if ((a.m > 0 && (a.x == nullptr || a.out == nullptr)) || (a.n > 0 && a.weight == nullptr)) {
+    throw std::invalid_argument("quant_matmul: null pointer");
+  }
+}
+
+// x as float32 rows: args.x itself, or a converted copy in `buffer`.
+const float* float_rows(const QuantMatmulArgs& a, std::vector<float>& buffer, int64_t* stride, int num_threads) {
+  if (a.dtype == DType::kFloat32) {
+    *stride = a.x_stride;
+    return static_cast<const float*>(a.x);
+  }
+  buffer.resize(static_cast<size_t>(a.m) * a.k);
+  *stride = a.k;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const bool bf16 = a.dtype == DType::kBFloat16;
+  ThreadPool::instance().parallel_for(a.m, num_threads, [&](int64_t row, int) {
+    const uint16_t* src = x + row * a.x_stride;
+    float* dst = buffer.data() + row * a.k;
+    if (bf16) {
+      for (int32_t i = 0; i < a.k; ++i) dst[i] = bfloat16_to_float(src[i]);
+    } else {
+      for (int32_t i = 0; i < a.k; ++i) dst[i] = half_to_float(src[i]);
+    }
+  });
+  return buffer.data();
+}
+
+}  // namespace
+
+void quant_store_out(const QuantMatmulArgs& a, int64_t row, int32_t col0, int32_t cols, const float* values) {
+  if (a.dtype == DType::kFloat32) {
+    std::memcpy(static_cast<float*>(a.out) + row * a.out_stride + col0, values, sizeof(float) * cols);
+    return;
+  }
+  uint16_t* out = static_cast<uint16_t*>(a.out) + row * a.out_stride + col0;
+  if (a.dtype == DType::kBFloat16) {
+    for (int32_t j = 0; j < cols; ++j) out[j] = float_to_bfloat16(values[j]);
+  } else {
+    for (int32_t j = 0; j < cols; ++j) out[j] = float_to_half(values[j]);
+  }
+}
+
+void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
+  check_args(args);
+  if (args.m == 0 || args.n == 0) return;
+  num_threads = std::max(num_threads, 1);
+  const QuantKernels& kernels = selected_quant_kernels();
+  thread_local std::vector<float> converted;
+  int64_t x_stride = 0;
+  const float* x = float_rows(args, converted, &x_stride, num_threads);
+  QuantPlan plan;
+  if (args.m < kDecodeRows) {
+    plan.rows_per_task = kDecodeRowGroups * kernels.rows_multiple;
+    plan.k_chunk = kDecodeKChunk;
+    plan.m_chunk = args.m;
+  } else {
+    plan.rows_per_task = kPrefillPanels * kernels.panel_rows;
+    plan.k_chunk = kPrefillKChunk;
+    plan.m_chunk = kPrefillMChunk;
+    plan.k_major = true;
+  }
+  const int64_t num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
+  ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
+    kernels.run_task(args, x, x_stride, plan, task);
+  });
+}
+
+void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out) {
+  if (!quant_type_supported(static_cast<int32_t>(type)) || rows < 0 || k <= 0 || k % quant_block_values(type)) {
+    throw std::invalid_argument("quant_dequantize_rows: bad type " + std::to_string(static_cast<int32_t>(type)) +
+                                " or sizes (rows " + std::to_string(rows) + ", k " + std::to_string(k) + ")");
+  }
+  selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
+}
+
+const char* quant_matmul_isa() { return selected_quant_kernels().name; }
+
+}  // namespace cpu
+}  // namespace vpage

@@ -1,0 +1,51 @@
+// Per-ISA entry points of the quantized matmul (quant_matmul_impl.h, built once per
+// instruction set) and the plan the dispatcher (quant_matmul.cpp) hands them. Declarations
+// only, so nothing here is compiled with ISA flags.
+#pragma once
+
+#include <cstdint>
+
+#include "vpage/kernels/quant_matmul.h"
+
+namespace vpage::cpu {
+
+/// How a matmul is cut: task t covers weight rows [t * rows_per_task, ...) for all of x;
+/// inside a task, x rows go m_chunk at a time and K goes k_chunk values at a time.
+struct QuantPlan {
+  int32_t rows_per_task = 0;  // a multiple of QuantKernels::rows_multiple
+  int32_t k_chunk = 0;        // a multiple of 256 (hence of every block size)
+  int64_t m_chunk = 0;
+  bool k_major = false;       // prefill tile layout and micro-kernel (see quant_matmul_impl.h)
+};
+
+/// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
+/// (args.x is ignored); writes out rows for the task's columns.
+using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_t x_stride, const QuantPlan& plan,
+                             int64_t task);
+/// Dequantizes `rows` whole rows of `k` values into out [rows, k].
+using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
+
+/// The entry points of one ISA build.
+struct QuantKernels {
+  const char* name;
+  QuantTaskFn run_task;
+  QuantDequantizeFn dequantize_rows;
+  int32_t rows_multiple;   // weight rows per decode micro-kernel column group
+  int32_t panel_rows;      // weight rows per prefill micro-kernel panel
+};
+
+/// Writes out[row, col0 : col0 + cols] = values (converted to args.dtype). Compiled once
+/// with baseline flags (quant_matmul.cpp), so every ISA build shares its conversions.
+void quant_store_out(const QuantMatmulArgs& args, int64_t row, int32_t col0, int32_t cols, const float* values);
+
+namespace generic {
+extern const QuantKernels kQuantKernels;
+}
+namespace avx2 {
+extern const QuantKernels kQuantKernels;
+}
+namespace avx512 {
+extern const QuantKernels kQuantKernels;
+}
+
+}  // namespace vpage::cpu

@@ -1,0 +1,49 @@
+// vpage._core quantized-weight kernels: private raw-pointer entry points (underscore names)
+// for vpage.ops.quant_matmul / dequantize_rows, which check the tensors first. The kernels
+// still check types and sizes and throw ValueError.
+#include <cstdint>
+
+#include "bindings.h"
+#include "vpage/kernels/quant_matmul.h"
+
+namespace py = pybind11;
+
+namespace vpage::bindings {
+
+void bind_quant(py::module_& m) {
+  m.def(
+      "_cpu_quant_matmul",
+      [](uintptr_t out, uintptr_t x, uintptr_t weight, int64_t rows, int32_t n, int32_t k, int64_t x_stride,
+         int64_t out_stride, int32_t qtype, int32_t dtype, int num_threads) {
+        QuantMatmulArgs args;
+        args.out = reinterpret_cast<void*>(out);
+        args.x = reinterpret_cast<const void*>(x);
+        args.weight = reinterpret_cast<const uint8_t*>(weight);
+        args.m = rows;
+        args.n = n;
+        args.k = k;
+        args.x_stride = x_stride;
+        args.out_stride = out_stride;
+        args.type = static_cast<QuantType>(qtype);
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::quant_matmul(args, num_threads);
+      },
+      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"),
+      py::arg("out_stride"), py::arg("qtype"), py::arg("dtype"), py::arg("num_threads"),
+      "out [m, n] = x [m, k] @ W^T, W = n rows of k values in ggml block format qtype (uint8,\n"
+      "contiguous). x/out dtype codes: 0 float32, 1 float16, 2 bfloat16; strides in elements.");
+  m.def(
+      "_cpu_quant_dequantize_rows",
+      [](uintptr_t out, uintptr_t weight, int64_t rows, int32_t k, int32_t qtype) {
+        py::gil_scoped_release release;
+        cpu::quant_dequantize_rows(static_cast<QuantType>(qtype), reinterpret_cast<const uint8_t*>(weight), rows, k,
+                                   reinterpret_cast<float*>(out));
+      },
+      py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"), py::arg("qtype"),
+      "Dequantizes rows contiguous ggml-format rows of k values into float32 out [rows, k].");
+  m.def("quant_matmul_isa", &cpu::quant_matmul_isa,
+        "Instruction set of the quantized matmul (follows set_cpu_isa): avx512, avx2 or generic.");
+}
+
+}  // namespace vpage::bindings

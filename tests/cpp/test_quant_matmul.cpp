@@ -1,0 +1,155 @@
+// vpage::cpu::quant_matmul over hand-written ggml blocks: Q8_0 and Q4_1 against a scalar
+// reference of their layouts, every type against a double-precision matmul of
+// quant_dequantize_rows, in every instruction set the CPU has, on both paths (dot product
+// below 128 rows, outer product from 128); bad arguments throw. (The Python tests check every layout against the
+// gguf package.)
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/half.h"
+#include "vpage/kernels/quant_matmul.h"
+
+namespace {
+
+using vpage::QuantType;
+
+std::vector<std::string> isas() {
+  std::vector<std::string> out = {"generic"};
+  for (const char* isa : {"avx2", "avx512"}) {
+    try {
+      vpage::cpu::set_cpu_isa(isa);
+      out.push_back(isa);
+    } catch (const std::invalid_argument&) {
+    }
+  }
+  vpage::cpu::set_cpu_isa("auto");
+  return out;
+}
+
+void put_f16(uint8_t* p, float v) {
+  const uint16_t h = vpage::float_to_half(v);
+  std::memcpy(p, &h, 2);
+}
+
+// Random blocks with moderate f16 scales at the format's scale offsets.
+std::vector<uint8_t> random_rows(QuantType type, int n, int k, std::mt19937& rng) {
+  const int blocks = k / vpage::quant_block_values(type), size = vpage::quant_block_bytes(type);
+  std::vector<uint8_t> w(static_cast<size_t>(n) * blocks * size);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(1e-3f, 1e-2f);
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
+  for (size_t b = 0; b < w.size() / size; ++b) {
+    uint8_t* block = w.data() + b * size;
+    if (type == QuantType::kQ6_K) {
+      put_f16(block + 208, scale(rng));
+    } else {
+      put_f16(block, scale(rng));
+      if (type != QuantType::kQ4_0 && type != QuantType::kQ8_0) put_f16(block + 2, scale(rng));
+    }
+  }
+  return w;
+}
+
+// Scalar reading of the Q8_0 and Q4_1 layouts.
+float reference_value(QuantType type, const uint8_t* row, int i) {
+  uint16_t h;
+  if (type == QuantType::kQ8_0) {
+    const uint8_t* b = row + (i / 32) * 34;
+    std::memcpy(&h, b, 2);
+    return vpage::half_to_float(h) * static_cast<float>(static_cast<int8_t>(b[2 + i % 32]));
+  }
+  const uint8_t* b = row + (i / 32) * 20;
+  std::memcpy(&h, b, 2);
+  const float d = vpage::half_to_float(h);
+  std::memcpy(&h, b + 2, 2);
+  const int j = i % 32;
+  const int q = j < 16 ? (b[4 + j] & 15) : (b[4 + j - 16] >> 4);
+  return d * static_cast<float>(q) + vpage::half_to_float(h);
+}
+
+void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_reference) {
+  const std::vector<uint8_t> w = random_rows(type, n, k, rng);
+  std::vector<float> dense(static_cast<size_t>(n) * k);
+  vpage::cpu::quant_dequantize_rows(type, w.data(), n, k, dense.data());
+  const int64_t row_bytes = static_cast<int64_t>(k / vpage::quant_block_values(type)) * vpage::quant_block_bytes(type);
+  if (scalar_reference) {
+    for (int r = 0; r < n; ++r) {
+      for (int i = 0; i < k; ++i) {
+        EXPECT(std::fabs(dense[static_cast<size_t>(r) * k + i] - reference_value(type, w.data() + r * row_bytes, i)) <=
+               1e-6f);
+      }
+    }
+  }
+  std::normal_distribution<float> normal;
+  for (int m : {1, 5, 131}) {
+    std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
+    for (auto& v : x) v = normal(rng);
+    vpage::QuantMatmulArgs a;
+    a.out = out.data();
+    a.x = x.data();
+    a.weight = w.data();
+    a.m = m;
+    a.n = n;
+    a.k = k;
+    a.x_stride = k;
+    a.out_stride = n;
+    a.type = type;
+    vpage::cpu::quant_matmul(a, 2);
+    double scale = 0.0, worst = 0.0;
+    for (int i = 0; i < m; ++i) {
+      for (int j = 0; j < n; ++j) {
+        double ref = 0.0;
+        for (int t = 0; t < k; ++t) ref += static_cast<double>(x[i * k + t]) * dense[static_cast<size_t>(j) * k + t];
+        scale = std::max(scale, std::fabs(ref));
+        worst = std::max(worst, std::fabs(ref - out[i * n + j]));
+      }
+    }
+    EXPECT(scale > 0.0 && worst <= 1e-5 * scale);
+  }
+}
+
+TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
+  std::mt19937 rng(7);
+  for (const std::string& isa : isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    EXPECT(std::string(vpage::cpu::quant_matmul_isa()) == isa);
+    check_type(QuantType::kQ8_0, 13, 96, rng, true);
+    check_type(QuantType::kQ4_1, 13, 96, rng, true);
+    check_type(QuantType::kQ4_0, 13, 96, rng, false);
+    for (QuantType t : {QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K}) check_type(t, 13, 512, rng, false);
+  }
+  vpage::cpu::set_cpu_isa("auto");
+}
+
+TEST_CASE("quant_matmul: bad arguments throw") {
+  std::vector<uint8_t> w(34 * 4);
+  std::vector<float> x(64), out(4);
+  vpage::QuantMatmulArgs a;
+  a.out = out.data();
+  a.x = x.data();
+  a.weight = w.data();
+  a.m = 1;
+  a.n = 2;
+  a.k = 64;
+  a.x_stride = 64;
+  a.out_stride = 2;
+  a.type = QuantType::kQ8_0;
+  vpage::cpu::quant_matmul(a, 1);
+  a.k = 48;  // not whole blocks
+  EXPECT_THROWS(vpage::cpu::quant_matmul(a, 1));
+  a.k = 64;
+  a.type = static_cast<QuantType>(6);  // Q5_0: not kept quantized
+  EXPECT_THROWS(vpage::cpu::quant_matmul(a, 1));
+  EXPECT(!vpage::quant_type_supported(6) && vpage::quant_type_supported(14));
+}
+
+}  // namespace
+
+TEST_MAIN()

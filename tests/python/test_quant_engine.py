@@ -1,0 +1,75 @@
+"""The engine on the default model (Q4_1 GGUF, Q8_0 tied embedding) with its weights kept
+quantized: greedy outputs equal the dequantized float32 path except at near-ties, and the
+process stays small after loading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from test_engine_smollm2 import PROMPTS
+from vpage import LLM, SamplingParams
+from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
+
+NEAR_TIE = 0.05  # logprob gap between the float path's two best tokens that counts as a tie
+_ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory=0.25, swap_space=0.0, max_model_len=512,
+               max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def quantized():
+    return LLM(**_ENGINE)
+
+
+def test_default_model_is_kept_quantized(quantized):
+    net = quantized.engine.loaded.model
+    layer = net.model.layers[0]
+    assert layer.self_attn.qkv_proj.qtype == "Q4_1" and isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0"
+    weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert weight_bytes < 100 * 2**20  # float32 would be ~540 MB
+
+
+def test_greedy_matches_dequantized_float32_except_near_ties(quantized):
+    assert len(PROMPTS) >= 8
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    ours = quantized.generate(PROMPTS, params, use_tqdm=False)
+    floats = LLM(quantization="none", **_ENGINE).generate(PROMPTS, params, use_tqdm=False)
+    equal = 0
+    for prompt, q, f in zip(PROMPTS, ours, floats):
+        a, b = q.outputs[0].token_ids, f.outputs[0].token_ids
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            assert a == b, prompt
+            equal += 1
+            continue
+        best = sorted(f.outputs[0].logprobs[i].values(), key=lambda lp: -lp.logprob)
+        assert best[0].logprob - best[1].logprob < NEAR_TIE, (prompt, i)  # diverged only at a near-tie
+        assert a[i] in f.outputs[0].logprobs[i], (prompt, i)
+    assert equal >= len(PROMPTS) - 2
+
+
+_MEASURE = """
+import gc, json, resource
+import psutil, torch, transformers, vpage, vpage.ops
+from vpage.model_executor.loader import model_loader
+gc.collect()
+base = psutil.Process().memory_info().rss
+loaded = model_loader.load_model(None, dtype="float32", device="cpu")
+gc.collect()
+print(json.dumps({"base": base, "after": psutil.Process().memory_info().rss,
+                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def test_resident_memory_after_loading_the_default_model():
+    # Baseline: vpage with the modules any model load needs (torch, transformers) imported.
+    # Resident memory after loading must grow by less than 250 MB (float32 weights alone: ~540 MB).
+    out = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, check=True, timeout=300)
+    mem = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = (mem["after"] - mem["base"]) / 2**20
+    print(f"resident after load: +{grown:.0f} MB; peak during load: +{(mem['peak'] - mem['base']) / 2**20:.0f} MB")
+    assert grown < 250, mem

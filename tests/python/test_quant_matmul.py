@@ -1,0 +1,98 @@
+"""vpage.ops.quant_matmul / dequantize_rows: every GGUF block type against a float64 matmul
+of gguf's own dequantization, awkward shapes, every instruction set the CPU has, 16-bit
+activations, and argument checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from quant_fixtures import ALL_TYPES, dequantized, quantized_rows
+from test_ops_cpu import available_isas
+from vpage import _core, ops
+
+ISAS = available_isas()
+
+
+@pytest.fixture
+def isa(request):
+    _core.set_cpu_isa(request.param)
+    assert _core.quant_matmul_isa() == request.param
+    yield request.param
+    _core.set_cpu_isa("auto")
+
+
+def _weights(qtype: str, n: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    rows = quantized_rows(qtype, rng.standard_normal((n, k)).astype(np.float32), rng)
+    return torch.from_numpy(np.ascontiguousarray(rows)), dequantized(qtype, rows)
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float) -> None:
+    ref = x.double().numpy() @ w64.T
+    assert np.abs(ref).max() > 0  # never compare zeros
+    err = np.abs(out.double().numpy() - ref).max() / np.abs(ref).max()
+    assert err < rtol, err
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_every_type_every_isa_against_float64(isa, qtype):
+    # K not a multiple of 256 where the format allows it (32-value blocks); N odd.
+    k = 288 if ops.QUANT_TYPES[qtype][1] == 32 else 512
+    n = 37
+    qweight, w64 = _weights(qtype, n, k, seed=ALL_TYPES.index(qtype))
+    deq = ops.dequantize_rows(qweight, qtype, k)
+    np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 3, 17, 64, 257):  # dot path (m < 128), outer-product path (257 = 42 * 6 + 5)
+        x = torch.randn(m, k, generator=gen)
+        _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_activations_and_strided_rows(qtype, dtype):
+    n, k = 70, 512
+    qweight, w64 = _weights(qtype, n, k, seed=7)
+    gen = torch.Generator().manual_seed(2)
+    for m in (2, 40):
+        wide = torch.randn(m, k + 64, generator=gen).to(dtype)
+        x = wide[:, 32:32 + k]  # strided rows, contiguous columns
+        out = torch.empty(m, n + 5, dtype=dtype)[:, :n]
+        assert ops.quant_matmul(x, qweight, qtype, n, k, out=out) is out
+        _check(out.float(), x.float(), w64, 1e-2)  # output rounded to 16 bits
+
+
+def test_shapes_of_the_default_model_and_many_threads():
+    # Tasks of the outer-product path (32 rows) and the dot path (8), with a ragged last task.
+    qweight, w64 = _weights("Q4_1", 1536 + 24, 576, seed=3)
+    x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
+    ops.set_num_threads(3)
+    try:
+        _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6)
+        _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6)
+    finally:
+        ops.set_num_threads(None)
+
+
+def test_empty_batch_and_argument_checks():
+    qweight, _ = _weights("Q8_0", 4, 64, seed=4)
+    assert ops.quant_matmul(torch.empty(0, 64), qweight, "Q8_0", 4, 64).shape == (0, 4)
+    assert ops.quant_row_bytes("Q4_K", 512) == 288 and ops.quant_row_bytes(14, 256) == 210
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="unsupported quantization"):
+        ops.quant_matmul(x, qweight, "Q5_0", 4, 64)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ops.quant_row_bytes("Q4_K", 576)
+    with pytest.raises(ValueError, match="bytes"):
+        ops.quant_matmul(x, qweight, "Q8_0", 5, 64)
+    with pytest.raises(TypeError, match="uint8"):
+        ops.quant_matmul(x, qweight.float(), "Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="x must be"):
+        ops.quant_matmul(torch.randn(2, 32), qweight, "Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.quant_matmul(x, qweight, "Q8_0", 4, 64, out=torch.empty(2, 3))
+    with pytest.raises(ValueError, match="bad sizes"):  # the kernel's own check
+        _core._cpu_quant_matmul(0, 0, qweight.data_ptr(), 1, 4, 48, 48, 4, 8, 0, 1)
