@@ -96,3 +96,13 @@ def test_empty_batch_and_argument_checks():
         ops.quant_matmul(x, qweight, "Q8_0", 4, 64, out=torch.empty(2, 3))
     with pytest.raises(ValueError, match="bad sizes"):  # the kernel's own check
         _core._cpu_quant_matmul(0, 0, qweight.data_ptr(), 1, 4, 48, 48, 4, 8, 0, 1)
+
+
+def test_quantization_option_is_checked():
+    from vpage.engine.arg_utils import EngineArgs
+    from vpage.model_executor import load_model
+
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(quantization="int4")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(quantization="gptq")

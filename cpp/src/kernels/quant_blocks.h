@@ -113,7 +113,7 @@ inline void k_scale_min(const uint8_t* s, int j, int* sc, int* mn) {
 // Q4_K and Q5_K: per pair of sub-blocks (64 values), y[l] = d0 * q - m0 for the low
 // nibbles and y[l + 32] = d1 * q - m1 for the high ones; Q5_K adds a fifth bit from qh
 // (bit 2 pair of qh[l] for the low sub-block, the next bit for the high one).
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 // 32 unsigned bytes q -> dst[32] = scale * q - offset.
 inline void store_affine_u8x32(__m256i q, float scale, float offset, float* dst) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
@@ -183,7 +183,7 @@ inline void dequant_q4_k(const uint8_t* b, float* dst) { dequant_k_super_block<f
 
 inline void dequant_q5_k(const uint8_t* b, float* dst) { dequant_k_super_block<true>(b, dst); }
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 // 32 signed bytes q (values of one 32-value group, two scales of 16) -> dst[32] = s * q.
 inline void store_scaled_i8x32(__m256i q, float s_lo, float s_hi, float* dst) {
   const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
