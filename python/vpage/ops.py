@@ -27,7 +27,7 @@ __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-    "QUANT_TYPES", "quant_row_bytes", "quant_matmul", "dequantize_rows",
+    "QUANT_TYPES", "quant_row_bytes", "quant_matmul", "dequantize_rows", "logsumexp_argmax",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -347,6 +347,26 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _ops_cpu.silu_and_mul(out, input)
     else:
         torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)
+
+
+def logsumexp_argmax(logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per row of float32 ``logits`` ``[n, vocab]`` (rows may be strided, columns contiguous):
+    ``(torch.logsumexp(logits, -1), logits.argmax(-1))`` as float32 ``[n]`` and int64 ``[n]``.
+
+    The argmax is torch's exactly (the first of equal maxima; a NaN counts as the maximum);
+    the log-normaliser is within a few 1e-7 relative of a float64 logsumexp. A fused kernel
+    on the CPU (one pass for the maximum, one for the sum of exponentials); torch elsewhere."""
+    _check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous=False)
+    n, vocab = logits.shape
+    if vocab == 0:
+        raise ValueError("logits must have at least one column")
+    if logits.device.type != "cpu" or n == 0 or (vocab > 1 and logits.stride(1) != 1) or (
+            n > 1 and logits.stride(0) < vocab):
+        return torch.logsumexp(logits, dim=-1), logits.argmax(dim=-1)
+    log_norm = torch.empty(n, dtype=torch.float32)
+    argmax = torch.empty(n, dtype=torch.int64)
+    _ops_cpu.logsumexp_argmax(logits, log_norm, argmax)
+    return log_norm, argmax
 
 
 # GGUF block formats the CPU keeps quantized: name -> (ggml type id, values per block, bytes per block).

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from vpage import ops
 from vpage.sampling_params import SamplingParams, SamplingType
 
 
@@ -115,7 +116,9 @@ class Sampler:
             if r.params.sampling_type == SamplingType.RANDOM_SEED and r.generator is None:
                 raise ValueError(f"row {i} has seed {r.params.seed} but no generator (see make_generator)")
         raw = logits.float()  # the model's own distribution; not modified
-        log_norm = torch.logsumexp(raw, dim=-1)  # logprob = logit - log_norm, without a softmax copy
+        # logprob = logit - log_norm, without a softmax copy; the argmax of the raw rows is the
+        # greedy token of every row that no ban or penalty changes.
+        log_norm, token_ids = ops.logsumexp_argmax(raw)
         early = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
@@ -127,7 +130,9 @@ class Sampler:
             sub = logits[penalised]
             apply_penalties(sub, [rows[i] for i in penalised])
             logits[penalised] = sub
-        token_ids = logits.argmax(dim=-1)
+        changed = sorted({i for i, _ in early}.union(penalised).difference(random_rows))
+        if changed:  # greedy and beam rows whose logits a ban or penalty changed
+            token_ids[changed] = logits[changed].argmax(dim=-1)
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])
         chosen = raw.gather(1, token_ids[:, None])[:, 0] - log_norm

@@ -11,14 +11,20 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/cache_ops.cpp
   ${_vpage_kernels_dir}/rotary.cpp
   ${_vpage_kernels_dir}/layer_ops.cpp
+  ${_vpage_kernels_dir}/sampler_ops.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp
   ${_vpage_kernels_dir}/quant_matmul.cpp
   ${_vpage_kernels_dir}/quant_generic.cpp)
 
-# Rotary and layer ops: no FMA contraction, so float32 results equal torch's unfused multiply and add.
+# Rotary, layer and sampler ops: no FMA contraction, so float32 results equal torch's unfused
+# multiply and add. -fno-trapping-math (results unchanged: it only drops the promise to raise
+# floating-point exceptions where the source does) lets GCC vectorise exp_clamped's float-to-int
+# conversion for AVX2; without it only the AVX-512 clones of the exp loops were vectorised.
 if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  set_source_files_properties(${_vpage_kernels_dir}/rotary.cpp ${_vpage_kernels_dir}/layer_ops.cpp
+  set_source_files_properties(${_vpage_kernels_dir}/rotary.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
+  set_source_files_properties(${_vpage_kernels_dir}/layer_ops.cpp ${_vpage_kernels_dir}/sampler_ops.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-ffp-contract=off;-fno-trapping-math")
 endif()
 
 if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"

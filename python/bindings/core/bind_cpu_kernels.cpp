@@ -10,6 +10,7 @@
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/rotary.h"
+#include "vpage/kernels/sampler_ops.h"
 
 namespace py = pybind11;
 
@@ -63,6 +64,24 @@ void bind_cpu_kernels(py::module_& m) {
       },
       py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"), py::arg("num_threads"),
       "out [num_tokens, d] = silu(x[:, :d]) * x[:, d:] for contiguous x [num_tokens, 2 d].");
+  m.def(
+      "_cpu_logsumexp_argmax",
+      [](uintptr_t logits, int64_t num_rows, int64_t vocab, int64_t row_stride, uintptr_t log_norm,
+         uintptr_t argmax, int num_threads) {
+        LogsumexpArgmaxArgs args;
+        args.logits = ptr<const float>(logits);
+        args.num_rows = num_rows;
+        args.vocab = vocab;
+        args.row_stride = row_stride;
+        args.log_norm = ptr<float>(log_norm);
+        args.argmax = ptr<int64_t>(argmax);
+        py::gil_scoped_release release;
+        cpu::logsumexp_argmax(args, num_threads);
+      },
+      py::arg("logits"), py::arg("num_rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("log_norm"),
+      py::arg("argmax"), py::arg("num_threads"),
+      "Per row of float32 logits [num_rows, vocab] (rows row_stride apart): log_norm (float32) =\n"
+      "logsumexp, argmax (int64) = index of the first maximum, as torch.argmax.");
   m.def(
       "_cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,

@@ -1,0 +1,31 @@
+// Row statistics of a step's logits for the sampler: the log-normaliser (logsumexp) and the
+// first maximum of each row, in two passes over the row instead of torch's separate
+// logsumexp and argmax (which also materialise a temporary per row).
+#pragma once
+
+#include <cstdint>
+
+namespace vpage {
+
+/// Rows of float32 logits [num_rows, vocab] (columns contiguous, rows `row_stride` apart).
+struct LogsumexpArgmaxArgs {
+  const float* logits = nullptr;
+  int64_t num_rows = 0;
+  int64_t vocab = 0;
+  int64_t row_stride = 0;      // elements, >= vocab
+  float* log_norm = nullptr;   // [num_rows] out: log(sum(exp(row)))
+  int64_t* argmax = nullptr;   // [num_rows] out: index of the row's first maximum
+};
+
+namespace cpu {
+
+/// Per row: argmax = the first index of the maximum (as torch.argmax: exact comparisons, the
+/// first of equal maxima; a NaN counts as the maximum), log_norm = max + log(sum(exp(x - max)))
+/// with exp by a polynomial within ~1 ulp of expf (float32 lanes, so within a few 1e-7
+/// relative of a float64 logsumexp). A row of -inf gives -inf and index 0; a row holding +inf
+/// gives +inf; a row holding NaN gives NaN and the first NaN's index. One row per task,
+/// multi-threaded over rows. Throws std::invalid_argument on bad sizes.
+void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads);
+
+}  // namespace cpu
+}  // namespace vpage

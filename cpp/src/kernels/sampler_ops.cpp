@@ -1,0 +1,126 @@
+// The sampler's row statistics (see sampler_ops.h). The row loops keep 16 float32 lanes of
+// partial results, so GCC vectorises them; VPAGE_TARGET_CLONES compiles them for AVX-512,
+// AVX2 and baseline x86-64, chosen at load time.
+#include "vpage/kernels/sampler_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "exp_approx.h"
+#include "target_clones.h"
+#include "thread_pool.h"
+
+namespace vpage::cpu {
+namespace {
+
+constexpr int kLanes = 16;
+
+// The largest value of x[0, n) (NaNs ignored; -inf for none).
+VPAGE_TARGET_CLONES
+float row_max(const float* x, int64_t n) {
+  float acc[kLanes];
+  for (int l = 0; l < kLanes; ++l) acc[l] = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] = x[i + l] > acc[l] ? x[i + l] : acc[l];
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  for (int l = 0; l < kLanes; ++l) best = acc[l] > best ? acc[l] : best;
+  return best;
+}
+
+constexpr int64_t kChunk = 512;  // exponentials buffered per chunk (on the stack)
+
+// out[i] = exp(x[i] - m): an element-wise loop, which every clone vectorises.
+VPAGE_TARGET_CLONES
+void exp_shifted(float* out, const float* x, int64_t n, float m) {
+  for (int64_t i = 0; i < n; ++i) out[i] = exp_clamped(x[i] - m);
+}
+
+VPAGE_TARGET_CLONES
+float sum_lanes(const float* x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l];
+  }
+  float total = 0.0f;
+  for (; i < n; ++i) total += x[i];
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  return total;
+}
+
+// sum(exp(x - m)) over x[0, n) for a finite m; NaN when x holds a NaN.
+float row_sum_exp(const float* x, int64_t n, float m) {
+  alignas(64) float buffer[kChunk];
+  float total = 0.0f;
+  for (int64_t i = 0; i < n; i += kChunk) {
+    const int64_t len = std::min(kChunk, n - i);
+    exp_shifted(buffer, x + i, len, m);
+    total += sum_lanes(buffer, len);
+  }
+  return total;
+}
+
+// The first index of `m` in x[0, n), or n: chunks are tested with a vectorised "any equal" first.
+VPAGE_TARGET_CLONES
+int64_t find_first(const float* x, int64_t n, float m) {
+  constexpr int64_t kBlock = 64;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    int32_t any = 0;
+    for (int64_t l = 0; l < kBlock; ++l) any |= x[i + l] == m;
+    if (any) break;
+  }
+  for (; i < n; ++i) {
+    if (x[i] == m) return i;
+  }
+  return n;
+}
+
+void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
+  const float* x = a.logits + r * a.row_stride;
+  const int64_t n = a.vocab;
+  const float m = row_max(x, n);
+  bool has_nan = false;
+  float log_norm;
+  if (m == -std::numeric_limits<float>::infinity()) {  // every entry -inf (or NaN)
+    log_norm = m;
+    for (int64_t i = 0; i < n && !has_nan; ++i) has_nan = std::isnan(x[i]);
+  } else if (m == std::numeric_limits<float>::infinity()) {
+    log_norm = m;
+    for (int64_t i = 0; i < n && !has_nan; ++i) has_nan = std::isnan(x[i]);
+  } else {
+    const float sum = row_sum_exp(x, n, m);
+    has_nan = std::isnan(sum);  // exp of a NaN entry is NaN
+    log_norm = m + std::log(sum);
+  }
+  int64_t index = 0;
+  if (has_nan) {
+    while (!std::isnan(x[index])) ++index;
+    log_norm = std::numeric_limits<float>::quiet_NaN();
+  } else {
+    index = find_first(x, n, m);
+    if (index == n) index = 0;  // a row of -inf: torch picks the first
+  }
+  a.log_norm[r] = log_norm;
+  a.argmax[r] = index;
+}
+
+}  // namespace
+
+void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads) {
+  if (args.num_rows < 0 || args.vocab <= 0 || args.row_stride < args.vocab) {
+    throw std::invalid_argument("logsumexp_argmax: bad sizes (num_rows " + std::to_string(args.num_rows) +
+                                ", vocab " + std::to_string(args.vocab) + ", row_stride " +
+                                std::to_string(args.row_stride) + ")");
+  }
+  ThreadPool::instance().parallel_for(args.num_rows, std::max(num_threads, 1),
+                                      [&](int64_t row, int) { one_row(args, row); });
+}
+
+}  // namespace vpage::cpu
