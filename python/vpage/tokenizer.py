@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # Tokens decoded before the unread ones, so that a token's leading space or merged
 # bytes decode the same as in the full text.
@@ -24,6 +24,24 @@ def get_tokenizer(folder: str | Path, gguf_file: str | None = None) -> Any:
         raise ValueError(f"{where}: cannot load tokenizer ({type(e).__name__}: {e})") from e
 
 
+def _backend_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)``
+    straight through the Rust ``tokenizers.Tokenizer`` of a transformers fast tokenizer, which
+    is all that call does for one that overrides neither ``decode`` nor ``_decode`` (skipping
+    transformers' per-call argument conversion, ~2/3 of its cost). None for other tokenizers."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or not callable(getattr(backend, "decode", None))
+            or cls.decode is not PreTrainedTokenizerFast.decode or cls._decode is not PreTrainedTokenizerFast._decode):
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas, one token at a time.
 
@@ -40,8 +58,9 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._read_offset = len(self.token_ids)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+        self._decode = _backend_decoder(tokenizer, skip_special_tokens) or self._decode_slow
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode_slow(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
@@ -85,6 +104,10 @@ class StopStringMatcher:
         """Add a text delta; return the newly streamable text (possibly empty)."""
         if self.stopped or not delta:
             return ""
+        if not self.stop:  # nothing to match or hold back
+            self.text += delta
+            self._streamed = len(self.text)
+            return delta
         start = max(len(self.text) - self._max_len + 1, 0)
         self.text += delta
         match = self._earliest_match(start)

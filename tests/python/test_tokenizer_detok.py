@@ -93,3 +93,34 @@ def test_stop_strings_with_real_tokens(tokenizer):
         if stop.stopped:
             break
     assert streamed == stop.text == "The answer is 42"
+
+
+class _PlainTokenizer:
+    """The same tokenizer seen only through ``decode`` (the detokenizer's generic path)."""
+
+    def __init__(self, tokenizer):
+        self._inner = tokenizer
+
+    def decode(self, ids, **kwargs):
+        return self._inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_backend_decode_path_equals_transformers_decode(tokenizer, skip):
+    """The detokenizer decodes through the Rust tokenizer directly; its deltas must equal those
+    of transformers' own decode, special tokens and split UTF-8 characters included."""
+    special = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        ids = ids[:3] + [special] + ids[3:] + [special]
+        prompt = tokenizer.encode("Question:")
+        fast = IncrementalDetokenizer(tokenizer, prompt, skip)
+        assert fast._decode.__name__ == "<lambda>"  # the backend path is in use
+        slow = IncrementalDetokenizer(_PlainTokenizer(tokenizer), prompt, skip)
+        assert [fast.add_token(t) for t in ids] == [slow.add_token(t) for t in ids]
+
+
+def test_no_stop_strings_streams_every_delta():
+    m = StopStringMatcher([])
+    assert [m.feed(d) for d in ["a", "", "bc S", "TOP"]] == ["a", "", "bc S", "TOP"]
+    assert m.flush() == "" and m.text == "abc STOP" and not m.stopped
