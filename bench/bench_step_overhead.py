@@ -3,6 +3,7 @@ sampler and output processing (commit, stop rules, detokenization, RequestOutput
 running decode sequences on the default model.
 
     python bench/bench_step_overhead.py --batch 64,256 --steps 12
+    python bench/bench_step_overhead.py --single-stream      # batch 1: 128 new tokens, tok/s
 
 Each batch size gets its own engine; N requests with 32-token prompts and long outputs are
 run until every one of them decodes, then --steps steps are timed. The model's forward
@@ -65,6 +66,33 @@ def measure(batch: int, steps: int, args) -> dict:
                 parts={k: totals[k] for k in PARTS}, steps=steps)
 
 
+def single_stream(args) -> None:
+    """One request, a 32-token prompt, --new-tokens greedy tokens: decode tokens/s (wall clock
+    and process CPU time, which includes the kernels' worker threads) and the step's split."""
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
+                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    for rep in range(args.repeats):
+        engine.add_request(f"r{rep}", [100 + (7 * j) % 9000 for j in range(32)], params)
+        engine.step()  # prefill + first token
+        totals: dict = defaultdict(float)
+        execute, sample, process = engine.runner.execute, engine.sampler.sample, engine.outputs.process
+        engine.runner.execute = timed(totals, "model", execute)
+        engine.sampler.sample = timed(totals, "sample", sample)
+        engine.outputs.process = timed(totals, "process outputs", process)
+        steps = 0
+        wall, cpu = time.perf_counter(), time.process_time()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        engine.runner.execute, engine.sampler.sample, engine.outputs.process = execute, sample, process
+        other = wall - sum(totals.values())
+        print(f"| 1 | {args.new_tokens} | {steps / wall:.1f} | {1e3 * wall / steps:.2f} | {1e3 * cpu / steps:.2f} | "
+              f"{1e3 * totals['model'] / steps:.2f} | {1e3 * totals['sample'] / steps:.2f} | "
+              f"{1e3 * totals['process outputs'] / steps:.2f} | {1e3 * other / steps:.2f} |", flush=True)
+
+
 class _Timed:
     """The scheduler, with schedule() timed."""
 
@@ -84,12 +112,21 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--kv-cache-memory", type=float, default=2.0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--single-stream", action="store_true", help="batch 1 decode tokens/s instead")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"# {cpu}, vpage ISA {_core.cpu_isa()}, {args.threads} threads, torch {torch.__version__}, "
           f"dtype {args.dtype}, quantization {args.quantization}")
+    if args.single_stream:
+        print("| seqs | new tokens | decode tok/s | wall ms/step | process CPU ms/step | model ms/step | "
+              "sample ms/step | process outputs ms/step | rest ms/step |")
+        print("|" + "---:|" * 9)
+        single_stream(args)
+        return
     print("| running seqs | step median ms | model % | non-model % | non-model us/step | us/seq | "
           + " | ".join(f"{p} us/step" for p in PARTS[:-1]) + " |")
     print("|" + "---:|" * (6 + len(PARTS) - 1))

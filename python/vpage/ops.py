@@ -9,14 +9,20 @@ KV cache layout per layer (``x = 16 // element_size``)::
 Every function checks dtype, device, shape and contiguity (raising ``TypeError`` or
 ``ValueError``) before any kernel runs, then dispatches on the device: CPU tensors go to
 ``vpage._ops_cpu``, CUDA tensors to ``vpage._ops_cuda`` (imported on first use).
+
+Inside ``with trusted_arguments():`` the layer ops skip those checks (on this thread): for a
+caller that has just validated the same kind of arguments, such as a model whose first layer
+of a step ran checked and whose other layers repeat its shapes, dtypes and devices.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
+import threading
 from types import ModuleType
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +34,30 @@ __all__ = [
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
     "QUANT_TYPES", "quant_row_bytes", "quant_matmul", "dequantize_rows", "logsumexp_argmax",
+    "trusted_arguments",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_local = threading.local()  # .trusted: inside trusted_arguments()
+
+
+@contextlib.contextmanager
+def trusted_arguments() -> Iterator[None]:
+    """Within the block, on this thread, reshape_and_cache, paged_attention,
+    paged_prefill_attention, rotary_embedding, rms_norm, fused_add_rms_norm, silu_and_mul and
+    quant_matmul skip their argument checks. Only for arguments of the kind the caller has
+    just seen pass them (same dtypes, devices, layouts and consistent shapes): a wrong
+    argument then reaches the kernel unchecked."""
+    previous = getattr(_local, "trusted", False)
+    _local.trusted = True
+    try:
+        yield
+    finally:
+        _local.trusted = previous
+
+
+def _checking() -> bool:
+    return not getattr(_local, "trusted", False)
 
 
 def set_num_threads(num_threads: Optional[int]) -> None:
@@ -54,7 +81,7 @@ def set_thread_source(source: str) -> str:
 def _pack_size(dtype: torch.dtype) -> int:
     if dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"unsupported KV cache dtype {dtype}; expected float32, float16 or bfloat16")
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 def key_cache_shape(num_blocks: int, num_kv_heads: int, head_size: int, block_size: int,
@@ -127,6 +154,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     slot_mapping: int64 [num_tokens], slot < 0 skips the token. key/value have the caches'
     dtype and device; their rows may be strided (e.g. slices of a fused QKV output).
     """
+    device = key_cache.device
+    if _checking():
+        _check_cache_writes(key, value, key_cache, value_cache, slot_mapping)
+    _backend(device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def _check_cache_writes(key, value, key_cache, value_cache, slot_mapping) -> None:
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     device = key_cache.device
     for name, t in (("key", key), ("value", value)):
@@ -139,13 +173,20 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
         raise ValueError(f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
                          f"{value.shape[0]}, {slot_mapping.shape[0]}")
-    _backend(device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
                scale, max_context_len, out) -> torch.Tensor:
-    _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     device = key_cache.device
+    if not _checking():
+        if max_context_len is None:
+            max_context_len = int(context_lens.max()) if context_lens.shape[0] else 0
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=device)
+        _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
+                                         context_lens, query_start_loc, float(scale), max_context_len)
+        return out
+    _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     _check_tensor("query", query, dtype=key_cache.dtype, device=device, contiguous=False)
     _check_rows("query", query)
     num_heads = query.shape[1]
@@ -261,6 +302,20 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     contiguous) with the rotate-half convention: ``cos_sin`` float32 ``[max_position,
     head_size]`` holds cos of the head_size/2 frequencies then their sin, ``positions`` int64
     ``[num_tokens]``. A fused kernel on the CPU; plain torch operations elsewhere."""
+    if _checking():
+        _check_rotary(x, positions, cos_sin, num_heads, head_size)
+    if x.device.type == "cpu":
+        _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size)
+        return
+    half = head_size // 2
+    heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
+    table = cos_sin[positions][:, None, :]
+    cos, sin = table[..., :half], table[..., half:]
+    x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+    heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def _check_rotary(x: object, positions: object, cos_sin: object, num_heads: int, head_size: int) -> None:
     _check_tensor("x", x, contiguous=False)
     if x.dtype not in _SUPPORTED_DTYPES or x.dim() != 2 or (x.shape[0] > 0 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-D float tensor with contiguous columns, got {x.dtype} {tuple(x.shape)}")
@@ -271,15 +326,6 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
     if head_size % 2 or cos_sin.shape[1] != head_size or num_heads * head_size > x.shape[1]:
         raise ValueError(f"cos_sin {tuple(cos_sin.shape)}, {num_heads} heads of {head_size} do not fit "
                          f"rows of {x.shape[1]}")
-    if x.device.type == "cpu":
-        _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size)
-        return
-    half = head_size // 2
-    heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
-    table = cos_sin[positions][:, None, :]
-    cos, sin = table[..., :half], table[..., half:]
-    x1, x2 = heads[..., :half].float(), heads[..., half:].float()
-    heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
 def _check_rows_2d(name: str, t: object, like: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -315,7 +361,8 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsil
     """``out = input / sqrt(mean(input^2) + epsilon) * weight`` per row of ``input``
     ``[num_tokens, hidden_size]`` (statistics in float32, then cast to the dtype, then times
     ``weight``, like Hugging Face's RMSNorm). ``out`` may be ``input``."""
-    _check_norm(input, "out", out, weight, epsilon)
+    if _checking():
+        _check_norm(input, "out", out, weight, epsilon)
     if input.device.type == "cpu":
         _ops_cpu.rms_norm(out, input, None, weight, epsilon)
     else:
@@ -325,7 +372,8 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsil
 def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
     """In place: ``residual += input``, then ``input = rms_norm(residual) * weight`` (as
     :func:`rms_norm`); both ``[num_tokens, hidden_size]``, contiguous."""
-    _check_norm(input, "residual", residual, weight, epsilon)
+    if _checking():
+        _check_norm(input, "residual", residual, weight, epsilon)
     if input.device.type == "cpu":
         _ops_cpu.rms_norm(input, input, residual, weight, epsilon)
     else:
@@ -337,12 +385,13 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """``out = silu(input[:, :d]) * input[:, d:]`` for ``input`` ``[num_tokens, 2 d]`` (the gate
     and up halves of a fused projection) and ``out`` ``[num_tokens, d]``; silu rounded to the
     dtype before the product, like torch's ``F.silu(gate) * up``."""
-    _check_rows_2d("input", input)
-    _check_rows_2d("out", out, like=input)
     d = out.shape[1]
-    if input.shape != (out.shape[0], 2 * d) or d == 0:
-        raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
-                         f"{tuple(out.shape)}")
+    if _checking():
+        _check_rows_2d("input", input)
+        _check_rows_2d("out", out, like=input)
+        if input.shape != (out.shape[0], 2 * d) or d == 0:
+            raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
+                             f"{tuple(out.shape)}")
     if input.device.type == "cpu":
         _ops_cpu.silu_and_mul(out, input)
     else:
@@ -379,6 +428,8 @@ _QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in QUANT
 
 def _quant_format(qtype: object) -> Tuple[int, int, int]:
     """(ggml type id, values per block, bytes per block) of a type name or id (or a gguf enum)."""
+    if isinstance(qtype, str) and qtype in QUANT_TYPES:
+        return QUANT_TYPES[qtype]
     key = getattr(qtype, "name", qtype)
     if isinstance(key, str) and key in QUANT_TYPES:
         return QUANT_TYPES[key]
@@ -416,6 +467,11 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
     qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
     qtype a name of ``QUANT_TYPES`` or its ggml id. Returns out ``[m, n]`` in x's dtype
     (float32 accumulation). The weights are dequantized inside the kernel, never copied."""
+    if not _checking():
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        _ops_cpu.quant_matmul(out, x, qweight, _quant_format(qtype)[0], n, k)
+        return out
     type_id, _ = _check_qweight(qweight, qtype, n, k)
     _check_tensor("x", x, ndim=2, contiguous=False)
     if x.device.type != "cpu":

@@ -48,6 +48,16 @@ def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
 
 
+def _check_same_caches(kv_caches: list[KVCache]) -> None:
+    """Every layer's (key_cache, value_cache) has layer 0's shapes, dtype and device."""
+    key0, value0 = kv_caches[0]
+    for i, (key, value) in enumerate(kv_caches):
+        if (key.shape != key0.shape or value.shape != value0.shape or key.dtype != key0.dtype
+                or value.dtype != value0.dtype or key.device != key0.device or value.device != value0.device
+                or not key.is_contiguous() or not value.is_contiguous()):
+            raise ValueError(f"layer {i}'s KV cache differs from layer 0's in shape, dtype, device or layout")
+
+
 class LlamaAttention(nn.Module):
     """Fused QKV projection, rotary, paged attention, output projection."""
 
@@ -174,12 +184,19 @@ class LlamaForCausalLM(nn.Module):
         this model's dtype. The step's K/V are written into the slots of ``batch``.
         """
         model = self.model
-        if len(kv_caches) != len(model.layers):
-            raise ValueError(f"expected {len(model.layers)} KV caches, got {len(kv_caches)}")
+        layers = model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV caches, got {len(kv_caches)}")
+        _check_same_caches(kv_caches)
         h, residual = model.embed_tokens(batch.input_ids), None
-        for layer, kv_cache in zip(model.layers, kv_caches):
-            h, residual = layer(h, residual, model.rotary_emb, batch, kv_cache)
-        h, _ = model.norm(h, residual)
+        # The first layer's ops check the step's arguments; the other layers see the same
+        # batch, activations of the same shapes and caches like the first layer's (checked
+        # above), and their weights were checked at load: their ops skip the checks.
+        h, residual = layers[0](h, residual, model.rotary_emb, batch, kv_caches[0])
+        with ops.trusted_arguments():
+            for i in range(1, len(layers)):
+                h, residual = layers[i](h, residual, model.rotary_emb, batch, kv_caches[i])
+            h, _ = model.norm(h, residual)
         return h
 
     @torch.inference_mode()
