@@ -18,6 +18,7 @@
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 #include "vpage/kernels/layer_ops.h"
+#include "vpage/kernels/sampler_ops.h"
 
 namespace {
 
@@ -221,6 +222,40 @@ void test_bad_arguments() {
 
 // float32 RMSNorm (with residual) and SiLU-and-multiply against double, odd sizes (vector
 // remainders), 2 threads, NaN-poisoned outputs.
+// logsumexp_argmax against double: vocab sizes around the vector widths, -inf entries, ties.
+void test_logsumexp_argmax(std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-20.0f, 20.0f);
+  const int64_t rows = 5;
+  for (const int64_t vocab : {1, 15, 16, 17, 513, 1000}) {
+    const int64_t stride = vocab + 3;
+    std::vector<float> logits(rows * stride);
+    for (float& v : logits) v = dist(rng);
+    for (int64_t i = 1; i < vocab; i += 4) logits[stride + i] = -INFINITY;  // row 1: -inf entries
+    for (int64_t i = 0; i < vocab; ++i) logits[2 * stride + i] = static_cast<float>(i % 3);  // row 2: ties
+    std::vector<float> log_norm(rows, NAN);
+    std::vector<int64_t> argmax(rows, -1);
+    vpage::LogsumexpArgmaxArgs a;
+    a.logits = logits.data();
+    a.num_rows = rows;
+    a.vocab = vocab;
+    a.row_stride = stride;
+    a.log_norm = log_norm.data();
+    a.argmax = argmax.data();
+    vpage::cpu::logsumexp_argmax(a, 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = logits.data() + r * stride;
+      int64_t best = 0;
+      for (int64_t i = 1; i < vocab; ++i) best = x[i] > x[best] ? i : best;
+      double sum = 0;
+      for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(x[i]) - x[best]);
+      const double ref = x[best] + std::log(sum);
+      const std::string where = "logsumexp_argmax vocab " + std::to_string(vocab) + " row " + std::to_string(r);
+      expect(argmax[r] == best, where + ": argmax " + std::to_string(argmax[r]) + " != " + std::to_string(best));
+      expect(std::fabs(log_norm[r] - ref) <= 1e-6 * std::max(1.0, std::fabs(ref)), where + ": log_norm");
+    }
+  }
+}
+
 void test_layer_ops(std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
   const int64_t tokens = 19;
@@ -375,6 +410,7 @@ int main() {
   test_bad_arguments();
   test_thread_source();
   test_layer_ops(rng);
+  test_logsumexp_argmax(rng);
   test_fork();
   std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
   return g_failures == 0 ? 0 : 1;
