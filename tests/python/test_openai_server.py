@@ -145,7 +145,7 @@ BAD_REQUESTS = [
 
 @pytest.fixture(scope="module")
 def reference(server):
-    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     status, answer = server.request("POST", "/v1/completions", body)
     assert status == 200
     return body, answer["choices"]

@@ -1,0 +1,81 @@
+"""The engine core in-process (no sockets): a failing step fails only its live requests and
+the engine goes on; and the bounded latency histogram behind get_stats' percentiles."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from model_fixtures import save_tiny_model
+from vpage import SamplingParams
+from vpage.engine import EngineArgs, LLMEngine
+from vpage.engine.core_messages import AddRequest, decode, encode
+from vpage.engine.engine_core import EngineCore
+from vpage.engine.latency_histogram import LatencyHistogram
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-core")
+    save_tiny_model("llama", folder)
+    return EngineCore(LLMEngine(EngineArgs(model=str(folder), dtype="float32", device="cpu", kv_cache_memory=0.02)))
+
+
+def add(core: EngineCore, rid: str, max_tokens: int = 4):
+    return core.add(AddRequest(rid, [5, 6, 7], SamplingParams(temperature=0, max_tokens=max_tokens),
+                               time.monotonic()))
+
+
+def run(core: EngineCore) -> dict:
+    finished = {}
+    while core.engine.has_unfinished_requests():
+        out = decode(encode(core.step()))  # what crosses the socket
+        finished.update({o.request_id: o for o in out.outputs if o.finished})
+    return finished
+
+
+def test_a_failing_step_fails_only_live_requests_and_the_engine_goes_on(core, monkeypatch):
+    assert add(core, "a") is None and add(core, "b") is None
+    real_step = core.engine.step
+
+    def broken_step():
+        raise RuntimeError("injected failure at /some/path")
+
+    monkeypatch.setattr(core.engine, "step", broken_step)
+    out = core.step()
+    assert sorted(e.request_id for e in out.errors) == ["a", "b"] and {e.status for e in out.errors} == {500}
+    assert "/some/path" not in out.errors[0].message
+    assert not core.engine.has_unfinished_requests()
+    monkeypatch.setattr(core.engine, "step", real_step)
+    assert add(core, "c") is None
+    finished = run(core)
+    assert len(finished["c"].outputs[0].token_ids) == 4 and core.failed_steps == 0
+    assert core.engine.get_stats().kv_cache_usage == 0
+
+
+def test_a_refused_request_is_a_400_and_changes_nothing(core):
+    error = core.add(AddRequest("bad", [10**6], SamplingParams(), time.monotonic()))
+    assert error.status == 400 and "out of range" in error.message
+    assert not core.engine.has_unfinished_requests() and "bad" not in core.live
+
+
+def test_latency_histogram_percentiles_are_close_and_memory_is_fixed():
+    rng = random.Random(0)
+    samples = [rng.lognormvariate(-3, 1) for _ in range(20000)]
+    hist = LatencyHistogram()
+    size = len(hist._counts)
+    for x in samples:
+        hist.add(x)
+    assert len(hist._counts) == size
+    samples.sort()
+    for q in (50, 95, 99):
+        exact = samples[int(q / 100 * len(samples)) - 1]
+        assert abs(hist.percentile(q) - exact) / exact < 0.07
+    assert abs(hist.mean() - sum(samples) / len(samples)) < 1e-9
+    assert LatencyHistogram().percentile(50) is None
+    stats_fields = {"ttft_percentiles_s", "tpot_percentiles_s", "prefix_cache_queries", "prefix_cache_hits"}
+    from vpage.engine.metrics import EngineStats
+
+    assert stats_fields <= set(EngineStats.__dataclass_fields__)
