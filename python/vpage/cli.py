@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds running requests may finish before abort (default: 30)")
     serve.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds")
+    serve.add_argument("--timeout-header", type=float, default=10.0,
+                       help="seconds a client has to send a request's line and headers (default: 10)")
+    serve.add_argument("--timeout-body", type=float, default=30.0,
+                       help="seconds a client has to send a request's body (default: 30)")
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve}")
     from vpage.benchmarks.serve import add_arguments
@@ -111,8 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),
         serving=ServingLimits(args.max_waiting_requests, args.request_timeout),
-        http=HttpLimits(max_body_bytes=args.max_body_bytes), drain_timeout_s=args.drain_timeout,
-        keep_alive_s=args.timeout_keep_alive)
+        http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body),
+        drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.timeout_header)
     return run(engine_args, options)
 
 

@@ -21,7 +21,7 @@ MAX_NUM_SEQS = 8
 def server():
     srv = LiveServer("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
                      "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "512",
-                     "--max-body-bytes", "200000")
+                     "--max-body-bytes", "200000", "--timeout-header", "3", "--timeout-body", "3")
     yield srv
     srv.stop()
 
@@ -216,6 +216,17 @@ def test_stalled_connections_do_not_stop_a_normal_client(server, reference):
             sock.close()
 
 
+def test_stalled_heads_and_bodies_time_out(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        start = time.monotonic()
+        assert sock.recv(100) == b"" and time.monotonic() - start < 20  # closed by the server
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        status, body = _status_and_json(sock.recv(65536))
+        assert status == 408 and body["error"]["code"] == 408
+
+
 def test_disconnected_non_streaming_request_is_aborted(server):
     generated = server.metric("generation_tokens_total")
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
@@ -264,3 +275,18 @@ def test_serving_benchmark_against_the_server(server, tmp_path):
                            max_concurrency=4, slo_ttft_ms=60000, slo_tpot_ms=60000, progress=False)
     assert report["completed"] == 4 and report["failed"] == 0 and report["total_output_tokens"] >= 4 * 8 - 4
     assert report["goodput"] > 0 and report["ttft_ms"]["p99"] >= report["ttft_ms"]["median"] > 0
+
+
+def test_metrics_have_vllm_names_and_the_model_label(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    names = ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+             "cpu_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+             "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
+             "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket",
+             "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+             "iteration_tokens_total_bucket", "request_prompt_tokens_bucket", "request_generation_tokens_bucket"]
+    for name in names:
+        assert f'vpage:{name}{{' in text and 'model_name="smollm2"' in text, name
+    assert 'vpage:request_success_total{finished_reason="length",model_name="smollm2"}' in text

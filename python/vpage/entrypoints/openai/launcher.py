@@ -19,7 +19,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_client import EngineCoreClient
 from vpage.entrypoints.openai.api_server import HttpLimits, build_app
 from vpage.entrypoints.openai.auth import ApiKeys
-from vpage.entrypoints.openai.http_protocol import JsonErrorH11Protocol
+from vpage.entrypoints.openai.http_protocol import json_error_protocol
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
 
@@ -38,6 +38,7 @@ class ServerOptions:
     http: HttpLimits = field(default_factory=HttpLimits)
     drain_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
 
 
 class _Server(uvicorn.Server):
@@ -98,7 +99,7 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     await client.start()
     serving = OpenAIServing(client, options.model_name, metrics, options.serving)
     app = build_app(serving, options.keys, options.http)
-    config = uvicorn.Config(app, host=options.host, port=options.port, http=JsonErrorH11Protocol, loop="asyncio",
+    config = uvicorn.Config(app, host=options.host, port=options.port, http=json_error_protocol(options.header_timeout_s), loop="asyncio",
                             lifespan="off", backlog=2048, timeout_keep_alive=int(options.keep_alive_s),
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=16 << 10,
                             log_level="warning", access_log=False)
