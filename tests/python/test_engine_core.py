@@ -36,8 +36,10 @@ def run(core: EngineCore) -> dict:
     return finished
 
 
-def test_a_failing_step_fails_only_live_requests_and_the_engine_goes_on(core, monkeypatch):
+def test_a_failing_step_fails_only_its_running_requests_and_the_engine_goes_on(core, monkeypatch):
     assert add(core, "a") is None and add(core, "b") is None
+    core.step()  # a and b are running now
+    assert add(core, "c") is None  # c waits
     real_step = core.engine.step
 
     def broken_step():
@@ -46,13 +48,22 @@ def test_a_failing_step_fails_only_live_requests_and_the_engine_goes_on(core, mo
     monkeypatch.setattr(core.engine, "step", broken_step)
     out = core.step()
     assert sorted(e.request_id for e in out.errors) == ["a", "b"] and {e.status for e in out.errors} == {500}
-    assert "/some/path" not in out.errors[0].message
-    assert not core.engine.has_unfinished_requests()
+    assert "/some/path" not in out.errors[0].message and core.live == {"c"}
     monkeypatch.setattr(core.engine, "step", real_step)
-    assert add(core, "c") is None
     finished = run(core)
     assert len(finished["c"].outputs[0].token_ids) == 4 and core.failed_steps == 0
     assert core.engine.get_stats().kv_cache_usage == 0
+
+
+def test_a_step_failing_before_anything_runs_fails_every_live_request(core, monkeypatch):
+    assert add(core, "d") is None
+
+    def broken_step():
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(core.engine, "step", broken_step)
+    assert [e.request_id for e in core.step().errors] == ["d"]
+    assert not core.engine.has_unfinished_requests() and not core.live
 
 
 def test_a_refused_request_is_a_400_and_changes_nothing(core):

@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Optional
 
+from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
@@ -53,8 +54,9 @@ class EngineCore:
         self.live.difference_update(ids)
 
     def step(self) -> StepOutputs:
-        """One engine step. If it raises, every live request is aborted and reported as a
-        500 error (the engine says a failed step commits nothing), and the loop goes on."""
+        """One engine step. If it raises, the requests it was running are aborted and
+        reported as 500 errors (the engine says a failed step commits nothing); waiting and
+        swapped requests stay queued, and the loop goes on."""
         start = time.monotonic()
         errors: list[RequestError] = []
         try:
@@ -63,9 +65,9 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             logger.exception("vpage: engine step failed; failing the %d live requests", len(self.live))
             self.failed_steps += 1
-            failed = sorted(self.live)
+            failed = self._running_requests()
             self.engine.abort_request(failed)
-            self.live.clear()
+            self.live.difference_update(failed)
             message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
             errors = [RequestError(rid, 500, message) for rid in failed]
             outputs = []
@@ -77,6 +79,22 @@ class EngineCore:
         tokens = stats.prefill_tokens + stats.generation_tokens
         step_tokens, self._tokens_seen = tokens - self._tokens_seen, tokens
         return StepOutputs(outputs, errors, stats, start, step_tokens)
+
+
+    def _running_requests(self) -> list[str]:
+        """The live requests with a RUNNING sequence: the ones a failed step was running.
+        All live requests when that cannot be told (none running, or the scheduler's view
+        is unavailable), so a step that keeps failing cannot keep the loop spinning."""
+        try:
+            running = []
+            for rid in sorted(self.live):
+                group = self.engine.scheduler.find_group(rid)
+                if group is None or any(group.seq(i).status == _core.SequenceStatus.RUNNING
+                                        for i in range(group.num_seqs)):
+                    running.append(rid)
+        except Exception:  # noqa: BLE001 - the scheduler's state after a failure is unknown
+            return sorted(self.live)
+        return running or sorted(self.live)
 
 
 def _die_with_parent() -> None:
