@@ -72,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="file of 'TENANT KEY' lines; each tenant gets its own prefix-cache salt")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 + Retry-After when this many requests wait (default: no limit)")
-    serve.add_argument("--request-timeout", type=float, default=600.0,
-                       help="seconds a request may run before it is aborted (default: 600)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may run before it is aborted (default: no limit)")
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body size limit")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds running requests may finish before abort (default: 30)")

@@ -23,7 +23,7 @@ from model_fixtures import save_tiny_model
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
-    save_tiny_model("llama", folder)
+    save_tiny_model("llama", folder, max_position_embeddings=4096)  # room for long requests
     return str(folder)
 
 
@@ -125,9 +125,19 @@ def test_sigint_lets_running_requests_finish(tiny_model):
         srv.stop()
 
 
-def test_killing_the_engine_core_gives_503_and_the_server_exits(tiny_model):
-    srv = tiny_server(tiny_model)
+def test_request_timeout_then_killing_the_engine_core_gives_503_and_the_server_exits(tiny_model):
+    srv = tiny_server(tiny_model, "--request-timeout", "1")
     try:
+        long = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}
+        start = time.monotonic()
+        status, error = srv.request("POST", "/v1/completions", long)
+        assert status == 504 and error["error"]["type"] == "timeout_error" and time.monotonic() - start < 30
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({**long, "stream": True}))
+        events = [b for b in conn.getresponse().read().decode().split("\n\n") if b]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "abort"
+        srv.wait_idle()
         assert srv.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})[0] == 200
         os.kill(srv.core_pid, signal.SIGKILL)
         status, error = srv.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 200})

@@ -39,6 +39,7 @@ class Result:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    finish_reason: Optional[str] = None
     error: str = ""
 
     @property
@@ -93,6 +94,8 @@ def _stream_one(url: str, model: Optional[str], api_key: Optional[str], prompt: 
             event = json.loads(data)
             if event.get("usage"):
                 usage = event["usage"].get("completion_tokens")
+            for choice in event.get("choices") or []:
+                result.finish_reason = choice.get("finish_reason") or result.finish_reason
             if not any(c.get("text") for c in event.get("choices") or []):
                 continue
             now = time.perf_counter()
@@ -103,7 +106,10 @@ def _stream_one(url: str, model: Optional[str], api_key: Optional[str], prompt: 
             last, chunks = now, chunks + 1
         result.e2e = time.perf_counter() - start
         result.output_tokens = usage if usage is not None else chunks
-        result.ok = last is not None
+        # A request the server cut short (finish_reason "abort", or no reason at all) failed.
+        result.ok = last is not None and result.finish_reason in ("length", "stop")
+        if not result.ok:
+            result.error = f"incomplete (finish_reason {result.finish_reason})"
         conn.close()
     except (OSError, http.client.HTTPException, ValueError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
