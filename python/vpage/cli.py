@@ -153,7 +153,8 @@ def _chat_ids(engine, messages: list[dict]) -> list[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(message)s")
     if args.command == "bench":
         from vpage.benchmarks.serve import main as bench_serve
 

@@ -46,12 +46,12 @@ def test_greedy_text_equals_llm_generate(client):
 
     prompts = ["The three primary colours are", "def fibonacci(n):"]
     llm = LLM(dtype="float32", device="cpu", kv_cache_memory=0.05, max_model_len=256)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16),
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10),
                                                         use_tqdm=False)]
     del llm
-    got = client.completions.create(model="smollm2", prompt=prompts, max_tokens=16, temperature=0)
+    got = client.completions.create(model="smollm2", prompt=prompts, max_tokens=10, temperature=0)
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
-    assert got.usage.completion_tokens == 32
+    assert got.usage.completion_tokens == 20
 
 
 def test_openai_client_features(client):
@@ -258,7 +258,14 @@ def test_64_streams_with_30_percent_disconnecting(server):
         return events
 
     with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(client, range(64)))
+        futures = [pool.submit(client, i) for i in range(64)]
+        deadline = time.monotonic() + 120
+        while server.metric("num_requests_running") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.perf_counter()
+        assert server.request("GET", "/health")[0] == 200
+        assert time.perf_counter() - start < 2.0  # answered by the API process, not behind a step
+        results = [f.result() for f in futures]
     finished = [r for r in results if r is not None]
     assert len(finished) == 64 - sum(i % 10 < 3 for i in range(64))
     for events in finished:
@@ -268,12 +275,13 @@ def test_64_streams_with_30_percent_disconnecting(server):
     server.wait_idle()
 
 
-def test_serving_benchmark_against_the_server(server, tmp_path):
-    from vpage.benchmarks.serve import run_benchmark, synthetic_trace
+def test_serving_benchmark_against_the_server(server):
+    from vpage.benchmarks.serve import run_benchmark
 
-    report = run_benchmark(server.base_url, synthetic_trace(4, seed=1, prompt_median=20, output_median=8),
-                           max_concurrency=4, slo_ttft_ms=60000, slo_tpot_ms=60000, progress=False)
-    assert report["completed"] == 4 and report["failed"] == 0 and report["total_output_tokens"] >= 4 * 8 - 4
+    trace = [("Once upon a time", 5), ("The weather today is", 5), ("In a galaxy far away", 5)]
+    report = run_benchmark(server.base_url, trace, max_concurrency=3, slo_ttft_ms=600000, slo_tpot_ms=600000,
+                           progress=False)
+    assert report["completed"] == 3 and report["failed"] == 0 and report["total_output_tokens"] == 15
     assert report["goodput"] > 0 and report["ttft_ms"]["p99"] >= report["ttft_ms"]["median"] > 0
 
 

@@ -142,6 +142,7 @@ def test_request_timeout_then_killing_the_engine_core_gives_503_and_the_server_e
         os.kill(srv.core_pid, signal.SIGKILL)
         status, error = srv.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 200})
         assert status == 503 and error["error"]["code"] == 503
+        assert srv.request("GET", "/health")[0] == 503
         assert srv.proc.wait(timeout=30) == 1
     finally:
         srv.stop()

@@ -25,7 +25,7 @@ from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
 
 logger = logging.getLogger("vpage")
 
-_DEAD_GRACE_S = 1.0  # keep answering 503 this long after the engine died, then exit 1
+_DEAD_GRACE_S = 2.0  # keep answering 503 this long after the engine died, then exit 1
 
 
 @dataclass
