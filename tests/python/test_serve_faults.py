@@ -77,6 +77,11 @@ def test_api_keys_tenant_isolation_and_load_shedding(tiny_model, tmp_path):
         assert {s for s, _ in results} == {200, 503}, results
         assert all(retry == "1" for s, retry in results if s == 503)
         srv.wait_idle()
+        os.kill(srv.proc.pid, signal.SIGKILL)  # the API process dies hard: the core must follow
+        deadline = time.monotonic() + 15
+        while not gone(srv.core_pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(srv.core_pid)
     finally:
         srv.stop()
 
