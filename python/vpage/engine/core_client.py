@@ -186,23 +186,34 @@ class EngineCoreClient:
     # ------------------------------------------------------------------ plumbing
 
     async def _read_loop(self) -> None:
-        while True:
-            msg: StepOutputs = decode(await self._pull.recv())
-            now = self.last_message = time.monotonic()
-            if msg.stats is not None:
-                self.stats = msg.stats
-            for out in msg.outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    if out.finished:
-                        del self._streams[out.request_id]
-                    stream.put(out)
-            for error in msg.errors:
-                stream = self._streams.pop(error.request_id, None)
-                if stream is not None:
-                    stream.end(error)
-            if self.on_step is not None:
+        try:
+            while True:
+                self._dispatch(decode(await self._pull.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - without this loop no request can finish
+            logger.exception("vpage: reading the engine core's outputs failed")
+            self._die(f"lost the engine core's outputs ({type(exc).__name__})")
+
+    def _dispatch(self, msg: StepOutputs) -> None:
+        now = self.last_message = time.monotonic()
+        if msg.stats is not None:
+            self.stats = msg.stats
+        for out in msg.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.put(out)
+        for error in msg.errors:
+            stream = self._streams.pop(error.request_id, None)
+            if stream is not None:
+                stream.end(error)
+        if self.on_step is not None:
+            try:
                 self.on_step(msg, now)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                logger.exception("vpage: on_step failed")
 
     async def _watch(self) -> None:
         while self._proc.is_alive():

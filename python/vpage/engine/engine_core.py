@@ -39,12 +39,16 @@ class EngineCore:
         self._tokens_seen = 0
 
     def add(self, msg: AddRequest) -> Optional[RequestError]:
-        """Queues a request; a request the engine refuses comes back as a 400 error."""
+        """Queues a request; one the engine refuses comes back as a 400 error, one it fails
+        to add (a bug) as a 500."""
         try:
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
                                     msg.cache_salt)
         except (ValueError, TypeError, OverflowError) as exc:
             return RequestError(msg.request_id, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the engine's bug, not the request's; keep serving
+            logger.exception("vpage: add_request failed")
+            return RequestError(msg.request_id, 500, f"the engine could not add the request ({type(exc).__name__})")
         self.live.add(msg.request_id)
         return None
 
