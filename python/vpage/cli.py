@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a client has to send a request's line and headers (default: 10)")
     serve.add_argument("--timeout-body", type=float, default=30.0,
                        help="seconds a client has to send a request's body (default: 30)")
+    serve.add_argument("--health-stall-timeout", type=float, default=60.0,
+                       help="/health answers 503 when the engine has not reported for this long (default: 60)")
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve}")
     from vpage.benchmarks.serve import add_arguments
@@ -115,7 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),
         serving=ServingLimits(args.max_waiting_requests, args.request_timeout),
-        http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body),
+        http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
+                        health_stall_s=args.health_stall_timeout),
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
         header_timeout_s=args.timeout_header)
     return run(engine_args, options)
