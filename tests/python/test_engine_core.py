@@ -14,6 +14,8 @@ from vpage.engine import EngineArgs, LLMEngine
 from vpage.engine.core_messages import AddRequest, decode, encode
 from vpage.engine.engine_core import EngineCore
 from vpage.engine.latency_histogram import LatencyHistogram
+from vpage.engine.output_delta import DeltaEncoder, OutputAccumulator
+from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +31,14 @@ def add(core: EngineCore, rid: str, max_tokens: int = 4):
 
 
 def run(core: EngineCore) -> dict:
-    finished = {}
+    """Steps to the end; the final outputs rebuilt from the deltas that cross the socket."""
+    finished, accumulators = {}, {}
     while core.engine.has_unfinished_requests():
-        out = decode(encode(core.step()))  # what crosses the socket
-        finished.update({o.request_id: o for o in out.outputs if o.finished})
+        for delta in decode(encode(core.step())).outputs:
+            acc = accumulators.setdefault(delta.request_id, OutputAccumulator(delta.request_id, [5, 6, 7]))
+            out = acc.apply(delta)
+            if out.finished:
+                finished[out.request_id] = out
     return finished
 
 
@@ -90,3 +96,23 @@ def test_latency_histogram_percentiles_are_close_and_memory_is_fixed():
     from vpage.engine.metrics import EngineStats
 
     assert stats_fields <= set(EngineStats.__dataclass_fields__)
+
+
+def test_output_deltas_rebuild_cumulative_outputs_including_resets():
+    def out(texts, tokens, finished=False, logprobs=False):
+        comps = [CompletionOutput(i, t, list(k), -1.0, [{x: Logprob(-0.5)} for x in k] if logprobs else None)
+                 for i, (t, k) in enumerate(zip(texts, tokens))]
+        return RequestOutput("r", None, [], comps, finished, RequestMetrics(0.0))
+
+    steps = [out(["a"], [[1]], logprobs=True), out(["ab"], [[1, 2]], logprobs=True),
+             out(["ab!"], [[1, 2, 3]], logprobs=True),
+             out(["x", "y"], [[7], [8, 9]]),  # a different shape: sent whole
+             out(["xz", "q"], [[7, 4], [5]], finished=True)]  # second sample swapped: reset
+    encoder, acc = DeltaEncoder(), OutputAccumulator("r", [1])
+    for step in steps:
+        delta = decode(encode(encoder.encode(step)))
+        got = acc.apply(delta)
+        assert [(c.text, c.token_ids) for c in got.outputs] == [(c.text, c.token_ids) for c in step.outputs]
+        assert [c.logprobs for c in got.outputs] == [c.logprobs for c in step.outputs]
+    assert [d.reset for d in encoder.encode(steps[1]).completions] == [True]  # forgotten after finishing
+    assert len(encoder.encode(out(["abc"], [[1, 2, 3]])).completions[0].token_ids) == 3

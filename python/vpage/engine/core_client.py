@@ -21,6 +21,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
 from vpage.engine.engine_core import run_engine_core
+from vpage.engine.output_delta import OutputAccumulator, OutputDelta
 from vpage.outputs import RequestOutput
 from vpage.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class RequestStream:
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
+        self._outputs = OutputAccumulator(request_id, prompt_token_ids)
         self.latest: Optional[RequestOutput] = None  # the last output handed out or pending
         self.finished = False
         self._pending: Optional[RequestOutput] = None
@@ -58,11 +60,12 @@ class RequestStream:
         self._ending: _Ending = None
         self._event = asyncio.Event()
 
-    def put(self, out: RequestOutput) -> None:
-        out.prompt_token_ids = self.prompt_token_ids
-        self._pending = out
+    def put(self, delta: OutputDelta) -> RequestOutput:
+        """Applies a step's delta; returns the cumulative output."""
+        out = self._pending = self._outputs.apply(delta)
         self.finished = out.finished
         self._event.set()
+        return out
 
     def end(self, ending: _Ending) -> None:
         self._ended, self._ending = True, ending
@@ -87,10 +90,12 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    """Starts and drives the engine-core process. ``on_step(StepOutputs, now)`` sees every
-    step message (metrics), ``on_dead(reason)`` runs once if the process dies."""
+    """Starts and drives the engine-core process. ``on_step(StepOutputs, outputs, now)`` sees
+    every step message and the cumulative outputs rebuilt from it (metrics); ``on_dead(reason)``
+    runs once if the process dies."""
 
-    def __init__(self, args: EngineArgs, on_step: Optional[Callable[[StepOutputs, float], None]] = None,
+    def __init__(self, args: EngineArgs,
+                 on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
                  on_dead: Optional[Callable[[str], None]] = None):
         self.args = args
         self.on_step = on_step
@@ -199,19 +204,20 @@ class EngineCoreClient:
         now = self.last_message = time.monotonic()
         if msg.stats is not None:
             self.stats = msg.stats
-        for out in msg.outputs:
-            stream = self._streams.get(out.request_id)
+        outputs = []
+        for delta in msg.outputs:
+            stream = self._streams.get(delta.request_id)
             if stream is not None:
-                if out.finished:
-                    del self._streams[out.request_id]
-                stream.put(out)
+                if delta.finished:
+                    del self._streams[delta.request_id]
+                outputs.append(stream.put(delta))
         for error in msg.errors:
             stream = self._streams.pop(error.request_id, None)
             if stream is not None:
                 stream.end(error)
         if self.on_step is not None:
             try:
-                self.on_step(msg, now)
+                self.on_step(msg, outputs, now)
             except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
                 logger.exception("vpage: on_step failed")
 

@@ -1,7 +1,8 @@
 """What the API process and the engine-core process send each other over ZeroMQ.
 
 Small dataclasses pickled with the highest protocol: one message per request added or
-aborted, one :class:`StepOutputs` per engine step (every output of the step batched), one
+aborted, one :class:`StepOutputs` per engine step (every output of the step batched, as
+deltas: see ``output_delta.py``), one
 :class:`CoreReady` at start-up. Both ends are processes of the same vpage install, and
 the sockets live in a private temporary folder, so pickle is safe here.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from vpage.engine.metrics import EngineStats
-from vpage.outputs import RequestOutput
+from vpage.engine.output_delta import OutputDelta
 from vpage.sampling_params import SamplingParams
 
 
@@ -60,11 +61,9 @@ class RequestError:
 
 @dataclass
 class StepOutputs:
-    """One step (or an idle heartbeat when ``outputs`` and ``errors`` are empty).
+    """One step (or an idle heartbeat when ``outputs`` and ``errors`` are empty)."""
 
-    ``outputs`` carry no prompt token ids (the API process has them)."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[OutputDelta] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     stats: Optional[EngineStats] = None
     step_start: float = 0.0  # time.monotonic() when the step began

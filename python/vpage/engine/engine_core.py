@@ -21,6 +21,7 @@ from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
+from vpage.engine.output_delta import DeltaEncoder
 
 logger = logging.getLogger("vpage")
 
@@ -35,6 +36,7 @@ class EngineCore:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.live: set[str] = set()
+        self.deltas = DeltaEncoder()
         self.failed_steps = 0
         self._tokens_seen = 0
 
@@ -56,6 +58,8 @@ class EngineCore:
         ids = [rid for rid in request_ids if rid in self.live]
         self.engine.abort_request(ids)
         self.live.difference_update(ids)
+        for rid in ids:
+            self.deltas.forget(rid)
 
     def step(self) -> StepOutputs:
         """One engine step. If it raises, the requests it was running are aborted and
@@ -72,17 +76,18 @@ class EngineCore:
             failed = self._running_requests()
             self.engine.abort_request(failed)
             self.live.difference_update(failed)
+            for rid in failed:
+                self.deltas.forget(rid)
             message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
             errors = [RequestError(rid, 500, message) for rid in failed]
             outputs = []
         for out in outputs:
-            out.prompt_token_ids = []  # the API process has them
             if out.finished:
                 self.live.discard(out.request_id)
         stats = self.engine.get_stats()
         tokens = stats.prefill_tokens + stats.generation_tokens
         step_tokens, self._tokens_seen = tokens - self._tokens_seen, tokens
-        return StepOutputs(outputs, errors, stats, start, step_tokens)
+        return StepOutputs([self.deltas.encode(out) for out in outputs], errors, stats, start, step_tokens)
 
 
     def _running_requests(self) -> list[str]:
