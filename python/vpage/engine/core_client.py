@@ -46,8 +46,9 @@ _Ending = Union[None, RequestError, EngineDeadError]  # None: aborted
 
 
 class RequestStream:
-    """The outputs of one engine request. Outputs are cumulative, so only the latest is
-    kept: a slow reader never makes memory grow, it just sees bigger deltas."""
+    """The outputs of one engine request, rebuilt from the engine core's deltas. Outputs are
+    cumulative, so only the latest is kept: a slow reader never makes memory grow, it just
+    sees bigger steps."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id

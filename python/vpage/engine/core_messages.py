@@ -38,7 +38,7 @@ class CoreReady:
 
     tokenizer: Any
     max_model_len: int
-    max_prompt_tokens: int  # longest prompt the KV cache can hold for one request
+    max_prompt_tokens: int  # longest prompt that leaves room for one generated token
     vocab_size: int
     max_num_seqs: int
 
