@@ -271,7 +271,8 @@ def test_64_streams_with_30_percent_disconnecting(server):
     for events in finished:
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
-        assert "".join(c["choices"][0]["text"] for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     server.wait_idle()
 
 
