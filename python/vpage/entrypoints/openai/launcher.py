@@ -101,8 +101,8 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     app = build_app(serving, options.keys, options.http)
     config = uvicorn.Config(app, host=options.host, port=options.port, loop="asyncio", lifespan="off",
                             http=json_error_protocol(options.header_timeout_s), backlog=2048,
-                            timeout_keep_alive=int(options.keep_alive_s), timeout_graceful_shutdown=5, h11_max_incomplete_event_size=16 << 10,
-                            log_level="warning", access_log=False)
+                            timeout_keep_alive=int(options.keep_alive_s), timeout_graceful_shutdown=5,
+                            h11_max_incomplete_event_size=16 << 10, log_level="warning", access_log=False)
     server = _Server(config, serving, options)
     client.on_dead = server.engine_died
     try:
