@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import uuid
 from typing import Optional, Sequence
@@ -43,7 +44,7 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vpage", description="High-throughput LLM inference with PagedAttention.",
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,bench}")
     gen = sub.add_parser("generate", help="continue a prompt, streaming the text",
                          description="Continue PROMPT and stream the generated text to the terminal.")
     gen.add_argument("prompt", help="the text to continue")
@@ -66,24 +67,64 @@ def _parser() -> argparse.ArgumentParser:
                        help="the model name clients use (default: the --model value, or 'smollm2')")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length at most (default: the model's)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    serve.add_argument("--api-key", default=os.environ.get("VPAGE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $VPAGE_API_KEY)")
+    serve.add_argument("--api-keys", metavar="FILE", default=None,
+                       help="file of 'TENANT KEY' lines; each tenant gets its own prefix-cache salt")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="answer 503 + Retry-After when this many requests wait (default: no limit)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds a request may run before it is aborted (default: no limit)")
+    serve.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body size limit")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds running requests may finish before abort (default: 30)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds")
+    serve.add_argument("--timeout-header", type=float, default=10.0,
+                       help="seconds a client has to send a request's line and headers (default: 10)")
+    serve.add_argument("--timeout-body", type=float, default=30.0,
+                       help="seconds a client has to send a request's body (default: 30)")
+    serve.add_argument("--health-stall-timeout", type=float, default=60.0,
+                       help="/health answers 503 when the engine has not reported for this long (default: 60)")
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve}")
+    from vpage.benchmarks.serve import add_arguments
+
+    add_arguments(bench_sub.add_parser("serve", help="load-test any OpenAI-compatible server",
+                                       description="Drive an OpenAI-compatible /v1/completions endpoint with a "
+                                                   "seeded trace; report throughput, TTFT/TPOT/ITL/E2E and goodput."))
     return parser
 
 
-def _engine(args: argparse.Namespace, **extra):
+def _engine(args: argparse.Namespace):
     from vpage.engine.arg_utils import EngineArgs
     from vpage.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                                kv_cache_memory=args.kv_cache_memory, **({"max_num_seqs": 1} | extra)))
+                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from vpage.engine.engine_loop import EngineLoop
-    from vpage.entrypoints.openai.api_server import serve
+    from vpage.engine.arg_utils import EngineArgs
+    from vpage.entrypoints.openai.api_server import HttpLimits
+    from vpage.entrypoints.openai.auth import ApiKeys
+    from vpage.entrypoints.openai.launcher import ServerOptions, run
+    from vpage.entrypoints.openai.serving import ServingLimits
 
-    engine = _engine(args, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
-    serve(EngineLoop(engine), args.served_model_name or args.model or "smollm2", args.host, args.port)
-    return 0
+    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                             max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_prefix_caching=not args.no_prefix_caching)
+    options = ServerOptions(
+        host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
+        keys=ApiKeys.from_options(args.api_key, args.api_keys),
+        serving=ServingLimits(args.max_waiting_requests, args.request_timeout),
+        http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
+                        health_stall_s=args.health_stall_timeout),
+        drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.timeout_header)
+    return run(engine_args, options)
 
 
 def _params(args: argparse.Namespace):
@@ -118,7 +159,12 @@ def _chat_ids(engine, messages: list[dict]) -> list[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(message)s")
+    if args.command == "bench":
+        from vpage.benchmarks.serve import main as bench_serve
+
+        return bench_serve(args)
     if args.command == "serve":
         try:
             return _serve(args)

@@ -1,232 +1,301 @@
-"""The OpenAI-compatible server on the default model, over real HTTP on a local port."""
+"""`vpage serve` on the default model, over real HTTP on 127.0.0.1: the official openai
+client, greedy parity with LLM.generate, 30+ kinds of bad request, disconnects, stalled
+connections, metrics and the serving benchmark."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import threading
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-from vpage.cli import main as cli_main
-from vpage.engine import EngineArgs, LLMEngine
-from vpage.engine.engine_loop import EngineLoop
-from vpage.entrypoints.openai.api_server import OpenAIServer
+from live_server import LiveServer
+
+MAX_NUM_SEQS = 8
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = LLMEngine(EngineArgs(dtype="float32", device="cpu", kv_cache_memory=0.25,
-                                  max_num_batched_tokens=512, max_model_len=1024))
-    loop = EngineLoop(engine)
-    srv = OpenAIServer(loop, "smollm2", "127.0.0.1", 0)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
+    srv = LiveServer("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
+                     "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "512",
+                     "--max-body-bytes", "200000", "--timeout-header", "3", "--timeout-body", "3")
     yield srv
-    srv.shutdown()
-    srv.server_close()
-    loop.shutdown()
+    srv.stop()
 
 
-def request(srv, method, path, body=None, raw=None):
-    """(status, parsed JSON body) of one request."""
-    conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    status, payload = resp.status, json.loads(resp.read())
-    conn.close()
-    return status, payload
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-def stream_events(srv, path, body):
-    """The parsed `data:` events of a streamed request, up to (not including) [DONE]."""
-    conn = http.client.HTTPConnection(*srv.server_address[:2], timeout=120)
-    conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode())
-    resp = conn.getresponse()
-    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
-    events = []
-    for line in resp.read().decode().split("\n\n"):
-        if not line:
-            continue
-        assert line.startswith("data: ")
-        if line == "data: [DONE]":
-            break
-        events.append(json.loads(line[len("data: "):]))
-    else:
-        raise AssertionError("the stream did not end with [DONE]")
-    conn.close()
-    return events
+def test_models_health_and_model_card(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    assert server.request("GET", "/v1/models/other")[0] == 404
+    start = time.perf_counter()
+    status, health = server.request("GET", "/health")
+    assert status == 200 and health["status"] == "ok" and time.perf_counter() - start < 1.0
 
 
-def assert_idle(srv):
-    """Every request finished or aborted, every KV block free again."""
-    deadline = time.monotonic() + 30
-    while srv.loop.num_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    status, health = request(srv, "GET", "/health")
-    assert status == 200 and health["unfinished_requests"] == 0
-    usage = srv.loop.engine.scheduler.usage()
-    assert usage.free_gpu_blocks == usage.num_gpu_blocks
+def test_greedy_text_equals_llm_generate(client):
+    from vpage import LLM, SamplingParams
+
+    prompts = ["The three primary colours are", "def fibonacci(n):"]
+    llm = LLM(dtype="float32", device="cpu", kv_cache_memory=0.05, max_model_len=256)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10),
+                                                        use_tqdm=False)]
+    del llm
+    got = client.completions.create(model="smollm2", prompt=prompts, max_tokens=10, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    assert got.usage.completion_tokens == 20
 
 
-def test_models_and_health(server):
-    status, models = request(server, "GET", "/v1/models")
-    assert status == 200 and [m["id"] for m in models["data"]] == ["smollm2"]
-    assert models["data"][0]["max_model_len"] == 1024
-    assert request(server, "GET", "/health")[0] == 200
+def test_openai_client_features(client):
+    # n > 1 with a seed is reproducible; logprobs; echo; stop
+    kwargs = dict(model="smollm2", prompt="Once upon a time", n=2, max_tokens=6, temperature=0.9, seed=7)
+    a, b = client.completions.create(**kwargs, logprobs=2), client.completions.create(**kwargs, logprobs=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    assert all(len(c.logprobs.tokens) == 6 and all(len(t) <= 2 for t in c.logprobs.top_logprobs) for c in a.choices)
+    echo = client.completions.create(model="smollm2", prompt="Hello there", max_tokens=3, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("Hello there")
+    full = client.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0)
+    stop = full.choices[0].text.strip()[:2] or "5"
+    cut = client.completions.create(model="smollm2", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=[stop])
+    assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    # chat, with logprobs and streaming that adds up to the whole answer
+    messages = [{"role": "user", "content": "Name a fruit."}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    streamed = list(client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8,
+                                              temperature=0, stream=True))
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "length"
 
 
-def test_greedy_completion_matches_transformers(server, hf_model):
-    tokenizer = server.loop.engine.tokenizer
-    prompt = "The three primary colours are"
-    status, body = request(server, "POST", "/v1/completions",
-                           {"model": "smollm2", "prompt": prompt, "max_tokens": 20, "temperature": 0})
-    assert status == 200, body
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.inference_mode():
-        ref = hf_model.generate(ids, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    choice = body["choices"][0]
-    assert choice["text"] == tokenizer.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
-    assert choice["finish_reason"] == "length" and body["object"] == "text_completion"
-    assert body["usage"] == {"prompt_tokens": ids.shape[1], "completion_tokens": 20, "total_tokens": ids.shape[1] + 20}
+def test_prefix_cache_reports_cached_tokens(server):
+    body = {"prompt": "A long shared preamble about paged attention and KV blocks. " * 8, "max_tokens": 2}
+    server.request("POST", "/v1/completions", body)
+    status, second = server.request("POST", "/v1/completions", body)
+    assert status == 200 and second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
 
 
-def test_chat_stream_equals_chat_response(server):
-    body = {"messages": [{"role": "system", "content": "You are brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Name a fruit."}]}],
-            "max_tokens": 24, "temperature": 0}
-    status, whole = request(server, "POST", "/v1/chat/completions", body)
-    assert status == 200, whole
-    message = whole["choices"][0]["message"]
-    assert message["role"] == "assistant" and message["content"]
-    events = stream_events(server, "/v1/chat/completions", {**body, "stream_options": {"include_usage": True}})
-    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert all(e["object"] == "chat.completion.chunk" and e["id"] == events[0]["id"] for e in events)
-    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
-    assert text == message["content"]
-    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == whole["choices"][0]["finish_reason"]
-    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
-
-
-def test_several_prompts_n_echo_and_logprobs(server):
-    status, body = request(server, "POST", "/v1/completions",
-                           {"prompt": ["Once upon a time", [504, 3458, 314]], "n": 2, "max_tokens": 5,
-                            "temperature": 0.8, "seed": 3, "logprobs": 2, "echo": True})
-    assert status == 200, body
-    assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
-    first = [c for c in body["choices"] if c["index"] < 2]
-    assert all(c["text"].startswith("Once upon a time") for c in first)
-    for c in body["choices"]:
-        lp = c["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
-        assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp["top_logprobs"])
-    assert body["usage"]["completion_tokens"] == 20
-
-    status, chat = request(server, "POST", "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
-                            "logprobs": True, "top_logprobs": 3})
-    assert status == 200, chat
-    content = chat["choices"][0]["logprobs"]["content"]
-    assert len(content) == chat["usage"]["completion_tokens"]
-    assert all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in content)
-    # greedy: the chosen token is the most likely one
-    assert all(t["token"] == t["top_logprobs"][0]["token"] for t in content)
-
-
-def test_beam_search_through_the_api(server):
-    status, body = request(server, "POST", "/v1/completions",
-                           {"prompt": "The best way to learn is", "n": 2, "best_of": 3, "use_beam_search": True,
-                            "temperature": 0, "max_tokens": 6})
-    assert status == 200, body
-    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
-    assert len(texts) == 2 and texts[0] != texts[1]
-    assert_idle(server)
-
-
-def test_concurrent_requests_give_their_sequential_results(server):
-    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(6)]
-    body = {"max_tokens": 12, "temperature": 0}
-    sequential = [request(server, "POST", "/v1/completions", {**body, "prompt": p})[1] for p in prompts]
-    with ThreadPoolExecutor(6) as pool:
-        concurrent = list(pool.map(lambda p: request(server, "POST", "/v1/completions", {**body, "prompt": p})[1],
-                                   prompts))
-    assert [r["choices"][0]["text"] for r in concurrent] == [r["choices"][0]["text"] for r in sequential]
-    assert_idle(server)
-
-
-@pytest.mark.parametrize("path, body, raw, status, needle", [
-    ("/v1/completions", None, b"{not json", 400, "not valid JSON"),
-    ("/v1/completions", {"max_tokens": 3}, None, 400, "prompt must be"),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "top_p": "high"}, None, 400, "not supported between"),
-    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404, "does not exist"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 2000}, None, 400, "maximum context length is 1024"),
-    ("/v1/completions", {"prompt": "word " * 1100, "max_tokens": 1}, None, 400, "1101 prompt tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 1100}]}, None, 400,
-     "max_model_len is 1024"),
-    ("/v1/completions", {"prompt": [10**9]}, None, 400, "out of range"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, None, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1000}, None, 400, "logprobs must be"),
-    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 3, "stream": True}, None, 400, "best_of equal to n"),
-    ("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True, "temperature": 0, "stream": True}, None,
-     400, "no beam search"),
-    ("/v1/chat/completions", {"messages": []}, None, 400, "non-empty list"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, None, 400, "content"),
+_LONG = "word " * 1100
+BAD_REQUESTS = [
+    # (path, JSON body or raw bytes, status, the field or a word the message names)
+    ("/v1/completions", b"{not json", 400, "JSON"),
+    ("/v1/completions", b"", 400, "JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "object"),
+    ("/v1/completions", b"\xff\xfe{}", 400, "JSON"),
+    ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "JSON"),
+    ("/v1/completions", b"[" * 5000 + b"]" * 5000, 400, "JSON"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "JSON"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400, "JSON"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}', 400, "JSON"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": "high"}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 0.9,
+                         "top_k": 9223372036854775808}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "ignore_eos": "false"}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "x", "use_beam_search": "false"}, 400, "use_beam_search"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3, "use_beam_search": True, "temperature": 0,
+                         "length_penalty": "x"}, 400, "length_penalty"),
+    ("/v1/completions", {"prompt": "x", "n": 2**31}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": MAX_NUM_SEQS + 1, "temperature": 1}, 400, "max-num-seqs"),
+    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 65, "temperature": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": 5}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": [-5, 3], "echo": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "out of range"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2000}, 400, "maximum context length is 1024"),
+    ("/v1/completions", {"prompt": _LONG, "max_tokens": 1}, 400, "maximum context length"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "n": 1, "best_of": 3, "stream": True, "temperature": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "cache_salt": 5}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "skip_special_tokens": "no"}, 400,
+     "skip_special_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
-                              "top_logprobs": 50}, None, 400, "top_logprobs"),
-    ("/v1/embeddings", {"input": "x"}, None, 404, "no route"),
-])
-def test_bad_requests_get_clear_errors_and_leave_the_server_serving(server, path, body, raw, status, needle):
-    got, payload = request(server, "POST", path, body, raw)
-    assert got == status and needle in payload["error"]["message"], payload
-    assert payload["error"]["code"] == status
-    assert_idle(server)
-    assert request(server, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200
+                              "top_logprobs": 50}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}]}, 400, "maximum context length"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x" * 300000}, 413, "exceeds"),
+    ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+]
 
 
-def test_client_leaving_a_stream_aborts_its_request(server):
-    generated_before = server.loop.engine.get_stats().generation_tokens
-    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
-    conn.request("POST", "/v1/completions",
-                 body=json.dumps({"prompt": "Tell me a long story", "max_tokens": 1000, "stream": True,
-                                  "ignore_eos": True}).encode())
-    resp = conn.getresponse()
-    assert resp.readline().startswith(b"data: ")  # generation has started
-    resp.close()
-    conn.close()
-    assert_idle(server)
-    assert server.loop.engine.get_stats().generation_tokens - generated_before < 1000  # stopped early
+@pytest.fixture(scope="module")
+def reference(server):
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    status, answer = server.request("POST", "/v1/completions", body)
+    assert status == 200
+    return body, answer["choices"]
 
 
-def test_cli_serve_reports_a_missing_model(capsys, tmp_path):
-    assert cli_main(["serve", "--model", str(tmp_path / "absent"), "--port", "0"]) == 2
-    assert "vpage: error:" in capsys.readouterr().err
+@pytest.mark.parametrize("path, body, status, needle", BAD_REQUESTS,
+                         ids=[f"{i}-{r[3]}" for i, r in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, reference, path, body, status,
+                                                                     needle):
+    raw = body if isinstance(body, bytes) else None
+    got, payload = server.request("POST", path, None if raw is not None else body, raw=raw)
+    assert got == status, payload
+    error = payload["error"]
+    assert error["code"] == status and error["type"] and needle in (error["message"] + str(error["param"])), payload
+    assert "Traceback" not in error["message"] and "/" not in error["message"].replace("/v1/", "")
+    ok, answer = server.request("POST", "/v1/completions", reference[0])
+    assert ok == 200 and answer["choices"] == reference[1]
 
 
-def test_a_failing_engine_step_fails_requests_cleanly(monkeypatch):
-    """A step that raises aborts every request (blocks freed), answers 503, and later requests
-    get 503 at once instead of hanging."""
-    engine = LLMEngine(EngineArgs(dtype="float32", device="cpu", kv_cache_memory=0.05, max_model_len=256))
+def _raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        sock.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
 
-    def broken_step():
-        raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engine, "step", broken_step)
-    loop = EngineLoop(engine)
-    srv = OpenAIServer(loop, "smollm2", "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+def _status_and_json(response: bytes) -> tuple[int, dict]:
+    head, _, body = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
+    (b"GET /v1/models?" + b"q" * 10000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    (b"DELETE /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    (b"NOT-HTTP\r\n\r\n", 400),
+], ids=["content-length-abc", "header-431", "url-414", "method-405", "not-http"])
+def test_malformed_http_gets_json_errors(server, request_bytes, status):
+    got, body = _status_and_json(_raw_exchange(server.port, request_bytes))
+    assert got == status and body["error"]["code"] == status
+
+
+def test_keep_alive_and_pipelining(server):
+    one = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    response = _raw_exchange(server.port, one + one + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert response.count(b"HTTP/1.1 200") == 3
+
+
+def test_stalled_connections_do_not_stop_a_normal_client(server, reference):
+    stalled = []
     try:
-        for _ in range(2):
-            status, body = request(srv, "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
-            assert status == 503 and "injected failure" in body["error"]["message"], body
-        assert not engine.has_unfinished_requests()
-        usage = engine.scheduler.usage()
-        assert usage.free_gpu_blocks == usage.num_gpu_blocks
+        for i in range(200):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            # half a request: headers never finished, or a body shorter than its Content-Length
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else
+                         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
+            stalled.append(sock)
+        start = time.perf_counter()
+        status, answer = server.request("POST", "/v1/completions", reference[0], timeout=60)
+        assert status == 200 and answer["choices"] == reference[1]
+        assert time.perf_counter() - start < 30
     finally:
-        srv.shutdown()
-        srv.server_close()
-        loop.shutdown()
+        for sock in stalled:
+            sock.close()
+
+
+def test_stalled_heads_and_bodies_time_out(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        start = time.monotonic()
+        assert sock.recv(100) == b"" and time.monotonic() - start < 20  # closed by the server
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        status, body = _status_and_json(sock.recv(65536))
+        assert status == 408 and body["error"]["code"] == 408
+
+
+def test_disconnected_non_streaming_request_is_aborted(server):
+    generated = server.metric("generation_tokens_total")
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Tell me a long story", "max_tokens": 800,
+                                                             "ignore_eos": True}).encode())
+    deadline = time.monotonic() + 60
+    while server.metric("num_requests_running") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    conn.sock.close()
+    server.wait_idle()
+    assert server.metric("generation_tokens_total") - generated < 800
+    assert server.metric("request_success_total") >= 1
+
+
+def test_64_streams_with_30_percent_disconnecting(server):
+    def client(i: int):
+        leaves = i % 10 < 3
+        body = {"prompt": f"Story number {i}:", "max_tokens": 400 if leaves else 6, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode())
+        resp = conn.getresponse()
+        if leaves:
+            resp.readline()  # the first event arrived: generation started
+            conn.sock.close()
+            return None
+        events = [b for b in resp.read().decode().split("\n\n") if b]
+        conn.close()
+        return events
+
+    with ThreadPoolExecutor(64) as pool:
+        futures = [pool.submit(client, i) for i in range(64)]
+        deadline = time.monotonic() + 120
+        while server.metric("num_requests_running") == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.perf_counter()
+        assert server.request("GET", "/health")[0] == 200
+        assert time.perf_counter() - start < 2.0  # answered by the API process, not behind a step
+        results = [f.result() for f in futures]
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 64 - sum(i % 10 < 3 for i in range(64))
+    for events in finished:
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    server.wait_idle()
+
+
+def test_serving_benchmark_against_the_server(server):
+    from vpage.benchmarks.serve import run_benchmark
+
+    trace = [("Once upon a time", 5), ("The weather today is", 5), ("In a galaxy far away", 5)]
+    report = run_benchmark(server.base_url, trace, max_concurrency=3, slo_ttft_ms=600000, slo_tpot_ms=600000,
+                           progress=False)
+    assert report["completed"] == 3 and report["failed"] == 0 and report["total_output_tokens"] == 15
+    assert report["goodput"] > 0 and report["ttft_ms"]["p99"] >= report["ttft_ms"]["median"] > 0
+
+
+def test_metrics_have_vllm_names_and_the_model_label(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    names = ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+             "cpu_cache_usage_perc", "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total",
+             "prefix_cache_queries_total", "prefix_cache_hits_total", "time_to_first_token_seconds_bucket",
+             "inter_token_latency_seconds_bucket", "time_per_output_token_seconds_bucket",
+             "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket",
+             "iteration_tokens_total_bucket", "request_prompt_tokens_bucket", "request_generation_tokens_bucket"]
+    for name in names:
+        assert f'vpage:{name}{{' in text and 'model_name="smollm2"' in text, name
+    assert 'vpage:request_success_total{finished_reason="length",model_name="smollm2"}' in text

@@ -1,4 +1,5 @@
-"""Engine statistics: cheap counters updated once per step, read on demand."""
+"""Engine statistics: cheap counters updated once per step, read on demand. Memory is
+constant: latencies go into bounded histograms, not lists."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from vpage import _core
+from vpage.engine.latency_histogram import LatencyHistogram
+
+_PERCENTILES = (50, 95, 99)
 
 
 @dataclass
@@ -22,11 +26,15 @@ class EngineStats:
     num_preempted_recompute: int
     num_preempted_swap: int
     prefix_cache_hit_rate: float  # hit blocks / looked-up blocks
+    prefix_cache_queries: int  # looked-up blocks
+    prefix_cache_hits: int  # blocks found in the cache
     prefill_tokens: int  # tokens computed in rows of several tokens (prefix-cache hits excluded)
     generation_tokens: int
     generation_tokens_per_s: float  # over the time spent inside step()
     mean_ttft_s: Optional[float]  # arrival -> first token, over finished requests
     mean_tpot_s: Optional[float]  # time per output token after the first, over finished requests
+    ttft_percentiles_s: dict[int, Optional[float]]  # {50: P50, 95: P95, 99: P99}, ~6% precision
+    tpot_percentiles_s: dict[int, Optional[float]]
 
 
 class EngineMetrics:
@@ -35,8 +43,8 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.step_time = 0.0
         self.generation_tokens = 0
-        self.ttft: list[float] = []
-        self.tpot: list[float] = []
+        self.ttft = LatencyHistogram()
+        self.tpot = LatencyHistogram()
 
     def on_step(self, seconds: float) -> None:
         self.step_time += seconds
@@ -47,15 +55,14 @@ class EngineMetrics:
     def on_request_finished(self, arrival: float, first_token: Optional[float], num_tokens: int) -> None:
         if first_token is None:
             return
-        self.ttft.append(first_token - arrival)
+        self.ttft.add(first_token - arrival)
         if num_tokens > 1:
-            self.tpot.append((time.monotonic() - first_token) / (num_tokens - 1))
+            self.tpot.add((time.monotonic() - first_token) / (num_tokens - 1))
 
     def snapshot(self, scheduler: _core.Scheduler) -> EngineStats:
         usage = scheduler.usage()
         stats = scheduler.stats
         cache = usage.prefix_cache
-        mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
         return EngineStats(
             num_steps=stats.num_steps,
             num_running=scheduler.num_running,
@@ -66,9 +73,13 @@ class EngineMetrics:
             num_preempted_recompute=stats.num_preempted_recompute,
             num_preempted_swap=stats.num_preempted_swap,
             prefix_cache_hit_rate=cache.hits / cache.queries if cache.queries else 0.0,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
             prefill_tokens=stats.num_prefill_tokens,
             generation_tokens=self.generation_tokens,
             generation_tokens_per_s=self.generation_tokens / self.step_time if self.step_time else 0.0,
-            mean_ttft_s=mean(self.ttft),
-            mean_tpot_s=mean(self.tpot),
+            mean_ttft_s=self.ttft.mean(),
+            mean_tpot_s=self.tpot.mean(),
+            ttft_percentiles_s={q: self.ttft.percentile(q) for q in _PERCENTILES},
+            tpot_percentiles_s={q: self.tpot.percentile(q) for q in _PERCENTILES},
         )

@@ -1,0 +1,257 @@
+"""The API process's side of the engine core: starts the engine-core process, sends it
+requests over ZeroMQ and routes its per-step outputs to one :class:`RequestStream` each.
+
+Everything here runs on the API process's asyncio loop. A watchdog notices when the
+engine-core process dies: every stream then fails with :class:`EngineDeadError` and the
+``on_dead`` callback runs (the server answers 503 and exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from typing import Callable, Optional, Union
+
+from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
+                                        decode, encode)
+from vpage.engine.engine_core import run_engine_core
+from vpage.engine.output_delta import OutputAccumulator, OutputDelta
+from vpage.outputs import RequestOutput
+from vpage.sampling_params import SamplingParams
+
+logger = logging.getLogger("vpage")
+
+_WATCH_S = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; no request can be served."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine refused a request (status 400) or lost it in a failed step (500)."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(error.message)
+        self.status = error.status
+
+
+_Ending = Union[None, RequestError, EngineDeadError]  # None: aborted
+
+
+class RequestStream:
+    """The outputs of one engine request, rebuilt from the engine core's deltas. Outputs are
+    cumulative, so only the latest is kept: a slow reader never makes memory grow, it just
+    sees bigger steps."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._outputs = OutputAccumulator(request_id, prompt_token_ids)
+        self.latest: Optional[RequestOutput] = None  # the last output handed out or pending
+        self.finished = False
+        self._pending: Optional[RequestOutput] = None
+        self._ended = False
+        self._ending: _Ending = None
+        self._event = asyncio.Event()
+
+    def put(self, delta: OutputDelta) -> RequestOutput:
+        """Applies a step's delta; returns the cumulative output."""
+        out = self._pending = self._outputs.apply(delta)
+        self.finished = out.finished
+        self._event.set()
+        return out
+
+    def end(self, ending: _Ending) -> None:
+        self._ended, self._ending = True, ending
+        self._event.set()
+
+    async def next(self) -> Optional[RequestOutput]:
+        """The next output; None once the stream ended without one (aborted). Raises
+        RequestFailed or EngineDeadError when the request failed."""
+        while True:
+            if self._pending is not None:
+                out, self._pending = self._pending, None
+                self.latest = out
+                return out
+            if self._ended or (self.latest is not None and self.latest.finished):
+                if isinstance(self._ending, RequestError):
+                    raise RequestFailed(self._ending)
+                if isinstance(self._ending, EngineDeadError):
+                    raise self._ending
+                return None
+            self._event.clear()
+            await self._event.wait()
+
+
+class EngineCoreClient:
+    """Starts and drives the engine-core process. ``on_step(StepOutputs, outputs, now)`` sees
+    every step message and the cumulative outputs rebuilt from it (metrics); ``on_dead(reason)``
+    runs once if the process dies."""
+
+    def __init__(self, args: EngineArgs,
+                 on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
+                 on_dead: Optional[Callable[[str], None]] = None):
+        self.args = args
+        self.on_step = on_step
+        self.on_dead = on_dead
+        self.info: Optional[CoreReady] = None
+        self.stats = None  # the latest EngineStats
+        self.dead_reason: Optional[str] = None
+        self.last_message = time.monotonic()
+        self._streams: dict[str, RequestStream] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid if getattr(self, "_proc", None) else None
+
+    async def start(self, timeout_s: float = 1800.0) -> CoreReady:
+        """Spawns the process and waits for its CoreReady; ValueError if it cannot start."""
+        import zmq
+        import zmq.asyncio
+
+        self._dir = tempfile.mkdtemp(prefix="vpage-core-")
+        os.chmod(self._dir, 0o700)
+        inp, out = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.bind(inp)
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.bind(out)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(target=run_engine_core, args=(self.args, inp, out, os.getpid()),
+                                name="vpage-engine-core", daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self._pull.poll(int(_WATCH_S * 1000)):
+                msg = decode(await self._pull.recv())
+                if isinstance(msg, CoreFailed):
+                    await self.shutdown()
+                    raise ValueError(msg.message)
+                if isinstance(msg, CoreReady):
+                    self.info = msg
+                    break
+            if not self._proc.is_alive() or time.monotonic() > deadline:
+                code = self._proc.exitcode
+                await self.shutdown()
+                raise ValueError(f"the engine-core process did not start (exit code {code})")
+        self.last_message = time.monotonic()
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch())]
+        return msg
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: Optional[str] = None) -> RequestStream:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        stream = RequestStream(request_id, prompt_token_ids)
+        self._streams[request_id] = stream
+        self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt)))
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Aborts unfinished requests (their blocks are freed) and ends their streams."""
+        ids = [rid for rid in request_ids if rid in self._streams]
+        if not ids:
+            return
+        for rid in ids:
+            self._streams.pop(rid).end(None)
+        if self.dead_reason is None:
+            self._push.send(encode(AbortRequests(ids)))
+
+    def abort_all(self) -> None:
+        self.abort(list(self._streams))
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def num_waiting_estimate(self) -> int:
+        """Requests not running yet: unfinished ones minus the last step's running count."""
+        running = self.stats.num_running if self.stats is not None else 0
+        return max(0, len(self._streams) - running)
+
+    def health(self, stall_s: float) -> Optional[str]:
+        """None when serving; otherwise why not (dead, or no step for ``stall_s``)."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        silent = time.monotonic() - self.last_message
+        if silent > stall_s:
+            return f"the engine core has not reported for {silent:.0f} s"
+        return None
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                self._dispatch(decode(await self._pull.recv()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - without this loop no request can finish
+            logger.exception("vpage: reading the engine core's outputs failed")
+            self._die(f"lost the engine core's outputs ({type(exc).__name__})")
+
+    def _dispatch(self, msg: StepOutputs) -> None:
+        now = self.last_message = time.monotonic()
+        if msg.stats is not None:
+            self.stats = msg.stats
+        outputs = []
+        for delta in msg.outputs:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                if delta.finished:
+                    del self._streams[delta.request_id]
+                outputs.append(stream.put(delta))
+        for error in msg.errors:
+            stream = self._streams.pop(error.request_id, None)
+            if stream is not None:
+                stream.end(error)
+        if self.on_step is not None:
+            try:
+                self.on_step(msg, outputs, now)
+            except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
+                logger.exception("vpage: on_step failed")
+
+    async def _watch(self) -> None:
+        while self._proc.is_alive():
+            await asyncio.sleep(_WATCH_S)
+        self._die(f"the engine-core process exited (code {self._proc.exitcode})")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("vpage: %s", reason)
+        self.dead_reason = reason
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.end(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)
+
+    async def shutdown(self) -> None:
+        """Aborts everything, kills the process (it keeps no state worth saving) and cleans up."""
+        for task in self._tasks:
+            task.cancel()
+        self.dead_reason = self.dead_reason or "the server is shutting down"
+        for stream in list(self._streams.values()):
+            stream.end(None)
+        self._streams = {}
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            if proc.is_alive():
+                proc.kill()
+            await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
+        for sock in (getattr(self, "_push", None), getattr(self, "_pull", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)

@@ -1,0 +1,78 @@
+"""What the API process and the engine-core process send each other over ZeroMQ.
+
+Small dataclasses pickled with the highest protocol: one message per request added or
+aborted, one :class:`StepOutputs` per engine step (every output of the step batched, as
+deltas: see ``output_delta.py``), one
+:class:`CoreReady` at start-up. Both ends are processes of the same vpage install, and
+the sockets live in a private temporary folder, so pickle is safe here.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vpage.engine.metrics import EngineStats
+from vpage.engine.output_delta import OutputDelta
+from vpage.sampling_params import SamplingParams
+
+
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.monotonic() (one clock for every process of the machine)
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class CoreReady:
+    """Sent once the engine is built: what the API process needs to validate requests."""
+
+    tokenizer: Any
+    max_model_len: int
+    max_prompt_tokens: int  # longest prompt that leaves room for one generated token
+    vocab_size: int
+    max_num_seqs: int
+
+
+@dataclass
+class CoreFailed:
+    """Sent instead of CoreReady when the engine cannot be built (bad model, no memory)."""
+
+    message: str
+
+
+@dataclass
+class RequestError:
+    """A request the engine refused (``status`` 400) or lost in a failed step (500)."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+@dataclass
+class StepOutputs:
+    """One step (or an idle heartbeat when ``outputs`` and ``errors`` are empty)."""
+
+    outputs: list[OutputDelta] = field(default_factory=list)
+    errors: list[RequestError] = field(default_factory=list)
+    stats: Optional[EngineStats] = None
+    step_start: float = 0.0  # time.monotonic() when the step began
+    step_tokens: int = 0  # tokens the step computed (prompt and generated)
+
+
+def encode(message: Any) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)

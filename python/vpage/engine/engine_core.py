@@ -1,0 +1,175 @@
+"""The engine-core process: an LLMEngine in a busy loop, fed and drained over ZeroMQ.
+
+The API process binds two sockets and starts :func:`run_engine_core` in a child process.
+The child pulls :class:`AddRequest` / :class:`AbortRequests` messages, steps the engine
+while it has work, and pushes one :class:`StepOutputs` per step (a heartbeat every
+``HEARTBEAT_S`` when idle). It ignores SIGINT/SIGTERM (the API process drains, then kills
+it) and dies with its parent, so it is never orphaned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Optional
+
+from vpage import _core
+from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
+                                        decode, encode)
+from vpage.engine.output_delta import DeltaEncoder
+
+logger = logging.getLogger("vpage")
+
+HEARTBEAT_S = 0.5
+_MAX_FAILED_STEPS = 8  # consecutive failed steps after which the engine is declared dead
+
+
+class EngineCore:
+    """Owns an LLMEngine: admits and aborts requests, and steps it so that a failure
+    fails only the requests that were live, never the engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.live: set[str] = set()
+        self.deltas = DeltaEncoder()
+        self.failed_steps = 0
+        self._tokens_seen = 0
+
+    def add(self, msg: AddRequest) -> Optional[RequestError]:
+        """Queues a request; one the engine refuses comes back as a 400 error, one it fails
+        to add (a bug) as a 500."""
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
+                                    msg.cache_salt)
+        except (ValueError, TypeError, OverflowError) as exc:
+            return RequestError(msg.request_id, 400, str(exc))
+        except Exception as exc:  # noqa: BLE001 - the engine's bug, not the request's; keep serving
+            logger.exception("vpage: add_request failed")
+            return RequestError(msg.request_id, 500, f"the engine could not add the request ({type(exc).__name__})")
+        self.live.add(msg.request_id)
+        return None
+
+    def abort(self, request_ids: list[str]) -> None:
+        ids = [rid for rid in request_ids if rid in self.live]
+        self.engine.abort_request(ids)
+        self.live.difference_update(ids)
+        for rid in ids:
+            self.deltas.forget(rid)
+
+    def step(self) -> StepOutputs:
+        """One engine step. If it raises, the requests it was running are aborted and
+        reported as 500 errors (the engine says a failed step commits nothing); waiting and
+        swapped requests stay queued, and the loop goes on."""
+        start = time.monotonic()
+        errors: list[RequestError] = []
+        try:
+            outputs = self.engine.step()
+            self.failed_steps = 0
+        except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
+            logger.exception("vpage: engine step failed; failing the %d live requests", len(self.live))
+            self.failed_steps += 1
+            failed = self._running_requests()
+            self.engine.abort_request(failed)
+            self.live.difference_update(failed)
+            for rid in failed:
+                self.deltas.forget(rid)
+            message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
+            errors = [RequestError(rid, 500, message) for rid in failed]
+            outputs = []
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+        stats = self.engine.get_stats()
+        tokens = stats.prefill_tokens + stats.generation_tokens
+        step_tokens, self._tokens_seen = tokens - self._tokens_seen, tokens
+        return StepOutputs([self.deltas.encode(out) for out in outputs], errors, stats, start, step_tokens)
+
+
+    def _running_requests(self) -> list[str]:
+        """The live requests with a RUNNING sequence: the ones a failed step was running.
+        All live requests when that cannot be told (none running, or the scheduler's view
+        is unavailable), so a step that keeps failing cannot keep the loop spinning."""
+        try:
+            running = []
+            for rid in sorted(self.live):
+                group = self.engine.scheduler.find_group(rid)
+                if group is None or any(group.seq(i).status == _core.SequenceStatus.RUNNING
+                                        for i in range(group.num_seqs)):
+                    running.append(rid)
+        except Exception:  # noqa: BLE001 - the scheduler's state after a failure is unknown
+            return sorted(self.live)
+        return running or sorted(self.live)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (no orphans)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # elsewhere the parent-pid check in the loop does it
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int) -> None:
+    """Process entry point: builds the engine, reports CoreReady (or CoreFailed) and serves
+    until the parent goes away or kills it."""
+    import zmq
+
+    _die_with_parent()
+    # Ctrl-C and a service manager's SIGTERM reach the whole process group: they are the API
+    # process's to handle (it drains, then stops this process with SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(input_address)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    push.connect(output_address)
+    try:
+        from vpage.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(args)
+    except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
+        push.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        push.close(linger=2000)
+        sys.exit(1)
+    push.send(encode(CoreReady(engine.tokenizer, engine.max_model_len, engine.max_model_len - 1,
+                               engine.model_config.vocab_size, args.max_num_seqs)))
+    _busy_loop(EngineCore(engine), pull, push, parent_pid)
+
+
+def _busy_loop(core: EngineCore, pull, push, parent_pid: int) -> None:
+    import zmq
+
+    last_sent = time.monotonic()
+    while os.getppid() == parent_pid and core.failed_steps < _MAX_FAILED_STEPS:
+        errors: list[RequestError] = []
+        if pull.poll(0 if core.engine.has_unfinished_requests() else int(HEARTBEAT_S * 1000)):
+            while True:
+                try:
+                    msg = decode(pull.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(msg, AddRequest):
+                    error = core.add(msg)
+                    if error is not None:
+                        errors.append(error)
+                elif isinstance(msg, AbortRequests):
+                    core.abort(msg.request_ids)
+        if core.engine.has_unfinished_requests():
+            out = core.step()
+            out.errors = errors + out.errors
+        elif errors or time.monotonic() - last_sent >= HEARTBEAT_S:
+            out = StepOutputs(errors=errors, stats=core.engine.get_stats(), step_start=time.monotonic())
+        else:
+            continue
+        push.send(encode(out))
+        last_sent = time.monotonic()
+    logger.error("vpage: engine core stopping (parent gone or %d failed steps)", core.failed_steps)
+    sys.exit(1)

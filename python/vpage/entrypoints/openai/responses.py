@@ -1,0 +1,122 @@
+"""OpenAI response bodies from engine outputs: whole answers, stream chunks and usage.
+
+Logprobs are clamped to -9999 (JSON has no -Infinity); ``usage`` reports the prompt tokens
+served by the prefix cache as ``prompt_tokens_details.cached_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from vpage.outputs import CompletionOutput, RequestOutput
+
+_MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+def finish_reason(output: CompletionOutput) -> Optional[str]:
+    """OpenAI's reason: "length", "stop" (EOS, stop string or token), or vLLM's "abort"."""
+    reason = output.finish_reason
+    return None if reason is None else (reason if reason in ("length", "abort") else "stop")
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _completion_logprobs(output: CompletionOutput, start: int, text_offset: int) -> Optional[dict]:
+    """OpenAI's legacy logprobs of output tokens [start:]: tokens, their logprobs, top
+    alternatives and text offsets."""
+    if output.logprobs is None:
+        return None
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for token_id, entry in zip(output.token_ids[start:], output.logprobs[start:]):
+        chosen = entry[token_id]
+        tokens.append(chosen.decoded_token)
+        token_logprobs.append(_logprob(chosen.logprob))
+        top.append({lp.decoded_token: _logprob(lp.logprob) for lp in entry.values() if lp.rank is not None})
+        offsets.append(text_offset)
+        text_offset += len(chosen.decoded_token or "")
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def _chat_logprobs(output: CompletionOutput, start: int) -> Optional[dict]:
+    if output.logprobs is None:
+        return None
+
+    def item(lp) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entry in zip(output.token_ids[start:], output.logprobs[start:]):
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None), key=lambda lp: lp.rank)
+        content.append({**item(entry[token_id]), "top_logprobs": [item(lp) for lp in ranked]})
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """Builds the response bodies of one API request (one or more engine requests)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None):
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.n = n
+        self.echo_prompts = echo_prompts  # completions with echo: the prompt texts
+        self.created = int(time.time())
+        self._sent_text: dict[int, int] = {}  # choice index -> characters already streamed
+        self._sent_tokens: dict[int, int] = {}
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        """The whole answer: outputs[i] is the final output of prompt i."""
+        choices = []
+        for p, out in enumerate(outputs):
+            for c in out.outputs:
+                index = p * self.n + c.index
+                if self.chat:
+                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c)})
+                else:
+                    prefix = self.echo_prompts[p] if self.echo_prompts else ""
+                    choices.append({"index": index, "text": prefix + c.text,
+                                    "logprobs": _completion_logprobs(c, 0, len(prefix)),
+                                    "finish_reason": finish_reason(c)})
+        return {**self._head(False), "choices": choices, "usage": usage(outputs)}
+
+    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        """Stream chunks for what ``out`` (cumulative) adds since the last call."""
+        chunks = []
+        for c in out.outputs:
+            index = prompt_index * self.n + c.index
+            first = index not in self._sent_text
+            text_start, token_start = self._sent_text.get(index, 0), self._sent_tokens.get(index, 0)
+            delta, reason = c.text[text_start:], finish_reason(c)
+            if not (delta or reason or first or len(c.token_ids) > token_start):
+                continue
+            self._sent_text[index], self._sent_tokens[index] = len(c.text), len(c.token_ids)
+            if self.chat:
+                message = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
+                choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, token_start)}
+            else:
+                if first and self.echo_prompts:
+                    delta = self.echo_prompts[prompt_index] + delta
+                choice = {"index": index, "text": delta,
+                          "logprobs": _completion_logprobs(c, token_start, text_start)}
+            chunks.append({**self._head(True), "choices": [{**choice, "finish_reason": reason}]})
+        return chunks
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return {**self._head(True), "choices": [], "usage": usage(outputs)}

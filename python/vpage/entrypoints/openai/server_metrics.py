@@ -1,0 +1,141 @@
+"""Prometheus metrics of the server, named like vLLM's with a ``vpage:`` prefix.
+
+Engine-wide gauges and counters come from the engine core's per-step statistics (counters
+advance by the difference of cumulative totals); request latencies are observed from the
+timestamps the engine stamps on its outputs (``time.monotonic``, one clock per machine).
+Memory is bounded: per-request state lives only while the request runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from vpage.engine.core_messages import StepOutputs
+from vpage.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+@dataclass
+class _Progress:
+    tokens: int = 0  # output tokens seen so far
+    last_time: Optional[float] = None  # when the last of them arrived
+    queued: bool = False  # queue time observed
+
+
+class ServerMetrics:
+    """The metrics of one server (its own registry, so several servers can coexist)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r, label = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"vpage:{name}", doc, label, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"vpage:{name}", doc, label, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"vpage:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of device KV cache blocks in use (1 = full).")
+        self.cpu_usage = gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).")
+        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+        self.preemptions = counter("num_preemptions_total", "Preemptions (recompute or swap).")
+        self.cache_queries = counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
+        self.cache_hits = counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
+        self.success = Counter("vpage:request_success_total", "Requests finished, by finish reason.",
+                               ["model_name", "finished_reason"], registry=r)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
+                              _LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Arrival to the start of the step that produced the first token.", _LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
+        self.request_generation = histogram("request_generation_tokens", "Generated tokens per request.",
+                                            _TOKEN_BUCKETS)
+        self._totals: dict[str, int] = {}
+        self._progress: dict[str, _Progress] = {}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def forget(self, request_id: str) -> None:
+        """Drops a request that ended without finishing (aborted)."""
+        self._progress.pop(request_id, None)
+
+    def on_step(self, msg: StepOutputs, outputs: list[RequestOutput], now: float) -> None:
+        """A step's message and the cumulative outputs of its requests."""
+        if msg.stats is not None:
+            self._engine_stats(msg.stats)
+        if msg.outputs:
+            self.iteration_tokens.observe(msg.step_tokens)
+        for out in outputs:
+            self._request(out, msg.step_start, now)
+        for error in msg.errors:
+            self._progress.pop(error.request_id, None)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        delta = total - self._totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._totals[key] = total
+
+    def _engine_stats(self, s) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.swapped.set(s.num_swapped)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.cpu_usage.set(s.swap_usage)
+        self._advance(self.prompt_tokens, "prompt", s.prefill_tokens)
+        self._advance(self.generation_tokens, "generation", s.generation_tokens)
+        self._advance(self.preemptions, "preempt", s.num_preempted_recompute + s.num_preempted_swap)
+        self._advance(self.cache_queries, "queries", s.prefix_cache_queries)
+        self._advance(self.cache_hits, "hits", s.prefix_cache_hits)
+
+    def _request(self, out: RequestOutput, step_start: float, now: float) -> None:
+        progress = self._progress.setdefault(out.request_id, _Progress())
+        arrival = out.metrics.arrival_time
+        if not progress.queued:
+            progress.queued = True
+            scheduled = out.metrics.first_scheduled_time or step_start
+            self.queue.observe(max(scheduled - arrival, 0.0))
+        tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        if tokens > progress.tokens:
+            if progress.tokens == 0:
+                first = out.metrics.first_token_time or now
+                self.ttft.observe(max(first - arrival, 0.0))
+            elif progress.last_time is not None:
+                per_token = (now - progress.last_time) / (tokens - progress.tokens)
+                for _ in range(min(tokens - progress.tokens, 64)):
+                    self.itl.observe(per_token)
+            progress.tokens, progress.last_time = tokens, now
+        if out.finished:
+            self._progress.pop(out.request_id, None)
+            finished = out.metrics.finished_time or now
+            self.e2e.observe(max(finished - arrival, 0.0))
+            first = out.metrics.first_token_time
+            if first is not None and tokens > 1:
+                self.tpot.observe((finished - first) / (tokens - 1))
+            reasons = {c.finish_reason for c in out.outputs}
+            reason = "length" if reasons == {"length"} else ("abort" if "abort" in reasons else "stop")
+            self.success.labels(self.model_name, reason).inc()
+            self.request_generation.observe(sum(len(c.token_ids) for c in out.outputs))
+
+    def on_prompt(self, num_tokens: int) -> None:
+        """A request admitted with a prompt of ``num_tokens`` tokens."""
+        self.request_prompt.observe(num_tokens)

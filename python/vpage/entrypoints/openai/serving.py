@@ -1,0 +1,260 @@
+"""Completions and chat completions: validated requests to engine requests, and engine
+outputs back to OpenAI answers or server-sent events.
+
+Everything the engine could refuse is checked here first (model name, vocabulary, context
+length, ``n``/``best_of`` against ``max_num_seqs``, parameter combinations), so a request
+reaches the engine core only when it can be served. Requests end early, aborted in the
+engine, when the client disconnects, when the per-request timeout passes, or when the
+server drains on shutdown; streams then end with ``finish_reason: "abort"`` and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
+
+from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
+from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from vpage.entrypoints.openai.responses import ResponseBuilder
+from vpage.entrypoints.openai.server_metrics import ServerMetrics
+from vpage.outputs import CompletionOutput, RequestOutput
+from vpage.sampling_params import SamplingParams
+
+AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
+_SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+                    "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search",
+                    "length_penalty", "early_stopping")
+
+
+@dataclass
+class ServingLimits:
+    max_waiting_requests: Optional[int] = None  # load shedding: 503 past this many waiting
+    request_timeout_s: Optional[float] = None  # abort a request that runs longer
+
+
+@dataclass
+class Submission:
+    """An admitted API request: its response builder and one engine stream per prompt."""
+
+    builder: ResponseBuilder
+    streams: list[RequestStream]
+    include_usage: bool
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineCoreClient, model_name: str, metrics: ServerMetrics,
+                 limits: ServingLimits):
+        self.client = client
+        self.model_name = model_name
+        self.metrics = metrics
+        self.limits = limits
+        self.draining = False
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ models
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "vpage",
+                "max_model_len": self.client.info.max_model_len}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    # ------------------------------------------------------------------ admission
+
+    def submit(self, req: AnyRequest, cache_salt: Optional[str]) -> Submission:
+        """Validates ``req`` and queues its engine requests (all or none)."""
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", kind="service_unavailable")
+        if self.client.dead_reason is not None:
+            raise ApiError(503, "the engine is not available", kind="service_unavailable")
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
+                           kind="not_found_error", param="model")
+        unsupported = req.unsupported()
+        if unsupported:
+            raise ApiError(400, f"'{unsupported}' is not supported by vpage", param=unsupported)
+        limit = self.limits.max_waiting_requests
+        if limit is not None and self.client.num_waiting_estimate() >= limit:
+            raise ApiError(503, f"the server is overloaded ({limit} requests waiting); retry later",
+                           kind="service_unavailable", headers={"Retry-After": "1"})
+        chat = isinstance(req, ChatCompletionRequest)
+        prompts = [self._chat_ids(req)] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
+        params = [self._params(req, len(ids), chat) for ids in prompts]
+        echo = None
+        if not chat and req.echo:
+            echo = [self.client.info.tokenizer.decode(ids) for ids in prompts]
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo)
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt))
+                self.metrics.on_prompt(len(ids))
+        except EngineDeadError:
+            self.abort(streams)
+            raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Submission(builder, streams, include_usage)
+
+    def _tokenizer(self):
+        tokenizer = self.client.info.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer; send prompt token ids", param="prompt")
+        return tokenizer
+
+    def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self._tokenizer().encode(prompt))
+        vocab = self.client.info.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+        return list(prompt)
+
+    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            return list(self._tokenizer().apply_chat_template(conversation, add_generation_prompt=True,
+                                                              tokenize=True, return_dict=False))
+        except ApiError:
+            raise
+        except Exception:  # noqa: BLE001 - a template error is the request's fault
+            raise ApiError(400, "the chat template failed on these messages", param="messages") from None
+
+    def _params(self, req: AnyRequest, prompt_len: int, chat: bool) -> SamplingParams:
+        info = self.client.info
+        if prompt_len == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if prompt_len > info.max_prompt_tokens:
+            raise ApiError(400, f"this model's maximum context length is {info.max_model_len} tokens; the prompt "
+                                f"has {prompt_len} tokens and leaves no room to generate",
+                           param="messages" if chat else "prompt")
+        max_tokens = req.max_completion_tokens if chat else None
+        max_tokens = max_tokens or req.max_tokens or (None if chat else 16)
+        if max_tokens is not None and prompt_len + max_tokens > info.max_model_len:
+            raise ApiError(400, f"this model's maximum context length is {info.max_model_len} tokens; the request "
+                                f"has {prompt_len} prompt tokens and asks for {max_tokens} more", param="max_tokens")
+        kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        if kwargs.get("top_k", 0) >= info.vocab_size:
+            kwargs["top_k"] = -1  # every token: the same as no top-k
+        if chat and req.logprobs:
+            kwargs["logprobs"] = req.top_logprobs or 0
+        elif not chat and req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
+        try:
+            params = SamplingParams(max_tokens=max_tokens, **kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ApiError(400, str(exc)) from None
+        if params.best_of > info.max_num_seqs:
+            name = "best_of" if req.best_of is not None else "n"
+            raise ApiError(400, f"{name} is {params.best_of}; this server runs at most {info.max_num_seqs} "
+                                "sequences at once (--max-num-seqs)", param=name)
+        if req.stream and (params.best_of != params.n or params.use_beam_search):
+            # Streamed text must only grow: hidden samples and beams that swap places cannot be streamed.
+            raise ApiError(400, "streaming needs best_of equal to n and no beam search", param="best_of")
+        return params
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        unfinished = [s.request_id for s in streams if not s.finished]
+        for rid in unfinished:
+            self.metrics.forget(rid)
+        self.client.abort(unfinished)
+
+    # ------------------------------------------------------------------ answers
+
+    async def respond(self, sub: Submission, disconnected: Callable[[], Awaitable[None]]) -> dict:
+        """The whole answer. Aborts the request when ``disconnected()`` returns (the client
+        left) or the timeout passes (504)."""
+        work = asyncio.ensure_future(self._finals(sub.streams, sub.builder.n))
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, watch}, timeout=self.limits.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work not in done:
+            work.cancel()
+            self.abort(sub.streams)
+            if watch in done:
+                raise ApiError(499, "the client disconnected")
+            raise ApiError(504, f"the request did not finish within {self.limits.request_timeout_s} s",
+                           kind="timeout_error")
+        return sub.builder.response(work.result())
+
+    async def _finals(self, streams: list[RequestStream], n: int) -> list[RequestOutput]:
+        finals = []
+        try:
+            for stream in streams:
+                last = None
+                while True:
+                    out = await stream.next()
+                    if out is None:
+                        break
+                    last = out
+                finals.append(_aborted(stream, last, n))
+        except RequestFailed as exc:
+            self.abort(streams)
+            kind = "invalid_request_error" if exc.status == 400 else "server_error"
+            raise ApiError(exc.status, str(exc), kind=kind) from None
+        except EngineDeadError:
+            raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
+        return finals
+
+    async def stream(self, sub: Submission) -> AsyncIterator[bytes]:
+        """Server-sent events: a chunk per new piece of text, an optional usage chunk, then
+        ``data: [DONE]``. Prompts are streamed in order (their requests run concurrently).
+        Closing the generator (client gone) aborts what is still running."""
+        builder, finals = sub.builder, []
+        deadline = None if self.limits.request_timeout_s is None else time.monotonic() + self.limits.request_timeout_s
+        try:
+            for i, stream in enumerate(sub.streams):
+                last = None
+                while True:
+                    timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                    try:
+                        out = await asyncio.wait_for(stream.next(), timeout)
+                    except asyncio.TimeoutError:
+                        self.abort(sub.streams)
+                        out = None
+                    if out is None:
+                        out = _aborted(stream, last, builder.n)
+                    last = out
+                    for chunk in builder.chunks(i, out):
+                        yield _event(chunk)
+                    if out.finished:
+                        break
+                finals.append(last)
+            if sub.include_usage:
+                yield _event(builder.usage_chunk(finals))
+        except RequestFailed as exc:
+            yield _event(ApiError(exc.status, str(exc), kind="server_error").body())
+        except EngineDeadError:
+            yield _event(ApiError(503, "the engine is not available", kind="service_unavailable").body())
+        finally:
+            self.abort(sub.streams)
+        yield b"data: [DONE]\n\n"
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _aborted(stream: RequestStream, last: Optional[RequestOutput], n: int) -> RequestOutput:
+    """``last`` if it finished; otherwise it (or an empty output) with every unfinished
+    sequence marked ``abort``."""
+    if last is not None and last.finished:
+        return last
+    if last is None:
+        outputs = [CompletionOutput(i, "", [], None, None) for i in range(n)]
+        last = RequestOutput(stream.request_id, None, stream.prompt_token_ids, outputs, False)
+    for c in last.outputs:
+        if c.finish_reason is None:
+            c.finish_reason = "abort"
+    last.finished = True
+    return last

@@ -1,0 +1,104 @@
+"""Starts `vpage serve` as a child process on a free local port, for the server tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import psutil
+
+_URL = re.compile(rb"serving \S+ on (http://127\.0\.0\.1:(\d+)/v1) \(engine core pid (\d+)\)")
+
+
+class LiveServer:
+    """`vpage serve ARGS` on 127.0.0.1 with port 0; ``port``, ``base_url`` (ending in /v1),
+    ``core_pid``; ``stop()`` kills both processes if they are still there."""
+
+    def __init__(self, *args: str, env: Optional[dict] = None, start_timeout: float = 240.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--host", "127.0.0.1",
+                                      "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+                                     start_new_session=True)
+        self.output: list[bytes] = []
+        found = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                self.output.append(line)
+                match = _URL.search(line)
+                if match:
+                    self.base_url, self.port, self.core_pid = match.group(1).decode(), int(match.group(2)), int(
+                        match.group(3))
+                    found.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not found.wait(start_timeout):
+            self.stop()
+            raise RuntimeError("vpage serve did not start:\n" + b"".join(self.output).decode(errors="replace"))
+
+    def request(self, method: str, path: str, body=None, headers: Optional[dict] = None, raw: Optional[bytes] = None,
+                timeout: float = 120.0) -> tuple[int, dict]:
+        """(status, parsed JSON body) of one request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        status, payload = resp.status, resp.read()
+        conn.close()
+        return status, json.loads(payload) if payload.startswith(b"{") else {"raw": payload.decode(errors="replace")}
+
+    def metric(self, name: str) -> float:
+        """The value of ``vpage:NAME{model_name=...}`` in /metrics (summed over labels)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"vpage:{name}{{"))
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until /metrics shows nothing running or waiting and no KV block in use."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.metric("num_requests_running"), self.metric("num_requests_waiting"),
+                    self.metric("kv_cache_usage_perc")) == (0, 0, 0):
+                return
+            time.sleep(0.1)
+        raise AssertionError("the server did not become idle")
+
+    def stop(self) -> None:
+        for pid in (self.proc.pid, getattr(self, "core_pid", None)):
+            if pid is not None and psutil.pid_exists(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait(timeout=30)
+
+
+def stream_events(server: LiveServer, path: str, body: dict, headers: Optional[dict] = None) -> list[dict]:
+    """The parsed `data:` events of a streamed request up to [DONE] (which must come)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=headers or {})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
+    events = []
+    for block in resp.read().decode().split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: ")
+        if block == "data: [DONE]":
+            break
+        events.append(json.loads(block[len("data: "):]))
+    else:
+        raise AssertionError("the stream did not end with [DONE]")
+    conn.close()
+    return events
