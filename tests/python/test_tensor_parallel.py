@@ -215,3 +215,18 @@ def test_ray_executor_matches_single_rank(folders):
             engine.shutdown()
     finally:
         ray.shutdown()
+
+
+def test_cli_passes_the_tensor_parallel_size(folders, capsys):
+    from vpage.cli import _parser
+    from vpage.cli import main as cli_main
+
+    assert _parser().parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
+    assert _parser().parse_args(["chat", "--tensor-parallel-size", "3"]).tensor_parallel_size == 3
+    folder = str(folders["qwen2 kv split, qkv bias"])
+    common = ["generate", "the quick brown fox", "--model", folder, "--max-tokens", "6", "--kv-cache-memory", "0.01"]
+    assert cli_main(common) == 0
+    single = capsys.readouterr().out
+    assert cli_main(common + ["-tp", "2"]) == 0
+    assert capsys.readouterr().out == single
+    assert not children()

@@ -95,6 +95,7 @@ class EngineLoop:
             streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream._put(_END)
+        self.engine.shutdown()
 
     def _run(self) -> None:
         while True:

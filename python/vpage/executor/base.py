@@ -10,9 +10,12 @@ stopped.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
+import time
+import weakref
 from typing import Optional
 
 import torch
@@ -61,6 +64,12 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _shutdown_at_exit(ref: "weakref.ref[TensorParallelExecutor]") -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()
+
+
 class TensorParallelExecutor:
     """Starts ``tensor_parallel_size - 1`` workers (subclasses say how), then joins the group
     as rank 0. ``driver`` is this process's Worker (model shard, cache slice)."""
@@ -81,6 +90,7 @@ class TensorParallelExecutor:
         except BaseException as e:
             self._fail(e)
         self._device = self.driver.device if self.backend == "nccl" else torch.device("cpu")
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # Subclasses: start the workers, report dead ones, stop them all.
     def _start_workers(self, init_method: str, max_model_len: int) -> None:
@@ -120,8 +130,6 @@ class TensorParallelExecutor:
 
     def _wait_for_dead(self) -> list[str]:
         """Dead workers, giving a worker that is going down a moment to exit."""
-        import time
-
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             dead = self._dead_workers()
