@@ -96,6 +96,44 @@ def even_heads_model(folder: Path) -> str:
     return str(folder)
 
 
+def _allreduce_rank(rank: int, size: int, port: int, shape, count: int, repeat: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    x = torch.ones(shape)
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def allreduce_alone(size: int, shape, count: int, repeat: int = 5) -> float:
+    """Seconds of ``count`` back-to-back gloo all-reduces of ``shape`` float32 over ``size``
+    local processes with nothing else to do: the transfer cost without waiting for a slower rank."""
+    import multiprocessing as mp
+
+    from vpage.executor.base import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, shape, count, repeat, out))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=300)
+    for p in procs:
+        p.join()
+    return result
+
+
 def summarize(rows):
     med = [statistics.median(col) for col in zip(*rows)]
     step, allreduce, gather, bcast = med
@@ -139,6 +177,13 @@ def main() -> None:
             lines.append(f"| {tp} | {label} | {s['step'] * 1e3:.1f} ({s['p10'] * 1e3:.1f}-{s['p90'] * 1e3:.1f}) | "
                          f"{s['compute'] * 1e3:.1f} | {s['allreduce'] * 1e3:.2f} | {s['gather'] * 1e3:.2f} | "
                          f"{s['bcast'] * 1e3:.2f} | {100 * s['comm_share']:.1f}% |")
+            print(lines[-1], flush=True)
+    hidden = 576
+    for tp in [int(x) for x in args.sizes.split(",") if int(x) > 1]:
+        for tokens, label in ((args.batch, "decode"), (args.prefill, "prefill")):
+            alone = allreduce_alone(tp, (tokens, hidden), 61)
+            lines.append(f"\n{label}: 61 all-reduces of [{tokens}, {hidden}] float32 (one step's) between {tp} idle "
+                         f"local processes, gloo, nothing else running: {alone * 1e3:.2f} ms")
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.markdown:
