@@ -117,13 +117,13 @@ FEATURES = [(p, greedy(16)) for p in PROMPTS] + [
 ]
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_sampling_and_beams_match_single_rank(folders, mode):
+@pytest.mark.parametrize("mode, budget", [("swap", 2048), ("recompute", 16)])  # 16: chunked prefills
+def test_preemption_sampling_and_beams_match_single_rank(folders, mode, budget):
     folder = folders["llama kv split, untied, odd vocab"]
     # 14 blocks per rank: each rank holds 1 of the 2 KV heads, so a block takes half the bytes.
     block_bytes = 2 * 2 * 1 * 16 * BS * 4
     kwargs = dict(kv_cache_memory=14 * block_bytes / 2**30, swap_space=64 * block_bytes / 2**30,
-                  preemption_mode=mode, max_model_len=96, enable_prefix_caching=True)
+                  preemption_mode=mode, max_model_len=96, enable_prefix_caching=True, max_num_batched_tokens=budget)
     single = dict(kwargs, kv_cache_memory=2 * kwargs["kv_cache_memory"], swap_space=2 * kwargs["swap_space"])
     expected = run(make_engine(folder, **single), FEATURES)
     engine = make_engine(folder, 2, **kwargs)
@@ -156,30 +156,47 @@ def test_killed_worker_raises_quickly_and_leaves_no_process(folders):
     assert not children()
 
 
-def test_workers_exit_when_the_driver_is_killed(folders, tmp_path):
-    script = textwrap.dedent(f"""
-        import os, sys, psutil
-        from vpage import EngineArgs, LLMEngine
-        engine = LLMEngine(EngineArgs(model={str(folders["qwen2 kv split, qkv bias"])!r}, dtype="float32",
-                                      kv_cache_memory=0.01, block_size=8, tensor_parallel_size=2, num_threads=2))
-        print(*[p.pid for p in psutil.Process().children()], flush=True)
-        sys.stdin.read()
-    """)
+_DRIVER = """
+import sys, psutil
+from vpage import LLM, SamplingParams
+llm = LLM({folder!r}, dtype="float32", kv_cache_memory=0.01, block_size=8, tensor_parallel_size=2, num_threads=2)
+print(*[p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())], flush=True)
+sys.stdin.readline()
+llm.generate([[5, 9, 17]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+"""
+
+
+def _gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "Ctrl-C"])
+def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
+    script = _DRIVER.format(folder=str(folders["qwen2 kv split, qkv bias"]))
     driver = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=os.environ)
+                              stderr=subprocess.PIPE, text=True, env=os.environ, start_new_session=True)
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
-        assert pids
-        driver.kill()
-        driver.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(psutil.pid_exists(p) and
-                                                  psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-            time.sleep(0.1)
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not alive
+        assert len(pids) == 1
+        if how == "SIGKILL":
+            driver.kill()
+        else:
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+            time.sleep(1.0)  # generating
+            os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        driver.wait(timeout=20)
+        if how == "Ctrl-C":
+            assert "KeyboardInterrupt" in driver.stderr.read()
+        assert _gone(pids, 10)
     finally:
         driver.kill()
+        driver.wait()
 
 
 @pytest.mark.parametrize("kwargs, message", [
