@@ -12,12 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import psutil
 import pytest
-import torch
 
 from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams
@@ -35,12 +33,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
