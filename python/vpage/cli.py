@@ -29,7 +29,11 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="auto: GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized on CPU (default); "
                              "none: dequantize them to --dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache")
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (per rank)")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                        help="split the model over this many ranks by attention heads (default: 1)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                        help="how the extra ranks run: mp = local processes (default), ray = Ray actors")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
 
 
@@ -102,7 +106,8 @@ def _engine(args: argparse.Namespace):
     from vpage.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-                                kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+                                kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
+                                distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -112,7 +117,9 @@ def _serve(args: argparse.Namespace) -> int:
     from vpage.entrypoints.openai.launcher import ServerOptions, run
     from vpage.entrypoints.openai.serving import ServingLimits
 
-    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+                             tensor_parallel_size=args.tensor_parallel_size,
+                             distributed_executor_backend=args.distributed_executor_backend,
                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=not args.no_prefix_caching)
@@ -177,6 +184,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"vpage: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _run(args, engine, params)
+    finally:
+        engine.shutdown()
+
+
+def _run(args: argparse.Namespace, engine, params) -> int:
+    """generate or chat on ``engine``."""
     if args.command == "generate":
         prompt = _chat_ids(engine, [{"role": "user", "content": args.prompt}]) if args.chat_template else args.prompt
         try:

@@ -9,6 +9,18 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing may come from a model hub
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matmuls run far faster on one thread than on a loaded shared machine's two
+    (modules opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def hf_config():
     """transformers' own reading of the default model's GGUF metadata."""

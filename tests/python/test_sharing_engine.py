@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams, _core
@@ -23,13 +22,7 @@ BLOCK_BYTES = 2 * 2 * 2 * 16 * BS * 4  # layers x (K, V) x kv heads x head size 
 GiB = 2**30
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls run far faster on one thread than on a loaded shared machine's two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

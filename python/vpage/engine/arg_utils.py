@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
+_EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass
@@ -33,6 +34,8 @@ class EngineArgs:
     preemption_mode: str = "auto"
     num_threads: Optional[int] = None  # CPU kernel threads; default torch.get_num_threads()
     seed: int = 0
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # default "mp" when tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -56,6 +59,18 @@ class EngineArgs:
               f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         check(self.num_threads is None or self.num_threads >= 1,
               f"num_threads must be >= 1, got {self.num_threads}")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
+            self.distributed_executor_backend = "mp"
+        check(self.distributed_executor_backend in (None, *_EXECUTOR_BACKENDS),
+              f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray":
+            try:
+                import ray  # noqa: F401
+            except ImportError:
+                raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'vpage[ray]'") from None
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "

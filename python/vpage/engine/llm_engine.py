@@ -10,14 +10,14 @@ from typing import Optional, Sequence, Union
 import torch
 
 from vpage import _core, ops
+from vpage.distributed import parallel_state
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.beam_search import BeamSearch
-from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
+from vpage.engine.cache_engine import bytes_per_block
 from vpage.engine.metrics import EngineMetrics, EngineStats
-from vpage.engine.model_runner import ModelRunner
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
-from vpage.model_executor.loader.model_loader import load_model
+from vpage.executor.worker import Worker, max_model_len_of
 from vpage.outputs import RequestOutput
 from vpage.sampler import Sampler
 from vpage.sampling_params import SamplingParams
@@ -46,24 +46,36 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         if args.num_threads is not None:
             ops.set_num_threads(args.num_threads)
-        self.loaded = load_model(args.model, args.dtype, args.device, args.quantization)
+        self.executor = None
+        if args.tensor_parallel_size > 1:
+            self.executor = make_executor(args)  # validates and starts the ranks; rank 0 is here
+            worker = self.executor.driver
+            num_gpu_blocks, num_cpu_blocks = self.executor.num_gpu_blocks, self.executor.num_cpu_blocks
+        else:
+            with parallel_state.single_rank():
+                worker = Worker(args)
+        self.loaded = worker.loaded
         self.model_config = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.device = self.loaded.device
-        self.max_model_len = min(args.max_model_len or self.model_config.max_model_len,
-                                 self.model_config.max_model_len)
+        self.max_model_len = max_model_len_of(args, self.model_config.max_model_len)
         if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
+            self.shutdown()
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
                              f"must be >= max_model_len ({self.max_model_len})")
-        block_bytes = bytes_per_block(self.model_config, args.block_size)
-        num_gpu_blocks = self._num_device_blocks(block_bytes)
-        num_cpu_blocks = int(args.swap_space * _GIB // block_bytes)
+        if self.executor is None:
+            num_gpu_blocks, num_cpu_blocks = worker.num_blocks(self.max_model_len)
+        block_bytes = bytes_per_block(worker.cache_config, args.block_size)
         blocks_per_seq = math.ceil(self.max_model_len / args.block_size)
         if num_gpu_blocks < blocks_per_seq:
+            self.shutdown()
             raise ValueError(
                 f"the KV cache holds {num_gpu_blocks * args.block_size} tokens, less than max_model_len "
                 f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len")
-        self.cache = CacheEngine(self.model_config, args.block_size, num_gpu_blocks, num_cpu_blocks, self.device)
+        if self.executor is None:
+            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
+        self.worker = worker
+        self.cache = worker.cache
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
@@ -72,7 +84,7 @@ class LLMEngine:
             _core.BlockManagerConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=_WATERMARK,
                                      enable_prefix_caching=args.enable_prefix_caching))
-        self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
+        self.runner = worker.runner
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
@@ -84,44 +96,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
-
-    def _num_device_blocks(self, block_bytes: int) -> int:
-        if self.args.kv_cache_memory is not None:
-            return int(self.args.kv_cache_memory * _GIB // block_bytes)
-        if self.device.type == "cpu":
-            return int(default_cpu_kv_gib() * _GIB // block_bytes)
-        return self._profile_cuda_blocks(block_bytes)
-
-    def _profile_cuda_blocks(self, block_bytes: int) -> int:
-        """Blocks that fit in gpu_memory_utilization of the device after the peak memory of a
-        forward at the largest batch (max_num_batched_tokens tokens in one sequence)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.args.max_num_batched_tokens, self.max_model_len)
-        probe = CacheEngine(self.model_config, self.args.block_size, math.ceil(n / self.args.block_size), 0,
-                            self.device)
-        runner = ModelRunner(self.loaded, probe.gpu_cache)
-        bs = self.args.block_size
-        dev = self.device
-        from vpage.model_executor.forward_batch import ForwardBatch
-
-        batch = ForwardBatch(
-            input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
-            positions=torch.arange(n, dtype=torch.int64, device=dev),
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-            block_tables=torch.arange(math.ceil(n / bs), dtype=torch.int32, device=dev)[None],
-            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            max_context_len=n, max_query_len=n)
-        with torch.inference_mode():
-            hidden = runner.model(batch, probe.gpu_cache)
-            runner.model.compute_logits(hidden[-1:])
-        torch.cuda.synchronize(dev)
-        peak = torch.cuda.max_memory_allocated(dev)
-        del probe, runner, hidden
-        total = torch.cuda.get_device_properties(dev).total_memory
-        free_for_kv = total * self.args.gpu_memory_utilization - peak
-        return max(int(free_for_kv // block_bytes), 0)
 
     # ----------------------------------------------------------------- requests
 
@@ -201,15 +175,41 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
-        self.cache.swap_out(plan.blocks_to_swap_out)
-        self.cache.swap_in(plan.blocks_to_swap_in)
-        self.cache.copy(plan.blocks_to_copy)
+        logits = self.worker.execute(plan) if self.executor is None else self.executor.execute(plan)
         seq_ids: list[int] = []
         sampled = None
         if plan.num_seqs:
-            logits = self.runner.execute(plan)
             seq_ids = plan.sample_seq_ids.tolist()
             sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
         outputs = self.outputs.process(plan, seq_ids, sampled)
         self.metrics.on_step(time.perf_counter() - start)
         return outputs
+
+    # ----------------------------------------------------------------- lifetime
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers (idempotent; nothing to do with one rank). The
+        engine cannot step afterwards."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 -- interpreter teardown
+            pass
+
+
+def make_executor(args: EngineArgs):
+    """The executor of ``args.distributed_executor_backend`` (configuration checked first)."""
+    if parallel_state.is_active():
+        raise ValueError("another tensor-parallel engine is running in this process: shut it down first "
+                         "(LLMEngine.shutdown)")
+    if args.distributed_executor_backend == "ray":
+        from vpage.executor.ray_executor import RayExecutor
+
+        return RayExecutor(args)
+    from vpage.executor.mp_executor import MPExecutor
+
+    return MPExecutor(args)

@@ -24,6 +24,16 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel workers (also done at exit); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from vpage.distributed.parallel_state import tp_rank, tp_size
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
@@ -23,6 +25,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _MODEL_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 QUANTIZATION_MODES = ("auto", "none")
+logger = logging.getLogger("vpage")
 
 
 @dataclass
@@ -154,6 +157,13 @@ def _load_tokenizer(source: _Source) -> Any:
     return None
 
 
+def load_hf_config(model: str | None = None) -> Any:
+    """The transformers config of ``model`` without loading its weights (to validate options)."""
+    source = _resolve(model)
+    reader = open_gguf(source.path) if source.gguf_file else None
+    return _load_hf_config(source, reader)
+
+
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto",
                quantization: str = "auto") -> LoadedModel:
     """Load a model for inference.
@@ -164,7 +174,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     activation dtype). device: auto|cpu|cuda. quantization: "auto" keeps a GGUF file's
     Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
     the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
-    Raises FileNotFoundError for missing files and ValueError for corrupt files,
+    Under tensor parallelism (``vpage.distributed.parallel_state``) the model is this rank's
+    shard, and GGUF weights are dequantized (quantized row-parallel slices would split GGUF
+    blocks). Raises FileNotFoundError for missing files and ValueError for corrupt files,
     unsupported architectures or options; the message names the path.
     """
     if quantization not in QUANTIZATION_MODES:
@@ -180,7 +192,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
         with torch.device(torch_device):
             net = model_class(hf_config, torch_dtype)
         keep = set()
-        if reader is not None and quantization == "auto" and torch_device.type == "cpu":
+        if reader is not None and quantization == "auto" and tp_size() > 1 and tp_rank() == 0:
+            logger.info("vpage: tensor parallelism dequantizes the GGUF weights (quantization forced to none)")
+        if reader is not None and quantization == "auto" and torch_device.type == "cpu" and tp_size() == 1:
             keep = net.keep_quantized(gguf_tensor_types(reader))
         net.load_weights(_weights(source, hf_config, reader, keep))
     except ValueError as e:

@@ -5,17 +5,20 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vpage import ops
+from vpage.distributed.parallel_state import tp_rank, tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.linear import Embedding, Linear
+from vpage.model_executor.layers.parallel_linear import (ColumnParallelLinear, RowParallelLinear, check_head_split,
+                                                         kv_head_start, local_kv_heads)
 from vpage.model_executor.layers.quant_linear import (QuantizedEmbedding, QuantizedLinear, QuantizedTensor,
                                                       QuantizedWeight)
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding
+from vpage.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,17 +62,27 @@ def _check_same_caches(kv_caches: list[KVCache]) -> None:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary, paged attention, output projection."""
+    """Fused QKV projection, rotary, paged attention, output projection.
+
+    Under tensor parallelism (``tp_size() > 1``) this rank holds its query heads and its KV
+    heads (a share, or one replicated head) in ``qkv_proj`` (column-parallel) and the
+    matching input columns of ``o_proj`` (row-parallel: one all-reduce)."""
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
         super().__init__()
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = num_kv_heads_of(hf_config)
+        rank, size = tp_rank(), tp_size()
+        total_heads, total_kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
+        check_head_split(total_heads, total_kv_heads, size)
+        self.num_heads = total_heads // size
+        self.num_kv_heads = local_kv_heads(total_kv_heads, size)
         self.head_size = head_size_of(hf_config)
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        self.qkv_proj = Linear(hf_config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, hf_config.hidden_size, o_bias, dtype)
+        kv_start = kv_head_start(total_kv_heads, rank, size) * self.head_size
+        self.qkv_proj = ColumnParallelLinear(
+            hf_config.hidden_size, [(rank * self.q_size, self.q_size), (kv_start, self.kv_size),
+                                    (kv_start, self.kv_size)], qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hf_config.hidden_size, o_bias, dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
 
     def shard_sizes(self) -> list[int]:
@@ -93,9 +106,15 @@ class LlamaMLP(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, bias: bool):
         super().__init__()
-        self.intermediate_size = hf_config.intermediate_size
-        self.gate_up_proj = Linear(hf_config.hidden_size, 2 * self.intermediate_size, bias, dtype)
-        self.down_proj = Linear(self.intermediate_size, hf_config.hidden_size, bias, dtype)
+        size = tp_size()
+        if hf_config.intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the intermediate size "
+                             f"{hf_config.intermediate_size}")
+        self.intermediate_size = hf_config.intermediate_size // size  # this rank's slice
+        start = tp_rank() * self.intermediate_size
+        part = (start, self.intermediate_size)
+        self.gate_up_proj = ColumnParallelLinear(hf_config.hidden_size, [part, part], bias, dtype)
+        self.down_proj = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size, bias, dtype)
 
     def shard_sizes(self) -> list[int]:
         """Rows of the gate and up parts inside ``gate_up_proj``."""
@@ -140,7 +159,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
         super().__init__()
-        self.embed_tokens = Embedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(hf_config, dtype, qkv_bias, o_bias, mlp_bias)
             for _ in range(hf_config.num_hidden_layers)
@@ -174,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, False, dtype)
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
@@ -201,10 +220,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[n, hidden_size]`` (rows to sample) -> logits ``[n, vocab_size]`` float32."""
+        """hidden ``[n, hidden_size]`` (rows to sample) -> logits ``[n, vocab_size]`` float32
+        (under tensor parallelism: on rank 0; None on the other ranks)."""
         if isinstance(self.lm_head, QuantizedWeight):
             return self.lm_head.linear(hidden).float()
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.logits(hidden)
 
     def keep_quantized(self, tensor_types: dict[str, int]) -> set[str]:
         """Swap each Linear/Embedding whose checkpoint weights (``tensor_types``: checkpoint
@@ -255,6 +275,8 @@ class LlamaForCausalLM(nn.Module):
             param, rows, key = self._target(name, params)
             if isinstance(tensor, QuantizedTensor):
                 tensor = self._quantized_rows(name, key[0], tensor)
+            else:
+                tensor = self._shard(key, tensor)
             dest = param.data if rows is None else param.data.narrow(0, *rows)
             if dest.shape != tensor.shape:
                 raise ValueError(
@@ -265,6 +287,16 @@ class LlamaForCausalLM(nn.Module):
         if needed:
             names = sorted({name for name, _ in needed})
             raise ValueError(f"checkpoint lacks {len(needed)} tensors, e.g. for {names[:4]}")
+
+    def _shard(self, key: tuple[str, int | None], tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole checkpoint tensor for the parameter ``key[0]``
+        (part ``key[1]`` of a fused projection); the tensor itself without tensor parallelism."""
+        param_name, part = key
+        module = self.get_submodule(param_name.rpartition(".")[0])
+        shard = getattr(module, "shard_checkpoint", None)
+        if shard is None or tp_size() == 1:
+            return tensor
+        return shard(tensor, part or 0, param_name.endswith(".bias"))
 
     def _quantized_rows(self, name: str, param_name: str, tensor: QuantizedTensor) -> torch.Tensor:
         """The raw rows of ``tensor`` after checking its type against the module of ``param_name``."""

@@ -1,0 +1,155 @@
+"""The driver side of tensor parallelism, shared by the ``mp`` and ``ray`` executors.
+
+The driver is rank 0 in the engine's process. Each step it broadcasts the plan once
+(``step_message``), runs its own shard, and returns the logits gathered from every rank.
+A rank that dies or fails makes the step raise ``WorkerDiedError`` (gloo reports a closed
+peer at once; the executor also checks its workers before each step, and the process
+group's timeout is the backstop), after which the executor is closed and every worker
+stopped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import time
+import weakref
+from typing import Optional
+
+import torch
+
+from vpage.distributed import parallel_state as ps
+from vpage.distributed.step_message import has_work, send_shutdown, send_step
+from vpage.engine.arg_utils import EngineArgs
+from vpage.executor.worker import Worker, max_model_len_of, worker_setup
+from vpage.model_executor.layers.parallel_linear import check_head_split
+from vpage.model_executor.loader.model_loader import _max_model_len as model_max_len
+from vpage.model_executor.loader.model_loader import _resolve_device, load_hf_config
+from vpage.model_executor.models.llama import num_kv_heads_of
+
+logger = logging.getLogger("vpage")
+
+BACKENDS = ("mp", "ray")
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker died or failed; the engine cannot step any more."""
+
+
+def timeout_s() -> float:
+    """Backstop timeout of the model's collectives (seconds; VPAGE_TP_TIMEOUT_S, default 120)."""
+    return float(os.environ.get("VPAGE_TP_TIMEOUT_S", "120"))
+
+
+def validate_tensor_parallel(args: EngineArgs) -> tuple[str, int]:
+    """Checks the configuration before any process starts; returns the torch.distributed
+    backend (gloo on CPU, nccl on CUDA) and max_model_len. Raises ValueError naming what works."""
+    size = args.tensor_parallel_size
+    hf = load_hf_config(args.model)
+    check_head_split(hf.num_attention_heads, num_kv_heads_of(hf), size)
+    if hf.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the intermediate size {hf.intermediate_size}")
+    device = _resolve_device(args.device)
+    if device.type == "cuda" and args.distributed_executor_backend == "mp" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs on this machine; "
+                         f"{torch.cuda.device_count()} visible")
+    return "nccl" if device.type == "cuda" else "gloo", max_model_len_of(args, model_max_len(hf))
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _shutdown_at_exit(ref: "weakref.ref[TensorParallelExecutor]") -> None:
+    executor = ref()
+    if executor is not None:
+        executor.shutdown()
+
+
+class TensorParallelExecutor:
+    """Starts ``tensor_parallel_size - 1`` workers (subclasses say how), then joins the group
+    as rank 0. ``driver`` is this process's Worker (model shard, cache slice)."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.backend, max_model_len = validate_tensor_parallel(args)
+        self.closed = False
+        self.error: Optional[str] = None
+        init_method = f"tcp://{self.host}:{free_port(self.host)}"
+        self._start_workers(init_method, max_model_len)
+        try:
+            self.driver: Worker = worker_setup(args, 0, init_method, self.backend, timeout_s())
+            self.num_gpu_blocks, self.num_cpu_blocks = self.driver.num_blocks(max_model_len)
+            self.driver.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
+        except BaseException as e:
+            self._fail(e)
+        self._device = self.driver.device if self.backend == "nccl" else torch.device("cpu")
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
+
+    # Subclasses: start the workers, report dead ones, stop them all.
+    def _start_workers(self, init_method: str, max_model_len: int) -> None:
+        raise NotImplementedError
+
+    def _dead_workers(self) -> list[str]:
+        """A description of each worker that has ended (exit code, error)."""
+        raise NotImplementedError
+
+    def _stop_workers(self, graceful: bool) -> None:
+        raise NotImplementedError
+
+    def execute(self, plan) -> Optional[torch.Tensor]:
+        """Runs ``plan`` on every rank; the float32 logits of its sampled rows (None without rows)."""
+        if self.closed:
+            raise WorkerDiedError(self.error or "the tensor-parallel executor is shut down")
+        dead = self._dead_workers()
+        if dead:
+            self._fail(None, dead)
+        if not has_work(plan):
+            return None
+        try:
+            send_step(plan, self._device)
+            return self.driver.execute(plan)
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, error: Optional[BaseException], dead: Optional[list[str]] = None) -> None:
+        dead = dead if dead is not None else self._wait_for_dead()
+        if isinstance(error, KeyboardInterrupt):
+            self.shutdown(graceful=False)
+            raise error
+        detail = "; ".join(dead) if dead else f"{type(error).__name__}: {error}"
+        self.error = f"tensor-parallel worker failure ({detail}): the engine must be recreated"
+        self.shutdown(graceful=False)
+        raise WorkerDiedError(self.error) from error
+
+    def _wait_for_dead(self) -> list[str]:
+        """Dead workers, giving a worker that is going down a moment to exit."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            dead = self._dead_workers()
+            if dead:
+                return dead
+            time.sleep(0.05)
+        return []
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops every worker (idempotent). ``graceful`` first asks them to leave their loop."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful and not self._dead_workers():
+            try:
+                send_shutdown(self._device)
+            except Exception:  # a worker already gone: stop them below
+                graceful = False
+        self._stop_workers(graceful)
+        try:
+            ps.destroy_tensor_parallel()
+        except Exception:  # noqa: BLE001 -- the group may be broken by a dead peer
+            ps.set_tensor_parallel_for_testing(0, 1)

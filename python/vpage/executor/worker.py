@@ -1,0 +1,139 @@
+"""One rank's share of the model: its shard of the weights, its heads' slice of the KV cache
+(device and swap pools, the same block ids on every rank), and the step it runs.
+
+Rank 0 (the driver) lives in the engine's process and is handed each plan; the other ranks
+loop on ``receive_step`` in their own processes. Without tensor parallelism the engine
+uses a single ``Worker`` with no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+
+from vpage import ops
+from vpage.distributed import parallel_state as ps
+from vpage.distributed.step_message import receive_step
+from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
+from vpage.engine.model_runner import ModelRunner
+from vpage.model_executor.config import ModelConfig
+from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.layers.parallel_linear import local_kv_heads
+from vpage.model_executor.loader.model_loader import LoadedModel, load_model
+
+logger = logging.getLogger("vpage")
+_GIB = 1 << 30
+
+
+def rank_threads(args: EngineArgs) -> int:
+    """CPU threads of each rank: ``num_threads`` (default: torch's) split over the ranks."""
+    total = args.num_threads or torch.get_num_threads()
+    return max(1, total // args.tensor_parallel_size)
+
+
+def max_model_len_of(args: EngineArgs, model_max_len: int) -> int:
+    """The engine's context limit: ``args.max_model_len`` capped at what the model supports."""
+    return min(args.max_model_len or model_max_len, model_max_len)
+
+
+class Worker:
+    """Loads this rank's shard (after ``parallel_state`` is set up) and owns its cache."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
+        self.loaded: LoadedModel = load_model(args.model, args.dtype, args.device, args.quantization)
+        self.device = self.loaded.device
+        self.cache: Optional[CacheEngine] = None
+        self.runner: Optional[ModelRunner] = None
+
+    @property
+    def cache_config(self) -> ModelConfig:
+        """The model config with this rank's head counts (what its KV cache holds)."""
+        c = self.loaded.config
+        size = self.tp_size
+        return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size))
+
+    def num_blocks(self, max_model_len: int) -> tuple[int, int]:
+        """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""
+        args = self.args
+        block_bytes = bytes_per_block(self.cache_config, args.block_size)
+        if args.kv_cache_memory is not None:
+            gpu = int(args.kv_cache_memory * _GIB // block_bytes)
+        elif self.device.type == "cpu":  # the ranks share this machine's memory
+            gpu = int(default_cpu_kv_gib() / self.tp_size * _GIB // block_bytes)
+        else:
+            gpu = self._profile_cuda_blocks(block_bytes, max_model_len)
+        cpu = int(args.swap_space * _GIB // block_bytes)
+        if self.tp_size == 1:
+            return gpu, cpu
+        return ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache = CacheEngine(self.cache_config, self.args.block_size, num_gpu_blocks, num_cpu_blocks, self.device)
+        self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
+
+    def _profile_cuda_blocks(self, block_bytes: int, max_model_len: int) -> int:
+        """Blocks that fit in gpu_memory_utilization of the device after the peak memory of a
+        forward at the largest batch (max_num_batched_tokens tokens in one sequence)."""
+        args, dev = self.args, self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        n = min(args.max_num_batched_tokens, max_model_len)
+        bs = args.block_size
+        probe = CacheEngine(self.cache_config, bs, math.ceil(n / bs), 0, dev)
+        runner = ModelRunner(self.loaded, probe.gpu_cache)
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
+            positions=torch.arange(n, dtype=torch.int64, device=dev),
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            block_tables=torch.arange(math.ceil(n / bs), dtype=torch.int32, device=dev)[None],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            max_context_len=n, max_query_len=n)
+        with torch.inference_mode():
+            hidden = runner.model(batch, probe.gpu_cache)
+            runner.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        del probe, runner, hidden
+        total = torch.cuda.get_device_properties(dev).total_memory
+        return max(int((total * args.gpu_memory_utilization - peak) // block_bytes), 0)
+
+    def execute(self, plan) -> Optional[torch.Tensor]:
+        """Block moves (swap out, swap in, copy: in that order), then the forward of the plan's
+        rows; the float32 logits of the sampled rows on rank 0, None elsewhere or without rows."""
+        self.cache.swap_out(plan.blocks_to_swap_out)
+        self.cache.swap_in(plan.blocks_to_swap_in)
+        self.cache.copy(plan.blocks_to_copy)
+        if not plan.num_seqs:
+            return None
+        return self.runner.execute(plan)
+
+    def serve_steps(self) -> None:
+        """A non-driver rank: runs the driver's steps until it sends shutdown."""
+        while True:
+            step = receive_step(self.device if self.device.type == "cuda" else torch.device("cpu"))
+            if step is None:
+                return
+            self.execute(step)
+
+
+def worker_setup(args: EngineArgs, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:
+    """Joins the group as ``rank``, sets threads (and the CUDA device), loads the shard and
+    sizes the cache with the other ranks (a collective)."""
+    threads = rank_threads(args)
+    torch.set_num_threads(threads)
+    ops.set_num_threads(threads)
+    if backend == "nccl":
+        local = int(os.environ.get("VPAGE_LOCAL_RANK", rank))
+        torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
+    ps.init_tensor_parallel(rank, args.tensor_parallel_size, init_method, backend, timeout_s)
+    torch.manual_seed(args.seed)
+    return Worker(args)

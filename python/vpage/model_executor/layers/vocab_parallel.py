@@ -1,0 +1,60 @@
+"""Vocabulary-parallel embedding and output projection.
+
+Each rank holds ``ceil(vocab / size)`` consecutive rows of the table (the last rank's tail
+padded with zeros). The embedding looks up the ids of its range, zeroes the others and
+sums over the ranks; the output projection computes its rows' logits, gathered on rank 0
+and cut back to the vocabulary. With one rank they are plain embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from vpage.distributed.parallel_state import all_reduce, gather_to_driver, tp_rank, tp_size
+from vpage.model_executor.layers.linear import Embedding
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows ``[start, start + rows)`` of a ``[vocab_size, hidden_size]`` table; also the
+    output projection (``logits``) when the embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+        self.vocab_size = vocab_size
+        self.size = tp_size()
+        self.rows = math.ceil(vocab_size / self.size)
+        self.start = tp_rank() * self.rows
+        super().__init__(self.rows if self.size > 1 else vocab_size, hidden_size, dtype)
+
+    def shard_checkpoint(self, tensor: torch.Tensor, part: int, is_bias: bool) -> torch.Tensor:
+        if self.size == 1:
+            return tensor
+        mine = tensor[self.start:self.start + self.rows]
+        if mine.shape[0] == self.rows:
+            return mine
+        padded = mine.new_zeros(self.rows, *mine.shape[1:])
+        padded[:mine.shape[0]] = mine
+        return padded
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None elsewhere."""
+        local = F.linear(hidden, self.weight).float()
+        if self.size == 1:
+            return local
+        full = gather_to_driver(local)
+        return None if full is None else full[:, :self.vocab_size]
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied output projection, split by vocabulary rows like the embedding."""
