@@ -175,6 +175,25 @@ def _raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> bytes:
     return b"".join(chunks)
 
 
+def _recv_response(sock: socket.socket) -> bytes:
+    """One whole HTTP response with a Content-Length body (it may arrive in several segments)."""
+    data = b""
+    while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _content_length(data):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _content_length(data: bytes) -> int:
+    for line in data.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
 def _status_and_json(response: bytes) -> tuple[int, dict]:
     head, _, body = response.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
@@ -223,7 +242,7 @@ def test_stalled_heads_and_bodies_time_out(server):
         assert sock.recv(100) == b"" and time.monotonic() - start < 20  # closed by the server
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-        status, body = _status_and_json(sock.recv(65536))
+        status, body = _status_and_json(_recv_response(sock))
         assert status == 408 and body["error"]["code"] == 408
 
 
