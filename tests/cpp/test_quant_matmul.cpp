@@ -1,7 +1,8 @@
 // vpage::cpu::quant_matmul over hand-written ggml blocks: Q8_0 and Q4_1 against a scalar
 // reference of their layouts, every type against a double-precision matmul of
-// quant_dequantize_rows, in every instruction set the CPU has, on both paths (dot product
-// below 128 rows, outer product from 128); bad arguments throw. (The Python tests check every layout against the
+// quant_dequantize_rows, in every instruction set the CPU has, on every path (integer dot
+// products up to kQuantIntegerPathRows rows for the 32-value formats, float dot products below 128 rows, outer
+// product from 128); bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
 #include <cmath>
 #include <cstdint>
@@ -74,6 +75,24 @@ float reference_value(QuantType type, const uint8_t* row, int i) {
   return d * static_cast<float>(q) + vpage::half_to_float(h);
 }
 
+// The integer decode path (32-value formats, at most kQuantIntegerPathRows x rows) multiplies x as rounded to
+// 8 bits per 32 values; this is that rounding, written from its definition: d = max|x| / 127,
+// q = round(x * 127 / max|x|), x' = d * q.
+bool rounds_x(QuantType type, int m) {
+  return m <= vpage::cpu::kQuantIntegerPathRows && (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0);
+}
+
+std::vector<float> round_x_to_8_bits(const std::vector<float>& x) {
+  std::vector<float> out(x.size());
+  for (size_t b = 0; b < x.size(); b += 32) {
+    float amax = 0.0f;
+    for (size_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[b + j]));
+    const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (size_t j = 0; j < 32; ++j) out[b + j] = d * std::nearbyint(x[b + j] * inv);
+  }
+  return out;
+}
+
 void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_reference) {
   const std::vector<uint8_t> w = random_rows(type, n, k, rng);
   std::vector<float> dense(static_cast<size_t>(n) * k);
@@ -88,9 +107,15 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
     }
   }
   std::normal_distribution<float> normal;
-  for (int m : {1, 5, 131}) {
+  for (int m : {1, 4, 5, 17, 131}) {
     std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
     for (auto& v : x) v = normal(rng);
+    // The reference multiplies what the kernel multiplies; the rounding itself is bounded:
+    // every x moves by at most d / 2, and it must move (a path that skipped it would fail).
+    const std::vector<float> x_ref = rounds_x(type, m) ? round_x_to_8_bits(x) : x;
+    double moved = 0.0;
+    for (size_t t = 0; t < x.size(); ++t) moved = std::max(moved, static_cast<double>(std::fabs(x[t] - x_ref[t])));
+    EXPECT(rounds_x(type, m) ? moved > 0.0 && moved <= 4.0 / 127.0 : moved == 0.0);
     vpage::QuantMatmulArgs a;
     a.out = out.data();
     a.x = x.data();
@@ -106,7 +131,7 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
     for (int i = 0; i < m; ++i) {
       for (int j = 0; j < n; ++j) {
         double ref = 0.0;
-        for (int t = 0; t < k; ++t) ref += static_cast<double>(x[i * k + t]) * dense[static_cast<size_t>(j) * k + t];
+        for (int t = 0; t < k; ++t) ref += static_cast<double>(x_ref[i * k + t]) * dense[static_cast<size_t>(j) * k + t];
         scale = std::max(scale, std::fabs(ref));
         worst = std::max(worst, std::fabs(ref - out[i * n + j]));
       }

@@ -14,7 +14,11 @@ from test_engine_smollm2 import PROMPTS
 from vpage import LLM, SamplingParams
 from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
 
-NEAR_TIE = 0.05  # logprob gap between the float path's two best tokens that counts as a tie
+# Logprob gap between the float path's two best tokens that counts as a tie: batched decode
+# multiplies in float32 like the float path (only summation order differs); single-stream
+# decode rounds x to 8 bits, which moves the chosen tokens' logprobs by ~0.015 (median) and
+# up to ~0.12 over 16 tokens on these prompts (measured), so ties are wider there.
+NEAR_TIE = {False: 0.05, True: 0.25}
 _ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory=0.25, swap_space=0.0, max_model_len=512,
                max_num_batched_tokens=512)
 
@@ -33,23 +37,38 @@ def test_default_model_is_kept_quantized(quantized):
     assert weight_bytes < 100 * 2**20  # float32 would be ~540 MB
 
 
-def test_greedy_matches_dequantized_float32_except_near_ties(quantized):
+@pytest.fixture(scope="module")
+def floats():
+    return LLM(quantization="none", **_ENGINE)
+
+
+# Batched decode multiplies in float32; one sequence at a time (up to
+# _core.QUANT_INTEGER_PATH_ROWS rows) takes the integer path, x rounded to 8 bits.
+@pytest.mark.parametrize("one_at_a_time", [False, True], ids=["batched", "single-stream"])
+def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, one_at_a_time):
     assert len(PROMPTS) >= 8
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
-    ours = quantized.generate(PROMPTS, params, use_tqdm=False)
-    floats = LLM(quantization="none", **_ENGINE).generate(PROMPTS, params, use_tqdm=False)
-    equal = 0
-    for prompt, q, f in zip(PROMPTS, ours, floats):
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
+    if one_at_a_time:
+        ours = [quantized.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
+    else:
+        ours = quantized.generate(PROMPTS, params, use_tqdm=False)
+    reference = floats.generate(PROMPTS, params, use_tqdm=False)
+    equal, drift = 0, []
+    for prompt, q, f in zip(PROMPTS, ours, reference):
         a, b = q.outputs[0].token_ids, f.outputs[0].token_ids
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        drift += [abs(lq[t].logprob - lf[t].logprob)
+                  for lq, lf, t in zip(q.outputs[0].logprobs[:i], f.outputs[0].logprobs[:i], a[:i])]
         if i is None:
             assert a == b, prompt
             equal += 1
             continue
-        best = sorted(f.outputs[0].logprobs[i].values(), key=lambda lp: -lp.logprob)
-        assert best[0].logprob - best[1].logprob < NEAR_TIE, (prompt, i)  # diverged only at a near-tie
-        assert a[i] in f.outputs[0].logprobs[i], (prompt, i)
-    assert equal >= len(PROMPTS) - 2
+        # Diverged only at a near-tie: the token chosen is within NEAR_TIE of the float path's best.
+        top = f.outputs[0].logprobs[i]
+        assert a[i] in top, (prompt, i)
+        assert max(lp.logprob for lp in top.values()) - top[a[i]].logprob < NEAR_TIE[one_at_a_time], (prompt, i)
+    assert equal >= len(PROMPTS) - 3
+    assert sorted(drift)[len(drift) // 2] < NEAR_TIE[one_at_a_time] / 5 and max(drift) < NEAR_TIE[one_at_a_time]
 
 
 _MEASURE = """

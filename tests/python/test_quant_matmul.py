@@ -29,8 +29,25 @@ def _weights(qtype: str, n: int, k: int, seed: int):
     return torch.from_numpy(np.ascontiguousarray(rows)), dequantized(qtype, rows)
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float) -> None:
-    ref = x.double().numpy() @ w64.T
+def _as_multiplied(x: torch.Tensor, qtype) -> np.ndarray:
+    """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0 at up to QUANT_INTEGER_PATH_ROWS rows
+    rounded to 8 bits per 32 values (d = max|x| / 127, q = round(x / d)), written here from
+    that definition; otherwise x itself."""
+    xf = x.float().numpy()
+    name = qtype if isinstance(qtype, str) else {v[0]: k for k, v in ops.QUANT_TYPES.items()}[qtype]
+    if name not in ("Q4_0", "Q4_1", "Q8_0") or x.shape[0] > _core.QUANT_INTEGER_PATH_ROWS:
+        return xf.astype(np.float64)
+    blocks = xf.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
+    q = np.rint(blocks * inv.astype(np.float32))
+    rounded = (amax / np.float32(127)).astype(np.float32) * q
+    assert 0 < np.abs(rounded - blocks).max() <= amax.max() / 254 * 1.001  # it moved, by at most d / 2
+    return rounded.reshape(xf.shape).astype(np.float64)
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float, qtype) -> None:
+    ref = _as_multiplied(x, qtype) @ w64.T
     assert np.abs(ref).max() > 0  # never compare zeros
     err = np.abs(out.double().numpy() - ref).max() / np.abs(ref).max()
     assert err < rtol, err
@@ -46,9 +63,10 @@ def test_every_type_every_isa_against_float64(isa, qtype):
     deq = ops.dequantize_rows(qweight, qtype, k)
     np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 3, 17, 64, 257):  # dot path (m < 128), outer-product path (257 = 42 * 6 + 5)
+    # integer path (m <= 4, 32-value types), float dot path (m < 128), outer-product path (257 = 42 * 6 + 5)
+    for m in (1, 3, 4, 5, 17, 64, 257):
         x = torch.randn(m, k, generator=gen)
-        _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6)
+        _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6, qtype)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
@@ -62,7 +80,7 @@ def test_16bit_activations_and_strided_rows(qtype, dtype):
         x = wide[:, 32:32 + k]  # strided rows, contiguous columns
         out = torch.empty(m, n + 5, dtype=dtype)[:, :n]
         assert ops.quant_matmul(x, qweight, qtype, n, k, out=out) is out
-        _check(out.float(), x.float(), w64, 1e-2)  # output rounded to 16 bits
+        _check(out.float(), x.float(), w64, 1e-2, qtype)  # output rounded to 16 bits
 
 
 def test_shapes_of_the_default_model_and_many_threads():
@@ -71,8 +89,9 @@ def test_shapes_of_the_default_model_and_many_threads():
     x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
     ops.set_num_threads(3)
     try:
-        _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6)
-        _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6)
+        _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6, "Q4_1")
+        _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6, 3)
+        _check(ops.quant_matmul(x[:1], qweight, 3, 1560, 576), x[:1], w64, 2e-6, 3)  # integer path
     finally:
         ops.set_num_threads(None)
 

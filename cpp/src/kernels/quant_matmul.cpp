@@ -60,6 +60,14 @@ constexpr int32_t kPrefillPanels = 2;    // prefill task: 2 micro-kernel panels 
 constexpr int32_t kPrefillKChunk = 256;  // prefill tile: 256 x 32 floats = 32 KiB (AVX2)
 constexpr int64_t kPrefillMChunk = 2048;  // x rows per tile fill (x streams from L2/L3)
 
+// Integer decode path (quant_dot_impl.h): tasks of this many weight rows.
+constexpr int32_t kDotTaskRows = 32;
+
+bool use_dot_path(const QuantMatmulArgs& a) {
+  const bool block32 = a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0;
+  return block32 && a.m <= kQuantIntegerPathRows;
+}
+
 const QuantKernels& selected_quant_kernels() {
   const char* name = selected_kernels().name;
 #if defined(VPAGE_X86_KERNELS)
@@ -136,6 +144,22 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
   thread_local std::vector<float> converted;
   int64_t x_stride = 0;
   const float* x = float_rows(args, converted, &x_stride, num_threads);
+  if (use_dot_path(args)) {
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xd, xs;
+    const size_t values = static_cast<size_t>(args.m) * args.k;
+    xq.resize(values);
+    xd.resize(values / 32);
+    xs.resize(values / 32);
+    kernels.quantize_x(x, x_stride, args.m, args.k, xq.data(), xd.data(), xs.data());
+    const QuantizedX qx{xq.data(), xd.data(), xs.data()};
+    static_assert(kDotTaskRows <= kMaxDotTaskRows, "dot task rows exceed the kernel's buffer");
+    const int64_t num_tasks = (args.n + kDotTaskRows - 1) / kDotTaskRows;
+    ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
+      kernels.run_dot_task(args, qx, kDotTaskRows, task);
+    });
+    return;
+  }
   QuantPlan plan;
   if (args.m < kDecodeRows) {
     plan.rows_per_task = kDecodeRowGroups * kernels.rows_multiple;

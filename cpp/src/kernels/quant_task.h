@@ -18,6 +18,18 @@ struct QuantPlan {
   bool k_major = false;       // prefill tile layout and micro-kernel (see quant_matmul_impl.h)
 };
 
+/// x rows quantized to 8 bits per 32 values for the integer decode path (quant_dot_impl.h):
+/// q [m, k], d and s [m, k / 32] (scale and scale * sum of q of each block).
+struct QuantizedX {
+  const int8_t* q = nullptr;
+  const float* d = nullptr;
+  const float* s = nullptr;
+};
+
+/// The integer decode path runs tasks of at most this many weight rows (the bound of its
+/// per-thread output buffer, with kQuantIntegerPathRows x rows).
+constexpr int32_t kMaxDotTaskRows = 64;
+
 /// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
 /// (args.x is ignored); writes out rows for the task's columns.
 using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_t x_stride, const QuantPlan& plan,
@@ -25,11 +37,20 @@ using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_
 /// Dequantizes `rows` whole rows of `k` values into out [rows, k].
 using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
+/// Quantizes m rows of x (k a multiple of 32) into q, d, s (see QuantizedX).
+using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
+/// Integer decode path, 32-value formats only (Q4_0, Q4_1, Q8_0), m <= kQuantIntegerPathRows: task
+/// `task` covers weight rows [task * rows_per_task, ...), rows_per_task <= kMaxDotTaskRows.
+using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
+                                int64_t task);
+
 /// The entry points of one ISA build.
 struct QuantKernels {
   const char* name;
   QuantTaskFn run_task;
   QuantDequantizeFn dequantize_rows;
+  QuantizeXFn quantize_x;
+  QuantDotTaskFn run_dot_task;
   int32_t rows_multiple;   // weight rows per decode micro-kernel column group
   int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };
