@@ -29,9 +29,33 @@ inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_
     for (int32_t b = 0; b < blocks; ++b) {
       const float* v = x + i * x_stride + 32 * b;
       int8_t* out = q + i * k + 32 * b;
+#if defined(__AVX2__)
+      const __m256 sign = _mm256_set1_ps(-0.0f);
+      __m256 part[4], amax8 = _mm256_setzero_ps();
+      for (int j = 0; j < 4; ++j) {
+        part[j] = _mm256_loadu_ps(v + 8 * j);
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, part[j]));
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m256i r[4];
+      for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(part[j], inv), _MM_FROUND_TO_NEAREST_INT |
+                                                                              _MM_FROUND_NO_EXC));
+      }
+      const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+      // Packing works within 128-bit lanes: the permute puts the 32 bytes back in order.
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
+#else
       float amax = 0.0f;
       for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(v[j]));
-      const float scale = amax / 127.0f;
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t sum = 0;
       for (int j = 0; j < 32; ++j) {
@@ -39,10 +63,17 @@ inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_
         out[j] = static_cast<int8_t>(r);
         sum += r;
       }
+#endif
+      const float scale = amax / 127.0f;
       d[i * blocks + b] = scale;
       s[i * blocks + b] = scale * static_cast<float>(sum);
     }
   }
+}
+
+template <QuantType T>
+constexpr int32_t block_bytes() {
+  return T == QuantType::kQ4_0 ? 18 : T == QuantType::kQ4_1 ? 20 : 34;
 }
 
 #if defined(__AVX2__)
@@ -68,49 +99,69 @@ inline float reduce8(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
-// out[i] = dot(weight row, x row i) for i < mr, mr <= kXRowsPerPass.
+// out[r * out_stride + i] = dot(weight row r, x row i) for r < NW, i < mr <= MR: NW * MR
+// independent accumulator chains (one weight row alone would wait on its FMA latency).
+template <QuantType T, int NW, int MR>
+inline void dot_tile(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, int32_t k,
+                     const float* xd, const float* xs, int mr, float* out, int out_stride) {
+  __m256 acc[NW][MR];
+  float offset[NW][MR];
+  for (int r = 0; r < NW; ++r) {
+    for (int i = 0; i < MR; ++i) {
+      acc[r][i] = _mm256_setzero_ps();
+      offset[r][i] = 0.0f;
+    }
+  }
+  for (int32_t b = 0; b < blocks; ++b) {
+    for (int r = 0; r < NW; ++r) {
+      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * block_bytes<T>();
+      const float dw = load_f16(blk);
+      __m256i w;
+      if constexpr (T == QuantType::kQ8_0) {
+        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      } else {
+        w = nibbles_u8x32(blk + (T == QuantType::kQ4_1 ? 4 : 2));
+      }
+      const float off = T == QuantType::kQ4_1 ? load_f16(blk + 2) : -8.0f * dw;  // per unit of s_x
+      for (int i = 0; i < MR; ++i) {
+        if (i >= mr) break;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b));
+        __m256 dot;
+        if constexpr (T == QuantType::kQ8_0) {
+          dot = dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        } else {
+          dot = dot_u8_i8(w, x);
+        }
+        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * blocks + b]), dot, acc[r][i]);
+        if constexpr (T != QuantType::kQ8_0) offset[r][i] += off * xs[i * blocks + b];
+      }
+    }
+  }
+  for (int r = 0; r < NW; ++r) {
+    for (int i = 0; i < mr; ++i) out[r * out_stride + i] = reduce8(acc[r][i]) + offset[r][i];
+  }
+}
+
+// One weight row against x rows [0, mr), mr <= kXRowsPerPass.
 template <QuantType T>
 inline void dot_row(const uint8_t* row, int32_t blocks, const int8_t* xq, int32_t k, const float* xd,
                     const float* xs, int mr, float* out) {
-  constexpr int32_t kBytes = T == QuantType::kQ4_0 ? 18 : T == QuantType::kQ4_1 ? 20 : 34;
-  __m256 acc[kXRowsPerPass];
-  float offset[kXRowsPerPass];
-  for (int i = 0; i < mr; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    offset[i] = 0.0f;
-  }
-  for (int32_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = row + static_cast<int64_t>(b) * kBytes;
-    const float dw = load_f16(blk);
-    __m256i w;
-    if constexpr (T == QuantType::kQ8_0) {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    } else {
-      w = nibbles_u8x32(blk + (T == QuantType::kQ4_1 ? 4 : 2));
-    }
-    const float off = T == QuantType::kQ4_1 ? load_f16(blk + 2) : -8.0f * dw;  // per unit of s_x
-    for (int i = 0; i < mr; ++i) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b));
-      __m256 dot;
-      if constexpr (T == QuantType::kQ8_0) {
-        dot = dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-      } else {
-        dot = dot_u8_i8(w, x);
-      }
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * blocks + b]), dot, acc[i]);
-      if constexpr (T != QuantType::kQ8_0) offset[i] += off * xs[i * blocks + b];
-    }
-  }
-  for (int i = 0; i < mr; ++i) out[i] = reduce8(acc[i]) + offset[i];
+  dot_tile<T, 1, kXRowsPerPass>(row, 0, blocks, xq, k, xd, xs, mr, out, 0);
+}
+
+// Four weight rows against one x row (single-stream decode): out[r] for r < 4.
+template <QuantType T>
+inline void dot_4_rows(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, const float* xd,
+                       const float* xs, float* out) {
+  dot_tile<T, 4, 1>(rows, row_bytes, blocks, xq, 0, xd, xs, 1, out, 1);
 }
 #else
 template <QuantType T>
 inline void dot_row(const uint8_t* row, int32_t blocks, const int8_t* xq, int32_t k, const float* xd,
                     const float* xs, int mr, float* out) {
-  constexpr int32_t kBytes = T == QuantType::kQ4_0 ? 18 : T == QuantType::kQ4_1 ? 20 : 34;
   for (int i = 0; i < mr; ++i) out[i] = 0.0f;
   for (int32_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = row + static_cast<int64_t>(b) * kBytes;
+    const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
     const float dw = load_f16(blk);
     for (int i = 0; i < mr; ++i) {
       const int8_t* x = xq + i * k + 32 * b;
@@ -128,6 +179,12 @@ inline void dot_row(const uint8_t* row, int32_t blocks, const int8_t* xq, int32_
     }
   }
 }
+
+template <QuantType T>
+inline void dot_4_rows(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, const float* xd,
+                       const float* xs, float* out) {
+  for (int r = 0; r < 4; ++r) dot_row<T>(rows + r * row_bytes, blocks, xq, 0, xd, xs, 1, out + r);
+}
 #endif
 
 template <QuantType T>
@@ -138,7 +195,13 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
   const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
   float values[kXRowsPerPass];
   thread_local float out_rows[kQuantIntegerPathRows * kMaxDotTaskRows];  // [m, rows] for quant_store_out
-  for (int32_t r = 0; r < rows; ++r) {
+  int32_t r = 0;
+  if (a.m == 1) {
+    for (; r + 4 <= rows; r += 4) {
+      dot_4_rows<T>(a.weight + (n0 + r) * row_bytes, row_bytes, blocks, x.q, x.d, x.s, out_rows + r);
+    }
+  }
+  for (; r < rows; ++r) {
     const uint8_t* row = a.weight + (n0 + r) * row_bytes;
     for (int64_t i0 = 0; i0 < a.m; i0 += kXRowsPerPass) {
       const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
