@@ -1,0 +1,236 @@
+"""vpage against llama.cpp on the same GGUF file and the same client, in one run.
+
+    python bench/bench_llamacpp.py --llama-bin DIR [--model FILE] [--concurrency 1,8,64]
+                                   [--num-prompts 1:16,8:64,64:256] [--threads 2] [--markdown out.md]
+
+DIR holds llama.cpp's ``llama-server`` and ``llama-bench``, built from its public source for
+the measurement (never part of vpage). Two parts:
+
+serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage bench serve``'s
+          client streams the seeded synthetic ShareGPT-like trace (greedy, ignore_eos) at every
+          concurrency, the first N requests of the same trace at each. Reported: output
+          tok/s, TTFT and TPOT percentiles, and the peak RSS of the server's processes (vpage:
+          API + engine core). llama-server runs the way its documentation recommends for
+          concurrent serving: one slot per concurrent stream (-np), continuous batching
+          (-cb), a context of slots x per-slot context, flash attention on.
+single    one stream of 128 generated tokens with no prompt: ``llama-bench -p 0 -n 128``
+          against vpage's engine generating 128 tokens after a one-token prompt (tok/s of
+          the whole generate call).
+
+Both sides use --threads threads. Prints the CPU model and vpage's instruction set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import psutil
+
+from vpage.benchmarks.serve import run_benchmark, synthetic_trace
+
+_VPAGE_URL = re.compile(r"serving \S+ on (http://\S+/v1)")
+_PER_SLOT_CONTEXT = 1024  # the trace's prompts (<= 512 words) plus outputs (<= 256 tokens)
+
+
+class PeakRSS:
+    """Samples the summed RSS of a process and its children every 0.1 s."""
+
+    def __init__(self, pid: int):
+        self.root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def wait_http(url: str, timeout_s: float = 180.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def start_vpage(args, slots: int) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torch and vpage kernels: --threads
+    proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--model", args.model, "--port", "0",
+                             "--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(slots),
+                             "--kv-cache-memory", str(args.kv_cache_memory), "--no-prefix-caching"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    for line in proc.stdout:
+        match = _VPAGE_URL.search(line)
+        if match:
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
+            return proc, match.group(1)
+    raise RuntimeError("vpage serve did not start")
+
+
+def start_llama_server(args, slots: int) -> tuple[subprocess.Popen, str]:
+    port = 18080
+    cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", args.model, "--host", "127.0.0.1", "--port",
+           str(port), "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-cb",
+           "-c", str(slots * _PER_SLOT_CONTEXT), "-fa", "on", "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def serve_rows(args, name: str, start) -> list[dict]:
+    rows = []
+    slots = max(args.concurrency)
+    proc, url = start(args, slots)
+    rss = PeakRSS(proc.pid)
+    try:
+        for conc in args.concurrency:
+            trace = synthetic_trace(args.num_prompts[conc], args.seed)
+            report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
+            report.update(system=name, concurrency=conc, requests=len(trace))
+            rows.append(report)
+            print(f"{name} c={conc}: {report['output_throughput']:.1f} output tok/s "
+                  f"({report['completed']}/{len(trace)} completed)", flush=True)
+    finally:
+        peak = rss.stop()
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for row in rows:
+        row["peak_rss_mb"] = peak / 2**20
+    return rows
+
+
+def llama_bench_single(args) -> float:
+    out = subprocess.run([os.path.join(args.llama_bin, "llama-bench"), "-m", args.model, "-p", "0", "-n", "128",
+                          "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def vpage_single(args) -> float:
+    from vpage import LLM, SamplingParams, ops
+
+    ops.set_num_threads(args.threads)
+    llm = LLM(model=args.model, device="cpu", dtype="float32", kv_cache_memory=0.25, max_model_len=512)
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    prompt = [1]  # one token id: the decode loop dominates, like llama-bench -p 0
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        rates.append(len(out.outputs[0].token_ids) / (time.perf_counter() - start))
+    return sorted(rates)[len(rates) // 2]
+
+
+def percentiles(report: dict, key: str, scale: float) -> str:
+    m = report[key]
+    if m["median"] is None:
+        return "-"
+    return f"{m['median'] * scale:.2f} / {m['p99'] * scale:.2f}"
+
+
+def markdown(args, header: str, rows: list[dict], single: dict) -> str:
+    lines = [header, "", "| system | concurrency | requests | output tok/s | ratio | TTFT p50 / p99 s | "
+             "TPOT p50 / p99 ms | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    llama = {r["concurrency"]: r["output_throughput"] for r in rows if r["system"] == "llama-server"}
+    for r in rows:
+        ratio = r["output_throughput"] / llama[r["concurrency"]] if llama.get(r["concurrency"]) else float("nan")
+        lines.append(f"| {r['system']} | {r['concurrency']} | {r['requests']} | {r['output_throughput']:.1f} | "
+                     f"{ratio:.2f}x | {percentiles(r, 'ttft_ms', 1e-3)} | {percentiles(r, 'tpot_ms', 1.0)} | "
+                     f"{r['peak_rss_mb']:.0f} |")
+    lines += ["", "| single stream, 128 tokens | tok/s | ratio |", "|---|---:|---:|"]
+    base = single.get("llama-bench")
+    for name, rate in single.items():
+        lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_num_prompts(text: str, concurrency: list[int]) -> dict[int, int]:
+    if ":" not in text:
+        return {c: int(text) for c in concurrency}
+    table = dict(tuple(int(v) for v in part.split(":")) for part in text.split(","))
+    return {c: table[c] for c in concurrency}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-bin", required=True, help="folder with llama-server and llama-bench")
+    p.add_argument("--model", default=None, help="GGUF file (default: vpage's default model)")
+    p.add_argument("--concurrency", default="1,8,64")
+    p.add_argument("--num-prompts", default="1:16,8:64,64:256", help="N, or concurrency:N pairs")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--kv-cache-memory", type=float, default=2.0, help="vpage's KV cache, GiB")
+    p.add_argument("--repeats", type=int, default=3, help="single-stream repetitions")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: serving, single")
+    p.add_argument("--markdown", default=None)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from vpage.model_executor.loader.default_model import default_model_path
+
+        args.model = default_model_path()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    args.num_prompts = parse_num_prompts(args.num_prompts, args.concurrency)
+    skip = set(filter(None, args.skip.split(",")))
+
+    from vpage import _core
+
+    header = (f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, vpage ISA {_core.cpu_isa()}, "
+              f"{args.threads} threads each; model {os.path.basename(args.model)}; vpage float32 activations, "
+              f"GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
+              f"-c {max(args.concurrency) * _PER_SLOT_CONTEXT}")
+    print(header, flush=True)
+    rows, single = [], {}
+    if "single" not in skip:
+        single["llama-bench"] = llama_bench_single(args)
+        single["vpage"] = vpage_single(args)
+        print(f"single stream: {single}", flush=True)
+    if "serving" not in skip:
+        rows += serve_rows(args, "llama-server", start_llama_server)
+        rows += serve_rows(args, "vpage serve", start_vpage)
+    text = markdown(args, header, rows, single)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
