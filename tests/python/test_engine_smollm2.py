@@ -153,3 +153,23 @@ def test_beam_search_matches_transformers(llm, hf_model, width, early_stopping, 
         assert out.outputs[0].token_ids == expected, prompt
     usage = llm.engine.scheduler.usage()
     assert usage.free_gpu_blocks == usage.num_gpu_blocks
+
+
+def test_request_metrics_record_queue_time():
+    # One sequence at a time: the second request waits until the first finishes, and its
+    # first_scheduled_time says so (the server's request_queue_time_seconds reads it).
+    from vpage.engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine(EngineArgs(dtype="float32", device="cpu", kv_cache_memory=0.25, max_num_seqs=1,
+                                  max_model_len=256))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("first", "hello", params)
+    engine.add_request("second", "world", params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.metrics for o in engine.step() if o.finished})
+    a, b = finished["first"], finished["second"]
+    for m in (a, b):
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert b.first_scheduled_time >= a.finished_time  # it queued behind the first request
+    engine.shutdown()

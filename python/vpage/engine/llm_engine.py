@@ -171,7 +171,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step (schedule, cache operations, forward, sample, process the
         outputs); returns the outputs of requests that advanced or finished."""
-        start = time.perf_counter()
+        start, scheduled_at = time.perf_counter(), time.monotonic()
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
@@ -181,7 +181,7 @@ class LLMEngine:
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
             sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
-        outputs = self.outputs.process(plan, seq_ids, sampled)
+        outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
         self.metrics.on_step(time.perf_counter() - start)
         return outputs
 

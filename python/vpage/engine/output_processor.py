@@ -40,11 +40,13 @@ class OutputProcessor:
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, RequestState] = {}
+        self.unscheduled: dict[str, RequestState] = {}  # added, never in a step yet (queue time)
 
     # ------------------------------------------------------------ bookkeeping
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
+        self.unscheduled[state.request_id] = state
         for seq_id in state.seqs:
             self.seq_owner[seq_id] = state
 
@@ -59,6 +61,7 @@ class OutputProcessor:
 
     def _forget(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)
+        self.unscheduled.pop(state.request_id, None)
         for seq_id in state.seqs:
             self.seq_owner.pop(seq_id, None)
 
@@ -81,11 +84,14 @@ class OutputProcessor:
 
     # ------------------------------------------------------------ after sampling
 
-    def process(self, plan: _core.SchedulePlan, seq_ids: list[int],
-                sampled: Optional[SamplerOutput]) -> list[RequestOutput]:
+    def process(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[SamplerOutput],
+                scheduled_at: float) -> list[RequestOutput]:
         """Commits the step's tokens (beams advanced first), applies every stop rule, finishes
-        requests and returns the outputs of the requests that advanced or finished."""
+        requests and returns the outputs of the requests that advanced or finished.
+        ``scheduled_at``: time.monotonic() when the step was scheduled."""
         now = time.monotonic()
+        if self.unscheduled and plan.num_seqs:
+            self._mark_scheduled(plan, scheduled_at)
         touched: dict[str, RequestState] = {}
         finished_ids: set[str] = set()
         for request_id, _reason in plan.ignored:
@@ -121,6 +127,16 @@ class OutputProcessor:
             self._forget(state)
         self.metrics.on_generated(len(commits))
         return [state.output() for state in touched.values()]
+
+    def _mark_scheduled(self, plan: _core.SchedulePlan, now: float) -> None:
+        """Stamps first_scheduled_time on the requests this step ran for the first time (only
+        while some request has never run, so a steady decode batch pays nothing)."""
+        for seq_id in plan.seq_ids.tolist():
+            state = self.seq_owner.get(seq_id)
+            if state is not None and self.unscheduled.pop(state.request_id, None) is not None:
+                state.metrics.first_scheduled_time = now
+                if not self.unscheduled:
+                    return
 
     def _commits(self, seq_ids: list[int], sampled: SamplerOutput, touched: dict[str, RequestState],
                  finished_ids: set[str]) -> list[tuple[int, int, RequestState, float, Optional[list]]]:
