@@ -157,3 +157,25 @@ def test_serve_reports_a_missing_model(tmp_path):
     done = subprocess.run([sys.executable, "-m", "vpage.cli", "serve", "--model", str(tmp_path / "absent"),
                            "--port", "0"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "vpage: error:" in done.stderr
+
+
+def test_a_dead_tensor_parallel_worker_fails_requests_with_503_and_the_server_exits(tiny_model):
+    srv = tiny_server(tiny_model, "--tensor-parallel-size", "2")
+    try:
+        assert srv.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})[0] == 200
+        workers = [p for p in psutil.Process(srv.core_pid).children()
+                   if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(workers) == 1  # rank 1, spawned by the engine core (rank 0)
+        result = {}
+        long = threading.Thread(target=lambda: result.update(r=srv.request(
+            "POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True})))
+        long.start()
+        time.sleep(1.0)
+        workers[0].kill()
+        long.join(timeout=60)
+        status, error = result["r"]
+        assert status == 503 and "tensor-parallel worker" in error["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1  # for a supervisor to restart it
+        assert gone(srv.core_pid) and gone(workers[0].pid)
+    finally:
+        srv.stop()

@@ -9,6 +9,7 @@ engine-core process dies: every stream then fails with :class:`EngineDeadError` 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -127,9 +128,13 @@ class EngineCoreClient:
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.bind(out)
         mp = multiprocessing.get_context("spawn")
+        # Not daemonic: with tensor parallelism the engine core starts worker processes, which
+        # a daemonic process may not. It still dies with this process (PR_SET_PDEATHSIG and
+        # its parent check), and is killed at exit before multiprocessing would join it.
         self._proc = mp.Process(target=run_engine_core, args=(self.args, inp, out, os.getpid()),
-                                name="vpage-engine-core", daemon=True)
+                                name="vpage-engine-core", daemon=False)
         self._proc.start()
+        atexit.register(self._proc.kill)
         deadline = time.monotonic() + timeout_s
         while True:
             if await self._pull.poll(int(_WATCH_S * 1000)):

@@ -22,6 +22,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
 from vpage.engine.output_delta import DeltaEncoder
+from vpage.executor.errors import WorkerDiedError
 
 logger = logging.getLogger("vpage")
 
@@ -70,6 +71,8 @@ class EngineCore:
         try:
             outputs = self.engine.step()
             self.failed_steps = 0
+        except WorkerDiedError:
+            raise  # the engine is gone, not the step: the loop fails everything and exits
         except Exception as exc:  # noqa: BLE001 - isolate the failure to this step's requests
             logger.exception("vpage: engine step failed; failing the %d live requests", len(self.live))
             self.failed_steps += 1
@@ -145,6 +148,21 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
 
 
 def _busy_loop(core: EngineCore, pull, push, parent_pid: int) -> None:
+    try:
+        _serve(core, pull, push, parent_pid)
+    except WorkerDiedError as exc:
+        # A dead tensor-parallel worker cannot be replaced in place: fail every live request
+        # with 503 and exit non-zero; the API process then answers 503 and exits for its
+        # supervisor to restart the server.
+        logger.error("vpage: %s", exc)
+        message = "the engine lost a tensor-parallel worker; the server is restarting"
+        push.send(encode(StepOutputs(errors=[RequestError(rid, 503, message) for rid in sorted(core.live)],
+                                     stats=core.engine.get_stats(), step_start=time.monotonic())))
+        push.close(linger=2000)
+        sys.exit(1)
+
+
+def _serve(core: EngineCore, pull, push, parent_pid: int) -> None:
     import zmq
 
     last_sent = time.monotonic()
@@ -166,6 +184,7 @@ def _busy_loop(core: EngineCore, pull, push, parent_pid: int) -> None:
             out = core.step()
             out.errors = errors + out.errors
         elif errors or time.monotonic() - last_sent >= HEARTBEAT_S:
+            core.engine.check_health()  # idle: a dead worker must still take the server down
             out = StepOutputs(errors=errors, stats=core.engine.get_stats(), step_start=time.monotonic())
         else:
             continue

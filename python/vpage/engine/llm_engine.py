@@ -157,6 +157,12 @@ class LLMEngine:
         """The unfinished requests by id (read-only: the output processor owns them)."""
         return self.outputs.requests
 
+    def check_health(self) -> None:
+        """Raises WorkerDiedError when a tensor-parallel worker has died (the engine can no
+        longer step and must be recreated); a no-op with one rank."""
+        if self.executor is not None:
+            self.executor.check_health()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests)
 

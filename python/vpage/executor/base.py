@@ -23,6 +23,7 @@ import torch
 from vpage.distributed import parallel_state as ps
 from vpage.distributed.step_message import has_work, send_shutdown, send_step
 from vpage.engine.arg_utils import EngineArgs
+from vpage.executor.errors import WorkerDiedError
 from vpage.executor.worker import Worker, max_model_len_of, worker_setup
 from vpage.model_executor.layers.parallel_linear import check_head_split
 from vpage.model_executor.loader.model_loader import _max_model_len as model_max_len
@@ -32,10 +33,6 @@ from vpage.model_executor.models.llama import num_kv_heads_of
 logger = logging.getLogger("vpage")
 
 BACKENDS = ("mp", "ray")
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker died or failed; the engine cannot step any more."""
 
 
 def timeout_s() -> float:
@@ -103,13 +100,18 @@ class TensorParallelExecutor:
     def _stop_workers(self, graceful: bool) -> None:
         raise NotImplementedError
 
-    def execute(self, plan) -> Optional[torch.Tensor]:
-        """Runs ``plan`` on every rank; the float32 logits of its sampled rows (None without rows)."""
+    def check_health(self) -> None:
+        """Raises WorkerDiedError if the executor is shut down or a worker has ended (cheap:
+        process or actor liveness; a server calls it between steps too)."""
         if self.closed:
             raise WorkerDiedError(self.error or "the tensor-parallel executor is shut down")
         dead = self._dead_workers()
         if dead:
             self._fail(None, dead)
+
+    def execute(self, plan) -> Optional[torch.Tensor]:
+        """Runs ``plan`` on every rank; the float32 logits of its sampled rows (None without rows)."""
+        self.check_health()
         if not has_work(plan):
             return None
         try:
