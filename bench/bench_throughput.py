@@ -3,6 +3,8 @@
     python bench/bench_throughput.py                       # the full comparison (~15 min on 2 cores)
     python bench/bench_throughput.py --num-requests 64 --systems vpage-float32
     python bench/bench_throughput.py --systems vpage-gguf-float32,vpage-float32   # GGUF blocks kept vs dequantized
+    python bench/bench_throughput.py --device cuda --systems vpage-bfloat16,transformers-bfloat16 \
+        --hf-batch-sizes 64,128,256                            # on a GPU (vpage with CUDA graphs)
 
 A seeded synthetic trace with ShareGPT-like lengths (log-normal; prompts 16-512 tokens,
 outputs 16-256, ignore_eos) is served by vpage (all requests at once, continuous batching)
@@ -46,7 +48,7 @@ def run_vpage(args) -> dict:
     from vpage.engine import EngineArgs, LLMEngine
 
     torch.set_num_threads(args.threads)
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, device=args.device, quantization=args.quantization,
                                   kv_cache_memory=args.kv_cache_memory,
                                   max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens))
     trace = make_trace(args.num_requests, args.seed, engine.model_config.vocab_size)
@@ -96,7 +98,7 @@ def run_hf(args) -> dict:
     model.load_state_dict(load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"],
                           strict=False)
     model.tie_weights()
-    model.to(getattr(torch, args.dtype))
+    model.to(getattr(torch, args.dtype)).to(args.device)
     trace = make_trace(args.num_requests, args.seed, config.vocab_size)[: args.limit or None]
     pad = 0
     start = time.perf_counter()
@@ -104,8 +106,8 @@ def run_hf(args) -> dict:
     for b in range(0, len(trace), args.batch_size):
         batch = trace[b: b + args.batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=args.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
         new = max(o for _, o in batch)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
@@ -121,7 +123,7 @@ def run_hf(args) -> dict:
 def worker(argv: list[str], args) -> dict:
     cmd = [sys.executable, __file__, "--worker", *argv, "--num-requests", str(args.num_requests),
            "--seed", str(args.seed), "--threads", str(args.threads), "--kv-cache-memory", str(args.kv_cache_memory),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
     print("running:", " ".join(cmd[2:]), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -137,6 +139,7 @@ def main() -> None:
     p.add_argument("--hf-pick-requests", type=int, default=64)
     p.add_argument("--kv-cache-memory", type=float, default=4.0, help="GiB of vpage KV cache")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="both systems run here")
     p.add_argument("--json", default=None, help="write all results to this JSON file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -163,7 +166,8 @@ def main() -> None:
 
     import torch
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    gpu = f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else ""
+    print(f"\nmachine: {gpu}{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, {args.threads} threads; {args.num_requests} requests, seed {args.seed}\n")
     if picks:
         print("transformers batch-size pick on the first", args.hf_pick_requests, "requests: " +

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# One-command GPU check: build with CUDA for the local GPU, run the CUDA tests, the CUDA
-# attention/swap benchmark and the torch SDPA comparisons (decode, tiled prefill), and write
-# OUT_DIR/summary.md.
+# One-command GPU check: build with CUDA for the local GPU, run the CUDA op tests and the
+# engine's CUDA tests, the CUDA attention/swap benchmark, decode step time with and without
+# CUDA graphs, end-to-end throughput against transformers' generate, the engine's swap
+# bandwidth and the torch SDPA comparisons (decode, tiled prefill), and write
+# OUT_DIR/summary.md. Steps run in that order of priority; one that would start with too
+# little time left is skipped with the reason, so a slow step costs only the later ones.
 #   bench/gpu_check.sh OUT_DIR        (PYTHON=... selects the interpreter; default python3)
 # Needs nvcc and cmake; the Python parts run only where torch sees a GPU and pybind11 is
 # importable. Every step runs under `timeout` so the whole check ends within ~8 minutes.
@@ -29,6 +32,21 @@ budget() {
 
 note() { echo "$*" | tee -a "$SUMMARY"; }
 
+# True when at least $1 seconds are left before the deadline (else notes that $2 is skipped).
+has_time() {
+  if [ $(( DEADLINE - $(date +%s) )) -ge "$1" ]; then return 0; fi
+  note "- $2: skipped (out of time)"
+  return 1
+}
+
+# Appends file $2 under heading $1, or says which log to read.
+section() {
+  note ""
+  note "## $1"
+  note ""
+  if [ -s "$2" ]; then cat "$2" >> "$SUMMARY"; else note "failed: see $3"; fi
+}
+
 : > "$SUMMARY"
 note "# vpage GPU check"
 note ""
@@ -44,6 +62,11 @@ WITH_PYTHON=OFF
 if [ -n "$PYBIND11_DIR" ]; then WITH_PYTHON=ON; fi
 note "- torch with CUDA: $HAVE_TORCH_CUDA; Python modules built: $WITH_PYTHON"
 
+if ! nvidia-smi -L > /dev/null 2>&1; then
+  note "- no GPU visible (nvidia-smi -L failed): build, tests and benchmarks skipped"
+  exit 0
+fi
+
 start=$(date +%s)
 timeout "$(budget 60)" cmake -S "$SRC" -B "$BUILD" -DVPAGE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
   -DVPAGE_BUILD_TESTS=OFF -DVPAGE_BUILD_BENCH=ON -DVPAGE_PYTHON=$WITH_PYTHON \
@@ -55,22 +78,36 @@ timeout "$(budget 240)" cmake --build "$BUILD" -j "$(nproc)" --target "${targets
 build_rc=$?
 note "- build (native arch, targets ${targets[*]}): rc $build_rc in $(( $(date +%s) - start )) s"
 
-if [ "$WITH_PYTHON" = ON ] && [ "$HAVE_TORCH_CUDA" = 1 ]; then
+PYOK=0
+if [ "$WITH_PYTHON" = ON ] && [ "$HAVE_TORCH_CUDA" = 1 ] && [ "$build_rc" = 0 ]; then PYOK=1; fi
+NOPY="needs torch with CUDA, pybind11 and a successful build"
+if [ "$PYOK" = 1 ]; then
   rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r "$SRC/python/vpage" "$STAGE/"
   find "$BUILD/python" -maxdepth 1 -name "_*.so" -exec cp {} "$STAGE/vpage/" \;
-  PYTHONPATH="$STAGE" timeout "$(budget 150)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
-    "$SRC/tests/python/test_ops_cuda.py" > "$OUT/pytest.log" 2>&1
-  note "- CUDA tests: rc $? — $(tail -1 "$OUT/pytest.log")"
+  export PYTHONPATH="$STAGE" HF_HUB_OFFLINE=1
+  if has_time 30 "CUDA op tests"; then
+    timeout "$(budget 110)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+      "$SRC/tests/python/test_ops_cuda.py" > "$OUT/pytest.log" 2>&1
+    note "- CUDA op tests: rc $? — $(tail -1 "$OUT/pytest.log")"
+  fi
+  # Graphs vs eager, swap preemption, CUDA vs CPU (float32) and memory profiling.
+  if has_time 30 "engine CUDA tests"; then
+    timeout "$(budget 120)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
+      "$SRC/tests/python/test_engine_cuda.py" > "$OUT/pytest_engine.log" 2>&1
+    note "- engine CUDA tests: rc $? — $(tail -1 "$OUT/pytest_engine.log")"
+  fi
 else
-  note "- CUDA tests: skipped (needs torch with CUDA and pybind11)"
+  note "- CUDA op and engine tests: skipped ($NOPY)"
 fi
 
 BENCH="$BUILD/bench/vpage-bench-cuda-attention"
-if [ -x "$BENCH" ]; then
-  timeout "$(budget 120)" "$BENCH" --batch 1,16,64,256 --context 512,2048,8192,16384 --repeats 10 \
-    --format json > "$OUT/attention_bench.json" 2> "$OUT/attention_bench.err"
-  timeout "$(budget 90)" "$BENCH" --batch 1,64,256 --context 2048,16384 --repeats 10 --format md \
-    > "$OUT/attention_bench.md" 2>> "$OUT/attention_bench.err"
+if [ ! -x "$BENCH" ]; then
+  note "- benchmark binary missing (see build.log)"
+elif has_time 20 "vpage-bench-cuda-attention"; then
+  timeout "$(budget 60)" "$BENCH" --batch 1,64,256 --context 2048,16384 --repeats 10 --format md \
+    > "$OUT/attention_bench.md" 2> "$OUT/attention_bench.err"
+  timeout "$(budget 60)" "$BENCH" --batch 1,16,64,256 --context 512,2048,8192,16384 --repeats 10 \
+    --format json > "$OUT/attention_bench.json" 2>> "$OUT/attention_bench.err"
   note ""
   note "## vpage-bench-cuda-attention"
   note ""
@@ -78,30 +115,50 @@ if [ -x "$BENCH" ]; then
   note ""
   note "Targets: decode attention >= 0.80 of copy bandwidth at batch >= 64 and context >= 2048;"
   note "swap >= 40 GB/s one way for batched transfers of >= 1 MB blocks. (Full sweep: attention_bench.json.)"
-else
-  note "- benchmark binary missing (see build.log)"
 fi
 
-if [ "$WITH_PYTHON" = ON ] && [ "$HAVE_TORCH_CUDA" = 1 ]; then
-  PYTHONPATH="$STAGE" timeout "$(budget 90)" "$PY" "$SRC/bench/bench_attention_cuda.py" --batch 1,16,64 \
-    --context 512,2048,8192 --repeats 10 --out "$OUT/sdpa.md" > "$OUT/sdpa.log" 2>&1
-  note ""
-  note "## Paged decode vs torch SDPA (contiguous K/V)"
-  note ""
-  if [ -s "$OUT/sdpa.md" ]; then cat "$OUT/sdpa.md" >> "$SUMMARY"; else note "failed: see sdpa.log"; fi
+if [ "$PYOK" = 1 ]; then
+  if has_time 30 "decode step time, CUDA graphs vs eager"; then
+    timeout "$(budget 70)" "$PY" "$SRC/bench/bench_decode_cuda.py" --batch 1,8,64 --steps 30 \
+      --out "$OUT/decode_graphs.md" > "$OUT/decode_graphs.log" 2>&1
+    section "Decode step time: CUDA graphs vs eager (default model)" "$OUT/decode_graphs.md" decode_graphs.log
+  fi
+
+  # The 256-request throughput trace; transformers' batch size picked on 64 requests.
+  if has_time 60 "end-to-end throughput vs transformers"; then
+    timeout "$(budget 120)" "$PY" "$SRC/bench/bench_throughput.py" --device cuda \
+      --systems vpage-bfloat16,transformers-bfloat16 --hf-batch-sizes 64,128,256 \
+      --json "$OUT/throughput.json" > "$OUT/throughput.md" 2> "$OUT/throughput.log"
+    section "End-to-end throughput, 256-request trace (vpage vs transformers generate)" "$OUT/throughput.md" \
+      throughput.log
+  fi
+
+  if has_time 15 "engine swap bandwidth"; then
+    timeout "$(budget 30)" "$PY" "$SRC/bench/bench_swap_cuda.py" --blocks 16,64,256 --repeats 10 \
+      --out "$OUT/swap_engine.md" > "$OUT/swap_engine.log" 2>&1
+    section "Engine swap bandwidth (CacheEngine, cache stream, pinned pool)" "$OUT/swap_engine.md" swap_engine.log
+    note ""
+    note "Target: >= 40 GB/s one way for batched transfers of >= 1 MB."
+  fi
+
+  if has_time 20 "paged decode vs torch SDPA"; then
+    timeout "$(budget 45)" "$PY" "$SRC/bench/bench_attention_cuda.py" --batch 1,16,64 \
+      --context 512,2048,8192 --repeats 10 --out "$OUT/sdpa.md" > "$OUT/sdpa.log" 2>&1
+    section "Paged decode vs torch SDPA (contiguous K/V)" "$OUT/sdpa.md" sdpa.log
+  fi
 
   # Tiled paged prefill (whole causal prompts) vs SDPA flash on contiguous K/V.
-  PYTHONPATH="$STAGE" timeout "$(budget 75)" "$PY" "$SRC/bench/bench_attention_cuda.py" --mode prefill \
-    --batch 1,16 --context 512,2048,8192 --repeats 10 --out "$OUT/prefill_sdpa.md" > "$OUT/prefill_sdpa.log" 2>&1
-  note ""
-  note "## Tiled paged prefill vs torch SDPA flash (contiguous K/V, causal prompts)"
-  note ""
-  if [ -s "$OUT/prefill_sdpa.md" ]; then cat "$OUT/prefill_sdpa.md" >> "$SUMMARY"; else note "failed: see prefill_sdpa.log"; fi
-  note ""
-  note "Target: SDPA / vpage >= 0.70 (the tiled prefill at least 0.7x the speed of flash attention)."
+  if has_time 20 "tiled prefill vs torch SDPA flash"; then
+    timeout "$(budget 45)" "$PY" "$SRC/bench/bench_attention_cuda.py" --mode prefill \
+      --batch 1,16 --context 512,2048,8192 --repeats 10 --out "$OUT/prefill_sdpa.md" > "$OUT/prefill_sdpa.log" 2>&1
+    section "Tiled paged prefill vs torch SDPA flash (contiguous K/V, causal prompts)" "$OUT/prefill_sdpa.md" \
+      prefill_sdpa.log
+    note ""
+    note "Target: SDPA / vpage >= 0.70 (the tiled prefill at least 0.7x the speed of flash attention)."
+  fi
 else
   note ""
-  note "- SDPA comparisons (decode, prefill): skipped (needs torch with CUDA and pybind11)"
+  note "- engine benchmarks and SDPA comparisons: skipped ($NOPY)"
 fi
 note ""
 note "Total: $(( $(date +%s) - DEADLINE + 470 )) s"

@@ -30,6 +30,10 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                              "none: dequantize them to --dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (per rank)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: fraction of the GPU's memory for weights, activations and KV cache (default: 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                         help="split the model over this many ranks by attention heads (default: 1)")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
@@ -107,7 +111,9 @@ def _engine(args: argparse.Namespace):
 
     return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                 kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
-                                distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1))
+                                distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1,
+                                gpu_memory_utilization=args.gpu_memory_utilization,
+                                enforce_eager=args.enforce_eager))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -121,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
                              tensor_parallel_size=args.tensor_parallel_size,
                              distributed_executor_backend=args.distributed_executor_backend,
                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=not args.no_prefix_caching)
     options = ServerOptions(

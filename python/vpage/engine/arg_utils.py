@@ -15,7 +15,10 @@ class EngineArgs:
 
     kv_cache_memory: GiB of KV cache. On CPU the default is a quarter of the available
     memory, at most 4 GiB; on CUDA the default comes from profiling a forward pass and
-    ``gpu_memory_utilization``. swap_space: GiB of CPU memory for swapped-out blocks.
+    ``gpu_memory_utilization`` (the fraction of the GPU's memory this engine may use: weights,
+    activations and KV cache). swap_space: GiB of CPU memory for swapped-out blocks (pinned
+    on CUDA). enforce_eager: never capture CUDA graphs (decode steps replay captured graphs
+    on CUDA otherwise; nothing changes on CPU).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -29,6 +32,7 @@ class EngineArgs:
     kv_cache_memory: Optional[float] = None
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0
+    enforce_eager: bool = False
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"

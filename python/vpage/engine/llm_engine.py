@@ -71,7 +71,8 @@ class LLMEngine:
             self.shutdown()
             raise ValueError(
                 f"the KV cache holds {num_gpu_blocks * args.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}: raise kv_cache_memory or lower max_model_len")
+                f"{self.max_model_len}: raise {'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'}"
+                " or lower max_model_len")
         if self.executor is None:
             worker.init_cache(num_gpu_blocks, num_cpu_blocks)
         self.worker = worker

@@ -2,21 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from vpage import _core
+from vpage.engine.cuda_graphs import DecodeGraphs
+from vpage.engine.input_staging import StepInputs
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.loader.model_loader import LoadedModel
 
 
 class ModelRunner:
-    """Wraps the plan's flat buffers (numpy views of C++ memory) as tensors without copying on
-    CPU, runs the model over the flattened batch and computes logits only for sampled rows."""
+    """Runs the model over a plan's flattened batch and computes logits only for sampled rows.
 
-    def __init__(self, loaded: LoadedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    On CPU the plan's flat buffers (numpy views of C++ memory) are wrapped as tensors without
+    copying. On CUDA they go through ``staging`` (reused pinned buffers, asynchronous copies),
+    and decode steps that fit a captured graph replay it (``graphs``; None = always eager).
+    """
+
+    def __init__(self, loaded: LoadedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 staging: Optional[StepInputs] = None, graphs: Optional[DecodeGraphs] = None):
         self.model = loaded.model
         self.device = loaded.device
         self.kv_caches = kv_caches
+        self.staging = staging
+        self.graphs = graphs
 
     def _tensor(self, array) -> torch.Tensor:
         t = torch.from_numpy(array)
@@ -35,8 +46,27 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: _core.SchedulePlan) -> torch.Tensor:
-        """Forward of the plan's tokens; returns float32 logits ``[num_samples, vocab]``."""
-        hidden = self.model(self.batch_of(plan), self.kv_caches)
-        rows = self._tensor(plan.sample_token_indices)
+    def execute(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None) -> torch.Tensor:
+        """Forward of the plan's tokens; returns float32 logits ``[num_samples, vocab]``.
+        ``layer_events`` (CUDA): layer i's attention waits on event i (that layer's swaps)."""
+        if self.staging is None:
+            hidden = self.model(self.batch_of(plan), self.kv_caches)
+            rows = self._tensor(plan.sample_token_indices)
+        else:
+            hidden, rows = self._execute_staged(plan, layer_events)
         return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _execute_staged(self, plan, layer_events: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
+        graph_rows = self.graphs.batch_size_for(plan) if self.graphs is not None else None
+        if graph_rows is not None:
+            if layer_events is not None:  # a captured graph cannot wait per layer: wait for all swaps
+                torch.cuda.current_stream(self.device).wait_event(layer_events[-1])
+            rows = self.staging.upload(plan, ["sample_token_indices"])["sample_token_indices"]
+            return self.graphs.run(plan, graph_rows), rows
+        inputs = self.staging.upload(plan)
+        batch = ForwardBatch(
+            input_ids=inputs["input_ids"], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
+            block_tables=inputs["block_tables"], context_lens=inputs["context_lens"],
+            query_start_loc=inputs["query_start_loc"], max_context_len=plan.max_context_len,
+            max_query_len=plan.max_query_len, layer_events=layer_events)
+        return self.model(batch, self.kv_caches), inputs["sample_token_indices"]

@@ -21,6 +21,9 @@ from vpage.distributed import parallel_state as ps
 from vpage.distributed.step_message import receive_step
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
+from vpage.engine.cuda_graphs import DecodeGraphs
+from vpage.engine.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
+from vpage.engine.input_staging import StepInputs
 from vpage.engine.model_runner import ModelRunner
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.forward_batch import ForwardBatch
@@ -50,8 +53,13 @@ class Worker:
         self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
         self.loaded: LoadedModel = load_model(args.model, args.dtype, args.device, args.quantization)
         self.device = self.loaded.device
+        self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._non_torch_baseline = total - free - torch.cuda.memory_reserved(self.device)
         self.cache: Optional[CacheEngine] = None
         self.runner: Optional[ModelRunner] = None
+        self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by num_blocks
 
     @property
     def cache_config(self) -> ModelConfig:
@@ -71,18 +79,49 @@ class Worker:
         else:
             gpu = self._profile_cuda_blocks(block_bytes, max_model_len)
         cpu = int(args.swap_space * _GIB // block_bytes)
-        if self.tp_size == 1:
-            return gpu, cpu
-        return ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
+        if self.tp_size > 1:
+            gpu, cpu = ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
+        if gpu <= 0 and self.profile is not None:  # after the reduction: every rank raises alike
+            p = self.profile
+            raise ValueError(
+                f"no GPU memory left for the KV cache on {self.device}: the model and a forward of "
+                f"max_num_batched_tokens={args.max_num_batched_tokens} tokens peak at {p['peak_gib']:.2f} GiB, and "
+                f"gpu_memory_utilization={args.gpu_memory_utilization} allows "
+                f"{args.gpu_memory_utilization * p['total_gib']:.2f} of {p['total_gib']:.2f} GiB. Raise "
+                "gpu_memory_utilization, lower max_num_batched_tokens or max_model_len, use a smaller dtype, "
+                "or split the model with tensor_parallel_size > 1")
+        return gpu, cpu
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache = CacheEngine(self.cache_config, self.args.block_size, num_gpu_blocks, num_cpu_blocks, self.device)
-        self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
+        """Allocates the KV cache; on CUDA also the input staging buffers and, unless
+        ``enforce_eager`` (or under tensor parallelism), the decode graphs."""
+        args = self.args
+        if self.device.type != "cuda":
+            self.cache = CacheEngine(self.cache_config, args.block_size, num_gpu_blocks, num_cpu_blocks, self.device)
+            self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
+            return
+        use_graphs = not args.enforce_eager and self.tp_size == 1
+        self.cache = CacheEngine(self.cache_config, args.block_size, num_gpu_blocks, num_cpu_blocks, self.device,
+                                 scratch_blocks=1 if use_graphs else 0)
+        max_model_len = max_model_len_of(args, self.loaded.config.max_model_len)
+        max_blocks = math.ceil(max_model_len / args.block_size)
+        staging = StepInputs(self.device, args.max_num_batched_tokens, args.max_num_seqs, max_blocks, pin=True)
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(self.loaded.model, self.cache.gpu_cache, self.device,
+                                  graph_batch_sizes(min(args.max_num_seqs, args.max_num_batched_tokens)),
+                                  min(max_model_len, MAX_GRAPH_CONTEXT), args.block_size, self.cache.scratch_block)
+        self.runner = ModelRunner(self.loaded, self.cache.gpu_cache, staging, graphs)
 
     def _profile_cuda_blocks(self, block_bytes: int, max_model_len: int) -> int:
-        """Blocks that fit in gpu_memory_utilization of the device after the peak memory of a
-        forward at the largest batch (max_num_batched_tokens tokens in one sequence)."""
+        """Blocks that fit in gpu_memory_utilization of the device's memory after this
+        process's peak without them: torch's peak (weights, and the activations of a forward at
+        the largest batch: max_num_batched_tokens tokens in one sequence, the logits of up to
+        max_num_seqs rows and their softmax) plus what the CUDA memory outside torch's
+        allocator grew by since the model was loaded (cuBLAS workspaces...). At most what is
+        free on the device now. 0 when nothing is left (``num_blocks`` raises)."""
         args, dev = self.args, self.device
+        torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
         n = min(args.max_num_batched_tokens, max_model_len)
@@ -99,22 +138,34 @@ class Worker:
             max_context_len=n, max_query_len=n)
         with torch.inference_mode():
             hidden = runner.model(batch, probe.gpu_cache)
-            runner.model.compute_logits(hidden[-1:])
+            logits = runner.model.compute_logits(hidden[-min(args.max_num_seqs, n):])
+            logits.softmax(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
-        del probe, runner, hidden
-        total = torch.cuda.get_device_properties(dev).total_memory
-        return max(int((total * args.gpu_memory_utilization - peak) // block_bytes), 0)
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(dev) - self._non_torch_baseline)
+        del probe, runner, batch, hidden, logits
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = total * args.gpu_memory_utilization - peak - non_torch
+        self.profile = dict(peak_gib=(peak + non_torch) / _GIB, budget_gib=budget / _GIB, total_gib=total / _GIB)
+        blocks = max(int(budget // block_bytes), 0)
+        if blocks * block_bytes > free:
+            logger.warning("vpage: only %.2f GiB free on %s (other processes?): the KV cache gets %d blocks, not %d",
+                           free / _GIB, dev, free // block_bytes, blocks)
+            blocks = int(free // block_bytes)
+        return blocks
 
     def execute(self, plan) -> Optional[torch.Tensor]:
         """Block moves (swap out, swap in, copy: in that order), then the forward of the plan's
-        rows; the float32 logits of the sampled rows on rank 0, None elsewhere or without rows."""
-        self.cache.swap_out(plan.blocks_to_swap_out)
-        self.cache.swap_in(plan.blocks_to_swap_in)
+        rows; the float32 logits of the sampled rows on rank 0, None elsewhere or without rows.
+        On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
+        self.cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         self.cache.copy(plan.blocks_to_copy)
         if not plan.num_seqs:
+            self.cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
             return None
-        return self.runner.execute(plan)
+        return self.runner.execute(plan, self.cache.take_layer_events())
 
     def serve_steps(self) -> None:
         """A non-driver rank: runs the driver's steps until it sends shutdown."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,6 +25,8 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, prefix sums of query lengths
     max_context_len: int  # max(context_lens)
     max_query_len: int  # longest query; 1 means a decode-only step
+    # CUDA only: layer i's attention waits on event i (that layer's swaps); None = nothing to wait for
+    layer_events: Optional[list] = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,11 @@ from vpage.model_executor.forward_batch import ForwardBatch
 
 
 class PagedAttention(nn.Module):
-    """Multi-head attention (MHA/GQA/MQA) over the paged KV cache of one layer."""
+    """Multi-head attention (MHA/GQA/MQA) over the paged KV cache of layer ``layer_index``."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, layer_index: int = 0):
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -34,6 +35,8 @@ class PagedAttention(nn.Module):
         kv_cache: (key_cache, value_cache) in the layout of ``vpage.ops``.
         """
         key_cache, value_cache = kv_cache
+        if batch.layer_events is not None:  # this layer's swaps (cache stream) before its K/V is used
+            torch.cuda.current_stream(key_cache.device).wait_event(batch.layer_events[self.layer_index])
         ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping)
         out = torch.empty_like(query)
         if batch.is_decode:

@@ -68,7 +68,7 @@ class LlamaAttention(nn.Module):
     heads (a share, or one replicated head) in ``qkv_proj`` (column-parallel) and the
     matching input columns of ``o_proj`` (row-parallel: one all-reduce)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, layer_index: int = 0):
         super().__init__()
         rank, size = tp_rank(), tp_size()
         total_heads, total_kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
@@ -83,7 +83,8 @@ class LlamaAttention(nn.Module):
             hf_config.hidden_size, [(rank * self.q_size, self.q_size), (kv_start, self.kv_size),
                                     (kv_start, self.kv_size)], qkv_bias, dtype)
         self.o_proj = RowParallelLinear(total_heads * self.head_size, hf_config.hidden_size, o_bias, dtype)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
+                                   layer_index)
 
     def shard_sizes(self) -> list[int]:
         """Rows of the q, k and v parts inside ``qkv_proj``."""
@@ -131,11 +132,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, residual adds fused into the norms."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 layer_index: int = 0):
         super().__init__()
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, dtype, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(hf_config, dtype, qkv_bias, o_bias, layer_index)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(hf_config, dtype, mlp_bias)
 
@@ -161,8 +163,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, dtype, qkv_bias, o_bias, mlp_bias)
-            for _ in range(hf_config.num_hidden_layers)
+            LlamaDecoderLayer(hf_config, dtype, qkv_bias, o_bias, mlp_bias, i)
+            for i in range(hf_config.num_hidden_layers)
         )
         self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
         theta, scaling = rope_settings(hf_config)
