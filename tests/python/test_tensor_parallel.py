@@ -225,6 +225,13 @@ def test_bad_configuration_fails_before_any_process_starts(folders, kwargs, mess
     assert not children()
 
 
+def test_bad_all_reduce_mode_fails_before_any_process_starts(folders, monkeypatch):
+    monkeypatch.setenv("VPAGE_TP_ALLREDUCE", "tcp")
+    with pytest.raises(ValueError, match="VPAGE_TP_ALLREDUCE must be one of"):
+        make_engine(folders["qwen2 kv split, qkv bias"], 2)
+    assert not children()
+
+
 def test_ray_backend_missing_is_a_clear_error(folders, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ValueError, match=r"needs Ray: pip install 'vpage\[ray\]'"):
