@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "vpage/common.h"
 #include "vpage/kernels/half.h"
@@ -19,7 +20,12 @@ namespace {
 using Generation = std::atomic<uint64_t>;
 static_assert(Generation::is_always_lock_free, "the generation counters must be lock-free");
 
-constexpr int kSpinsBeforeYield = 4096;  // then sched_yield: ranks may outnumber the cores
+// Waiting: spin (a peer arriving within microseconds is the common case), then yield (ranks may
+// outnumber the cores), then, once the wait has lasted a while, sleep in short naps so that a
+// slow peer sharing this core, or other work on the machine, gets the CPU.
+constexpr int kSpinsBeforeYield = 4096;
+constexpr auto kYieldFor = std::chrono::milliseconds(1);
+constexpr auto kNap = std::chrono::microseconds(50);
 constexpr int64_t kBlock = 512;          // elements summed at a time in a float32 stack buffer
 
 struct SlotHeader {  // the operation a slot's chunk belongs to (checked equal over the ranks)
@@ -116,8 +122,8 @@ char* ShmAllReduce::slot(int rank, uint64_t generation) const {
 // never two (g + 2 needs this rank's g + 1): hence ">=".
 bool ShmAllReduce::wait_for_peers(uint64_t generation, double timeout_s) const {
   using Clock = std::chrono::steady_clock;
-  const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   for (int r = 0; r < world_size_; ++r) {
     const Generation& peer = generation_of(segment_, r);
     for (int spins = 0; peer.load(std::memory_order_acquire) < generation; ++spins) {
@@ -125,8 +131,13 @@ bool ShmAllReduce::wait_for_peers(uint64_t generation, double timeout_s) const {
         cpu_relax();
         continue;
       }
-      if (Clock::now() > deadline) return false;
-      sched_yield();
+      const auto now = Clock::now();
+      if (now > deadline) return false;
+      if (now - start < kYieldFor) {
+        sched_yield();
+      } else {
+        std::this_thread::sleep_for(kNap);
+      }
     }
   }
   return true;
