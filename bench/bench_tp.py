@@ -1,10 +1,11 @@
 """Tensor parallelism on this machine: engine step time with tp = 1 and tp = 2, split into
 compute, all-reduce, logits gather and step broadcast (perf counters around the collectives,
-read on the driver, rank 0).
+read on the driver, rank 0), with the all-reduce through shared memory and through gloo.
 
     python bench/bench_tp.py --even-heads           # SmolLM2-135M's shape with 8 heads / 4 KV heads, tp 1 and 2
     python bench/bench_tp.py --sizes 1,3            # the default model (9 heads, 3 KV heads: tp 1, 3 or 9)
     python bench/bench_tp.py --steps 10 --threads 2 --markdown out.md
+    python bench/bench_tp.py --even-heads --allreduce shm       # only the shared-memory all-reduce
 
 The default model cannot run with tp = 2 (9 query heads), so ``--even-heads`` builds a random
 model of SmolLM2-135M's size (30 layers, hidden 576, MLP 1536, vocabulary 49,152, tied
@@ -17,11 +18,14 @@ The all-reduce time measured on the driver includes waiting for the slower rank 
 imbalance on a shared machine shows up there, not in compute). "compute" is the step minus
 the collectives (it includes scheduling, sampling and output processing on the driver).
 Threads: ``--threads`` in total, split evenly over the ranks (tp = 2: half each).
+Last, the all-reduces alone: 61 back-to-back of one step's size between idle processes, per
+transport (VPAGE_TP_ALLREDUCE), and single all-reduces of a few sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -54,9 +58,10 @@ def timed_steps(engine, count: int):
     return rows
 
 
-def bench_size(model, tp: int, threads: int, args) -> dict:
+def bench_size(model, tp: int, threads: int, transport: str, args) -> dict:
     from vpage import EngineArgs, LLMEngine, SamplingParams
 
+    os.environ["VPAGE_TP_ALLREDUCE"] = transport  # read by rank 0 when the engine starts
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization="none", kv_cache_memory=0.5,
                                   num_threads=threads, tensor_parallel_size=tp, enable_prefix_caching=False,
                                   max_num_batched_tokens=2048, max_num_seqs=256))
@@ -96,27 +101,35 @@ def even_heads_model(folder: Path) -> str:
     return str(folder)
 
 
-def _allreduce_rank(rank: int, size: int, port: int, shape, count: int, repeat: int, out) -> None:
+def _allreduce_rank(rank: int, size: int, port: int, transport: str, runs, repeat: int, out) -> None:
     import torch.distributed as dist
 
+    from vpage.distributed import parallel_state as ps
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
-    x = torch.ones(shape)
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(count):
-            dist.all_reduce(x)
-        times.append(time.perf_counter() - start)
+    os.environ["VPAGE_TP_ALLREDUCE"] = transport
+    ps.init_tensor_parallel(rank, size, f"tcp://127.0.0.1:{port}", "gloo", 120.0)
+    assert ps.all_reduce_transport() == transport
+    medians = []
+    for shape, count in runs:
+        x = torch.ones(shape)
+        times = []
+        for _ in range(repeat):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(count):
+                ps.all_reduce(x)
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
     if rank == 0:
-        out.put(statistics.median(times))
-    dist.destroy_process_group()
+        out.put(medians)
+    ps.destroy_tensor_parallel()
 
 
-def allreduce_alone(size: int, shape, count: int, repeat: int = 5) -> float:
-    """Seconds of ``count`` back-to-back gloo all-reduces of ``shape`` float32 over ``size``
-    local processes with nothing else to do: the transfer cost without waiting for a slower rank."""
+def allreduce_alone(size: int, transport: str, runs, repeat: int = 5) -> list[float]:
+    """For each (shape, count) of ``runs``: seconds of ``count`` back-to-back all-reduces of
+    ``shape`` float32 over ``size`` local processes with nothing else to do, through
+    ``transport`` (shm or gloo): the transfer cost without waiting for a slower rank."""
     import multiprocessing as mp
 
     from vpage.executor.base import free_port
@@ -124,7 +137,7 @@ def allreduce_alone(size: int, shape, count: int, repeat: int = 5) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, shape, count, repeat, out))
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, transport, runs, repeat, out))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -147,6 +160,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the default model (SmolLM2-135M)")
     parser.add_argument("--even-heads", action="store_true", help="a random SmolLM2-sized model with 8 heads")
     parser.add_argument("--sizes", default="1,2")
+    parser.add_argument("--allreduce", default="shm,gloo", help="all-reduce transports to run tp > 1 with")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=2048)
@@ -167,24 +181,39 @@ def main() -> None:
     lines = [f"machine: {machine_description()}, CPU ISA {_core.cpu_isa()}, torch {torch.__version__}, "
              f"float32, block size 16, {args.threads} threads in total; model: {model_name}",
              "",
-             "| tp | phase | step ms (p10-p90) | compute ms | all-reduce ms | gather ms | broadcast ms | comm share |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for tp in [int(s) for s in args.sizes.split(",")]:
-        result = bench_size(args.model, tp, args.threads, args)
-        for phase in ("decode", "prefill"):
-            s = summarize(result[phase])
-            label = f"decode, batch {args.batch}" if phase == "decode" else f"prefill, {args.prefill} tokens"
-            lines.append(f"| {tp} | {label} | {s['step'] * 1e3:.1f} ({s['p10'] * 1e3:.1f}-{s['p90'] * 1e3:.1f}) | "
-                         f"{s['compute'] * 1e3:.1f} | {s['allreduce'] * 1e3:.2f} | {s['gather'] * 1e3:.2f} | "
-                         f"{s['bcast'] * 1e3:.2f} | {100 * s['comm_share']:.1f}% |")
-            print(lines[-1], flush=True)
+             "| tp | all-reduce | phase | step ms (p10-p90) | compute ms | all-reduce ms | gather ms | broadcast ms "
+             "| comm share |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    transports = args.allreduce.split(",")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for tp in sizes:
+        for transport in transports if tp > 1 else ["-"]:
+            result = bench_size(args.model, tp, args.threads, transport if tp > 1 else "auto", args)
+            for phase in ("decode", "prefill"):
+                s = summarize(result[phase])
+                label = f"decode, batch {args.batch}" if phase == "decode" else f"prefill, {args.prefill} tokens"
+                lines.append(f"| {tp} | {transport} | {label} | {s['step'] * 1e3:.1f} ({s['p10'] * 1e3:.1f}-"
+                             f"{s['p90'] * 1e3:.1f}) | {s['compute'] * 1e3:.1f} | {s['allreduce'] * 1e3:.2f} | "
+                             f"{s['gather'] * 1e3:.2f} | {s['bcast'] * 1e3:.2f} | {100 * s['comm_share']:.1f}% |")
+                print(lines[-1], flush=True)
     hidden = 576
-    for tp in [int(x) for x in args.sizes.split(",") if int(x) > 1]:
-        for tokens, label in ((args.batch, "decode"), (args.prefill, "prefill")):
-            alone = allreduce_alone(tp, (tokens, hidden), 61)
-            lines.append(f"\n{label}: 61 all-reduces of [{tokens}, {hidden}] float32 (one step's) between {tp} idle "
-                         f"local processes, gloo, nothing else running: {alone * 1e3:.2f} ms")
-            print(lines[-1], flush=True)
+    steps = [((args.batch, hidden), 61, f"decode: 61 all-reduces of [{args.batch}, {hidden}] float32 (one step's)"),
+             ((args.prefill, hidden), 61, f"prefill: 61 all-reduces of [{args.prefill}, {hidden}] float32 (one step's)")]
+    singles = [((1,), 200, "1 all-reduce of 4 bytes"), ((1024,), 200, "1 all-reduce of 4 KB"),
+               ((64, hidden), 200, f"1 all-reduce of [64, {hidden}] float32 (147 KB)"),
+               ((2048, hidden), 20, f"1 all-reduce of [2048, {hidden}] float32 (4.7 MB)")]
+    for tp in [s for s in sizes if s > 1]:
+        first = len(lines)
+        lines += ["", f"All-reduces alone between {tp} idle local processes (1 thread each), nothing else running:", "",
+                  "| all-reduces | " + " | ".join(f"{t} ms" for t in transports) + " |",
+                  "|---|" + "---:|" * len(transports)]
+        runs = [(shape, count) for shape, count, _ in steps + singles]
+        timed = {t: allreduce_alone(tp, t, runs) for t in transports}
+        for i, (shape, count, label) in enumerate(steps + singles):
+            per_call = 1 if count == 61 else count  # steps: the whole step's 61; singles: per call
+            cells = " | ".join(f"{timed[t][i] / per_call * 1e3:.3f}" for t in transports)
+            lines.append(f"| {label} | {cells} |")
+        print("\n".join(lines[first:]), flush=True)
     print("\n".join(lines))
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines) + "\n")

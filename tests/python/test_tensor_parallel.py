@@ -1,9 +1,10 @@
 """Tensor parallelism on tiny random models saved to disk, on CPU (gloo): greedy outputs with
 tp = 2 and 3 equal tp = 1's (KV heads split and replicated, tied and untied embeddings, a
 vocabulary the ranks cannot split evenly); so do preemption by swap and by recompute, prefix
-caching, seeded parallel sampling and beam search. A killed worker makes the engine raise
-within seconds and leaves no process behind; bad configurations fail before any process
-starts. The Ray executor runs once on a local Ray instance the test starts and stops.
+caching, seeded parallel sampling and beam search. The all-reduce goes through shared memory
+by default and through gloo when VPAGE_TP_ALLREDUCE=gloo. A killed worker makes the engine
+raise within seconds and leaves no process and no shared-memory segment behind; bad
+configurations fail before any process starts. The Ray executor runs once on a local Ray instance the test starts and stops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 
 from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams
+from vpage.distributed import parallel_state as ps
+from vpage.distributed.shm_comm import SHM_DIR
 from vpage.executor.base import WorkerDiedError
 
 BS = 8
@@ -59,6 +62,11 @@ def children() -> list[psutil.Process]:
     return out
 
 
+def segments() -> set[str]:
+    """The shared-memory all-reduce's segment names (unlinked once every rank has mapped it)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("vpage-tp-")} if os.path.isdir(SHM_DIR) else set()
+
+
 def make_engine(folder, tp: int = 1, **kwargs) -> LLMEngine:
     args = dict(model=str(folder), dtype="float32", kv_cache_memory=0.01, block_size=BS, num_threads=tp,
                 tensor_parallel_size=tp)
@@ -83,11 +91,12 @@ def greedy(max_tokens: int = 10) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def tp_vs_single(folder, tp: int, requests, **kwargs):
+def tp_vs_single(folder, tp: int, requests, transport: str = "shm", **kwargs):
     """(tp=1 outputs, tp outputs, tp engine stats); the tp engine is shut down."""
     expected = run(make_engine(folder, **kwargs), requests)
     engine = make_engine(folder, tp, **kwargs)
     try:
+        assert ps.all_reduce_transport() == transport
         got = run(engine, requests)
         stats = engine.get_stats()
     finally:
@@ -100,6 +109,13 @@ def tp_vs_single(folder, tp: int, requests, **kwargs):
 def test_greedy_matches_single_rank(folders, case):
     _, _, tp = CASES[case]
     expected, got, _ = tp_vs_single(folders[case], tp, [(p, greedy()) for p in PROMPTS])
+    assert got == expected
+
+
+def test_gloo_all_reduce_when_forced(folders, monkeypatch):
+    monkeypatch.setenv("VPAGE_TP_ALLREDUCE", "gloo")  # the spawned worker inherits it
+    expected, got, _ = tp_vs_single(folders["llama kv split, untied, odd vocab"], 2, [(p, greedy()) for p in PROMPTS],
+                                    transport="gloo")
     assert got == expected
 
 
@@ -133,7 +149,9 @@ def test_preemption_sampling_and_beams_match_single_rank(folders, mode, budget):
 
 
 def test_killed_worker_raises_quickly_and_leaves_no_process(folders):
+    before = segments()
     engine = make_engine(folders["qwen2 kv split, qkv bias"], 2)
+    assert ps.all_reduce_transport() == "shm"
     (worker,) = children()
     engine.add_request("r", PROMPTS[2], greedy(200))
     engine.step()
@@ -147,6 +165,7 @@ def test_killed_worker_raises_quickly_and_leaves_no_process(folders):
         engine.step()
     engine.shutdown()
     assert not children()
+    assert segments() == before
 
 
 _DRIVER = """
@@ -170,6 +189,7 @@ def _gone(pids: list[int], seconds: float) -> bool:
 
 @pytest.mark.parametrize("how", ["SIGKILL", "Ctrl-C"])
 def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
+    before = segments()
     script = _DRIVER.format(folder=str(folders["qwen2 kv split, qkv bias"]))
     driver = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=os.environ, start_new_session=True)
@@ -187,6 +207,7 @@ def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
         if how == "Ctrl-C":
             assert "KeyboardInterrupt" in driver.stderr.read()
         assert _gone(pids, 10)
+        assert segments() == before
     finally:
         driver.kill()
         driver.wait()
@@ -201,6 +222,13 @@ def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
 def test_bad_configuration_fails_before_any_process_starts(folders, kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_engine(folders["qwen2 kv split, qkv bias"], **{"num_threads": 1, **kwargs})
+    assert not children()
+
+
+def test_bad_all_reduce_mode_fails_before_any_process_starts(folders, monkeypatch):
+    monkeypatch.setenv("VPAGE_TP_ALLREDUCE", "tcp")
+    with pytest.raises(ValueError, match="VPAGE_TP_ALLREDUCE must be one of"):
+        make_engine(folders["qwen2 kv split, qkv bias"], 2)
     assert not children()
 
 

@@ -4,6 +4,8 @@ Size 1 (the default, no process group) makes every collective a no-op, so a mode
 without tensor parallelism runs exactly the single-process code. ``init_tensor_parallel``
 sets rank and size before the model is built; the layers read them at construction.
 Each collective adds its wall time to ``COMM_TIME`` (seconds), which the benchmark reads.
+CPU ranks on one machine sum through shared memory (``shm_comm``); everything else goes
+through torch.distributed (gloo on CPU, NCCL on CUDA).
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from vpage.distributed import shm_comm
+
 
 @dataclass
 class _State:
     rank: int = 0
     size: int = 1
     control: Optional[dist.ProcessGroup] = None  # the step header broadcast (long timeout: idle workers wait)
+    shm: Optional[shm_comm.ShmCommunicator] = None  # all-reduce of CPU tensors when every rank is on this machine
 
 
 _STATE = _State()
@@ -54,11 +59,14 @@ def tp_size() -> int:
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float) -> None:
     """Joins the process group of ``size`` ranks (``init_method`` a tcp:// address). The model's
     collectives time out after ``timeout_s`` (a backstop: a dead peer normally errors at
-    once); the step header broadcast, where idle workers wait, after a week."""
+    once); the step header broadcast, where idle workers wait, after a week. With gloo, the
+    all-reduce goes through shared memory when the ranks share this machine (VPAGE_TP_ALLREDUCE)."""
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     _STATE.rank, _STATE.size = rank, size
     _STATE.control = dist.new_group(list(range(size)), timeout=timedelta(days=7), backend=backend)
+    if backend == "gloo":
+        _STATE.shm = shm_comm.connect(rank, size, timeout_s)
 
 
 def set_tensor_parallel_for_testing(rank: int, size: int) -> None:
@@ -83,7 +91,17 @@ def is_active() -> bool:
     return _STATE.control is not None
 
 
+def all_reduce_transport() -> str:
+    """What sums CPU tensors over the ranks: "shm", "gloo" (or "nccl"), or "none" without a group."""
+    if _STATE.shm is not None:
+        return "shm"
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
 def destroy_tensor_parallel() -> None:
+    shm, _STATE.shm = _STATE.shm, None
+    if shm is not None:
+        shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE.rank, _STATE.size, _STATE.control = 0, 1, None
@@ -94,7 +112,10 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.size == 1:
         return x
     start = time.perf_counter()
-    dist.all_reduce(x)
+    if _STATE.shm is not None and _STATE.shm.handles(x):
+        _STATE.shm.all_reduce(x)
+    else:
+        dist.all_reduce(x)
     COMM_TIME.all_reduce += time.perf_counter() - start
     return x
 

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from vpage.distributed import parallel_state as ps
+from vpage.distributed.shm_comm import requested_mode
 from vpage.distributed.step_message import has_work, send_shutdown, send_step
 from vpage.engine.arg_utils import EngineArgs
 from vpage.executor.errors import WorkerDiedError
@@ -44,6 +45,7 @@ def validate_tensor_parallel(args: EngineArgs) -> tuple[str, int]:
     """Checks the configuration before any process starts; returns the torch.distributed
     backend (gloo on CPU, nccl on CUDA) and max_model_len. Raises ValueError naming what works."""
     size = args.tensor_parallel_size
+    requested_mode()  # a bad VPAGE_TP_ALLREDUCE fails here, not in the ranks
     hf = load_hf_config(args.model)
     check_head_split(hf.num_attention_heads, num_kv_heads_of(hf), size)
     if hf.intermediate_size % size:
