@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from test_engine_smollm2 import PROMPTS
 from test_ops_cuda import requires_cuda
 from vpage.engine.cache_engine import CacheEngine, bytes_per_block
 from vpage.engine.graph_buckets import (MAX_GRAPH_BATCH, fill_padded_decode, graph_batch_for, graph_batch_sizes,
@@ -23,16 +24,6 @@ from vpage.engine.graph_buckets import (MAX_GRAPH_BATCH, fill_padded_decode, gra
 from vpage.engine.input_staging import StagingBuffer, StepInputs
 from vpage.model_executor.config import ModelConfig
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
-    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who",
-    "Counting: 1, 2, 3, 4, 5,",
-    "Paged attention splits the key-value cache of a language model into fixed-size blocks so that",
-    "Q: Why is the sky blue?\nA:",
-    "Here is a short poem about the sea:\n",
-]
 
 # ------------------------------------------------------------------ device-agnostic parts
 

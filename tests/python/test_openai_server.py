@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from live_server import LiveServer
+from live_server import LiveServer, stream_events
 
 MAX_NUM_SEQS = 8
 
@@ -318,3 +318,23 @@ def test_metrics_have_vllm_names_and_the_model_label(server):
     for name in names:
         assert f'vpage:{name}{{' in text and 'model_name="smollm2"' in text, name
     assert 'vpage:request_success_total{finished_reason="length",model_name="smollm2"}' in text
+
+
+def test_latency_metrics_keep_streamed_and_whole_responses_apart(server):
+    def count(stream: str) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("GET", "/metrics")
+        lines = conn.getresponse().read().decode().splitlines()
+        conn.close()
+        key = f'vpage:e2e_request_latency_seconds_count{{model_name="smollm2",stream="{stream}"}}'
+        return float(next(line for line in lines if line.startswith(key)).rsplit(" ", 1)[1])
+
+    before = count("true"), count("false")
+    body = {"prompt": "Hello", "max_tokens": 2}
+    assert server.request("POST", "/v1/completions", body)[0] == 200
+    assert server.request("POST", "/v1/completions", body)[0] == 200
+    stream_events(server, "/v1/completions", body)
+    deadline = time.monotonic() + 10
+    while (count("true"), count("false")) != (before[0] + 1, before[1] + 2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (count("true"), count("false")) == (before[0] + 1, before[1] + 2)

@@ -26,6 +26,7 @@ class _Progress:
     tokens: int = 0  # output tokens seen so far
     last_time: Optional[float] = None  # when the last of them arrived
     queued: bool = False  # queue time observed
+    stream: str = "false"  # the ``stream`` label: "true" for a streamed response
 
 
 class ServerMetrics:
@@ -57,11 +58,18 @@ class ServerMetrics:
         self.cache_hits = counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
         self.success = Counter("vpage:request_success_total", "Requests finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
-        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
+        # Two SLOs: a streamed response is judged by its first token (and TPOT), a whole one by
+        # its last; the ``stream`` label (beyond vLLM's names) keeps them apart.
+        self.ttft = Histogram("vpage:time_to_first_token_seconds", "Arrival to first token.",
+                              ["model_name", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _LATENCY_BUCKETS)
         self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
                               _LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+        self.e2e = Histogram("vpage:e2e_request_latency_seconds", "Arrival to last token.",
+                             ["model_name", "stream"], buckets=_LATENCY_BUCKETS, registry=r)
+        for stream in ("true", "false"):  # exported from the start, at zero
+            self.ttft.labels(model_name, stream)
+            self.e2e.labels(model_name, stream)
         self.queue = histogram("request_queue_time_seconds",
                                "Arrival to the start of the step that produced the first token.", _LATENCY_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
@@ -118,7 +126,7 @@ class ServerMetrics:
         if tokens > progress.tokens:
             if progress.tokens == 0:
                 first = out.metrics.first_token_time or now
-                self.ttft.observe(max(first - arrival, 0.0))
+                self.ttft.labels(self.model_name, progress.stream).observe(max(first - arrival, 0.0))
             elif progress.last_time is not None:
                 per_token = (now - progress.last_time) / (tokens - progress.tokens)
                 for _ in range(min(tokens - progress.tokens, 64)):
@@ -127,7 +135,7 @@ class ServerMetrics:
         if out.finished:
             self._progress.pop(out.request_id, None)
             finished = out.metrics.finished_time or now
-            self.e2e.observe(max(finished - arrival, 0.0))
+            self.e2e.labels(self.model_name, progress.stream).observe(max(finished - arrival, 0.0))
             first = out.metrics.first_token_time
             if first is not None and tokens > 1:
                 self.tpot.observe((finished - first) / (tokens - 1))
@@ -136,6 +144,8 @@ class ServerMetrics:
             self.success.labels(self.model_name, reason).inc()
             self.request_generation.observe(sum(len(c.token_ids) for c in out.outputs))
 
-    def on_prompt(self, num_tokens: int) -> None:
-        """A request admitted with a prompt of ``num_tokens`` tokens."""
+    def on_prompt(self, request_id: str, num_tokens: int, stream: bool) -> None:
+        """Engine request ``request_id`` admitted with a prompt of ``num_tokens`` tokens, for a
+        streamed response or not."""
         self.request_prompt.observe(num_tokens)
+        self._progress[request_id] = _Progress(stream="true" if stream else "false")

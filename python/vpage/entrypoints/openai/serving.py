@@ -94,8 +94,8 @@ class OpenAIServing:
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
+                self.metrics.on_prompt(f"{request_id}-{i}", len(ids), bool(req.stream))
                 streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt))
-                self.metrics.on_prompt(len(ids))
         except EngineDeadError:
             self.abort(streams)
             raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
