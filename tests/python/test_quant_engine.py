@@ -16,9 +16,11 @@ from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, Quantiz
 
 # Logprob gap between the float path's two best tokens that counts as a tie: batched decode
 # multiplies in float32 like the float path (only summation order differs); single-stream
-# decode rounds x to 8 bits, which moves the chosen tokens' logprobs by ~0.015 (median) and
-# up to ~0.12 over 16 tokens on these prompts (measured), so ties are wider there.
-NEAR_TIE = {False: 0.05, True: 0.25}
+# decode rounds x to 8 bits, which moves the chosen tokens' logprobs by ~0.015 (median) and,
+# over 16 tokens on these prompts, up to 0.12-0.29 (measured in two runs), so ties are wider
+# there. A wrong scale or offset in the integer path moves them by whole units.
+NEAR_TIE = {False: 0.05, True: 0.5}
+MEDIAN_DRIFT = {False: 0.01, True: 0.05}
 _ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory=0.25, swap_space=0.0, max_model_len=512,
                max_num_batched_tokens=512)
 
@@ -68,7 +70,7 @@ def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, 
         assert a[i] in top, (prompt, i)
         assert max(lp.logprob for lp in top.values()) - top[a[i]].logprob < NEAR_TIE[one_at_a_time], (prompt, i)
     assert equal >= len(PROMPTS) - 3
-    assert sorted(drift)[len(drift) // 2] < NEAR_TIE[one_at_a_time] / 5 and max(drift) < NEAR_TIE[one_at_a_time]
+    assert sorted(drift)[len(drift) // 2] < MEDIAN_DRIFT[one_at_a_time] and max(drift) < NEAR_TIE[one_at_a_time]
 
 
 _MEASURE = """
