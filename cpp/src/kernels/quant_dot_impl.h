@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_blocks.h"  // load_f16, in namespace qmm
 #include "quant_task.h"
@@ -194,7 +195,9 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
   const int32_t blocks = a.k / 32;
   const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
   float values[kXRowsPerPass];
-  thread_local float out_rows[kQuantIntegerPathRows * kMaxDotTaskRows];  // [m, rows] for quant_store_out
+  thread_local std::vector<float> out_buffer;  // [m, rows_per_task] for quant_store_out
+  out_buffer.resize(static_cast<size_t>(a.m) * rows_per_task);
+  float* out_rows = out_buffer.data();
   int32_t r = 0;
   if (a.m == 1) {
     for (; r + 4 <= rows; r += 4) {

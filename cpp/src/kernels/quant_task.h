@@ -26,10 +26,6 @@ struct QuantizedX {
   const float* s = nullptr;
 };
 
-/// The integer decode path runs tasks of at most this many weight rows (the bound of its
-/// per-thread output buffer, with kQuantIntegerPathRows x rows).
-constexpr int32_t kMaxDotTaskRows = 64;
-
 /// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
 /// (args.x is ignored); writes out rows for the task's columns.
 using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_t x_stride, const QuantPlan& plan,
@@ -40,7 +36,7 @@ using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_
 /// Quantizes m rows of x (k a multiple of 32) into q, d, s (see QuantizedX).
 using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
 /// Integer decode path, 32-value formats only (Q4_0, Q4_1, Q8_0), m <= kQuantIntegerPathRows: task
-/// `task` covers weight rows [task * rows_per_task, ...), rows_per_task <= kMaxDotTaskRows.
+/// `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
                                 int64_t task);
 
