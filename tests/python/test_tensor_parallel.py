@@ -174,7 +174,8 @@ from vpage import LLM, SamplingParams
 llm = LLM({folder!r}, dtype="float32", kv_cache_memory=0.01, block_size=8, tensor_parallel_size=2, num_threads=2)
 print(*[p.pid for p in psutil.Process().children() if "resource_tracker" not in " ".join(p.cmdline())], flush=True)
 sys.stdin.readline()
-llm.generate([[5, 9, 17]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+while True:  # still generating whenever the signal comes (one generate can end within a second)
+    llm.generate([[5, 9, 17]] * 4, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
 """
 
 
