@@ -14,6 +14,7 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/sampler_ops.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp
   ${_vpage_kernels_dir}/quant_matmul.cpp
+  ${_vpage_kernels_dir}/decoder_forward.cpp
   ${_vpage_kernels_dir}/quant_generic.cpp)
 
 # Rotary, layer and sampler ops: no FMA contraction, so float32 results equal torch's unfused

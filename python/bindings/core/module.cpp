@@ -11,4 +11,5 @@ PYBIND11_MODULE(_core, m) {
   vpage::bindings::bind_cpu_kernels(m);
   vpage::bindings::bind_quant(m);
   vpage::bindings::bind_shm_allreduce(m);
+  vpage::bindings::bind_decoder(m);
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from vpage.model_executor.layers.quant_linear import (QuantizedEmbedding, Quanti
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding
 from vpage.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -51,8 +52,10 @@ def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
 
 
-def _check_same_caches(kv_caches: list[KVCache]) -> None:
-    """Every layer's (key_cache, value_cache) has layer 0's shapes, dtype and device."""
+def _check_caches(kv_caches: list[KVCache], num_layers: int) -> None:
+    """One (key_cache, value_cache) per layer, each with layer 0's shapes, dtype and device."""
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"expected {num_layers} KV caches, got {len(kv_caches)}")
     key0, value0 = kv_caches[0]
     for i, (key, value) in enumerate(kv_caches):
         if (key.shape != key0.shape or value.shape != value0.shape or key.dtype != key0.dtype
@@ -183,6 +186,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype):
         super().__init__()
         self.dtype = dtype
+        # Whether forward may run the C++ layer loop (models/cpu_decoder.py) when the model
+        # qualifies; tests turn it off to compare with the layer-by-layer path.
+        self.use_cpu_decoder = True
+        self._cpu_decoder: tuple[Any, Optional[CpuDecoder]] = (None, None)  # (caches it was built for, loop)
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         self.model = LlamaModel(
             hf_config,
@@ -206,9 +213,10 @@ class LlamaForCausalLM(nn.Module):
         """
         model = self.model
         layers = model.layers
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"expected {len(layers)} KV caches, got {len(kv_caches)}")
-        _check_same_caches(kv_caches)
+        decoder = self._decoder_for(kv_caches)
+        if decoder is not None and batch.layer_events is None:
+            return decoder.forward(model.embed_tokens(batch.input_ids), batch)
+        _check_caches(kv_caches, len(layers))
         h, residual = model.embed_tokens(batch.input_ids), None
         # The first layer's ops check the step's arguments; the other layers see the same
         # batch, activations of the same shapes and caches like the first layer's (checked
@@ -219,6 +227,18 @@ class LlamaForCausalLM(nn.Module):
                 h, residual = layers[i](h, residual, model.rotary_emb, batch, kv_caches[i])
             h, _ = model.norm(h, residual)
         return h
+
+    def _decoder_for(self, kv_caches: list[KVCache]) -> Optional[CpuDecoder]:
+        """The C++ layer loop for these caches (built on first use, kept while the caller
+        passes the same list), or None when the model does not qualify."""
+        if not self.use_cpu_decoder:
+            return None
+        caches, decoder = self._cpu_decoder
+        if caches is not kv_caches:
+            _check_caches(kv_caches, len(self.model.layers))
+            decoder = CpuDecoder(self, kv_caches) if eligible_for_cpu_decoder(self, kv_caches) else None
+            self._cpu_decoder = (kv_caches, decoder)
+        return decoder
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,77 @@
+// One forward of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on the CPU, with
+// float32 activations and every projection kept in a GGUF block format: the layers' kernels
+// run back to back from C++, with nothing between them. They are the kernels the Python model
+// code calls one by one (RMSNorm, quant_matmul, rotary, reshape_and_cache, paged attention,
+// SiLU-and-multiply), called in the same order on the same arguments, so the hidden states
+// are bitwise those of the layer-by-layer path; what goes away is the interpreter's time
+// between kernels, which dominates a small decode step.
+#pragma once
+
+#include <cstdint>
+
+#include "vpage/kernels/kernel_args.h"
+#include "vpage/kernels/quant_matmul.h"
+
+namespace vpage {
+
+/// y = x @ W^T (+ bias), W = rows of raw GGUF blocks (see QuantMatmulArgs).
+struct QuantLinearWeights {
+  const uint8_t* weight = nullptr;  // [out_features, in_features / block_values * block_bytes]
+  QuantType type = QuantType::kQ4_0;
+  const float* bias = nullptr;      // [out_features] or nullptr
+};
+
+/// One decoder layer: the weights and this layer's KV cache (geometry in DecoderShape::cache).
+struct DecoderLayerWeights {
+  const float* input_norm = nullptr;           // [hidden_size]
+  QuantLinearWeights qkv;                      // [(num_heads + 2 num_kv_heads) head_size, hidden_size]
+  QuantLinearWeights o;                        // [hidden_size, num_heads head_size]
+  const float* post_attention_norm = nullptr;  // [hidden_size]
+  QuantLinearWeights gate_up;                  // [2 intermediate_size, hidden_size]: gate rows, then up
+  QuantLinearWeights down;                     // [hidden_size, intermediate_size]
+  void* key_cache = nullptr;
+  void* value_cache = nullptr;
+};
+
+/// Sizes shared by every layer.
+struct DecoderShape {
+  int32_t hidden_size = 0;
+  int32_t num_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_size = 0;
+  int32_t intermediate_size = 0;
+  float rms_norm_eps = 1e-6f;
+  float attention_scale = 1.0f;
+  const float* cos_sin = nullptr;  // [max_position, head_size]: cos half, then sin half (RotaryArgs)
+  int64_t max_position = 0;
+  const float* final_norm = nullptr;  // [hidden_size]
+  CacheShape cache;                   // every layer's KV cache; dtype float32
+};
+
+/// The step's flattened batch (see ForwardBatch in Python) and where its result goes.
+struct DecoderBatch {
+  const float* embeddings = nullptr;       // [num_tokens, hidden_size], the looked-up token embeddings
+  float* out = nullptr;                    // [num_tokens, hidden_size]: final-normed hidden states
+  const int64_t* positions = nullptr;      // [num_tokens]
+  const int64_t* slot_mapping = nullptr;   // [num_tokens]
+  const int32_t* block_tables = nullptr;   // [num_seqs, max_blocks_per_seq]
+  const int32_t* context_lens = nullptr;   // [num_seqs]
+  const int32_t* query_start_loc = nullptr;  // [num_seqs + 1]; nullptr = decode (one token per sequence)
+  int64_t num_tokens = 0;
+  int32_t num_seqs = 0;
+  int32_t max_blocks_per_seq = 0;
+  int32_t max_context_len = 0;
+};
+
+namespace cpu {
+
+/// Runs every layer and the final norm over `batch`, writing the step's K/V into each
+/// layer's cache. Activations live in a per-thread workspace reused across calls.
+/// Throws std::invalid_argument on inconsistent sizes, or what a kernel throws on a bad
+/// index (position, slot, block id); `out` and the step's cache slots are then unspecified,
+/// as after a failing layer-by-layer forward.
+void decoder_forward(const DecoderShape& shape, const DecoderLayerWeights* layers, int32_t num_layers,
+                     const DecoderBatch& batch, int num_threads);
+
+}  // namespace cpu
+}  // namespace vpage

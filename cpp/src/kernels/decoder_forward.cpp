@@ -1,0 +1,196 @@
+// decoder_forward: the Python model's layer loop (LlamaForCausalLM.forward) in C++. Each step
+// below names the Python call it stands for; keep the two in the same order with the same
+// arguments, since tests compare their outputs bit for bit.
+#include "vpage/kernels/decoder_forward.h"
+
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/layer_ops.h"
+#include "vpage/kernels/rotary.h"
+
+namespace vpage::cpu {
+namespace {
+
+// Activations of one step, grown as needed and kept for the next call of the same thread.
+struct Workspace {
+  std::vector<float> residual, hidden, qkv, attention, gate_up, activation;
+
+  static Workspace& of_this_thread() {
+    thread_local Workspace workspace;
+    return workspace;
+  }
+};
+
+float* sized(std::vector<float>& buffer, int64_t rows, int64_t cols) {
+  buffer.resize(static_cast<size_t>(rows * cols));
+  return buffer.data();
+}
+
+void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num_layers, const DecoderBatch& b) {
+  const bool sizes_ok = s.hidden_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 && s.head_size > 0 &&
+                        s.intermediate_size > 0 && s.num_heads % s.num_kv_heads == 0 &&
+                        s.cache.num_kv_heads == s.num_kv_heads && s.cache.head_size == s.head_size &&
+                        s.cache.dtype == DType::kFloat32 && num_layers > 0 && b.num_tokens >= 0 && b.num_seqs >= 0;
+  if (!sizes_ok) {
+    throw std::invalid_argument("decoder_forward: inconsistent sizes (hidden " + std::to_string(s.hidden_size) +
+                                ", heads " + std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) +
+                                ", head_size " + std::to_string(s.head_size) + ", layers " +
+                                std::to_string(num_layers) + "; the cache must be float32 with the model's KV heads)");
+  }
+  if (b.query_start_loc == nullptr && b.num_tokens != b.num_seqs) {
+    throw std::invalid_argument("decoder_forward: a decode batch has one token per sequence, got " +
+                                std::to_string(b.num_tokens) + " tokens for " + std::to_string(b.num_seqs));
+  }
+  const bool pointers_ok = layers != nullptr && s.cos_sin != nullptr && s.final_norm != nullptr &&
+                           (b.num_tokens == 0 || (b.embeddings != nullptr && b.out != nullptr &&
+                                                  b.positions != nullptr && b.slot_mapping != nullptr));
+  if (!pointers_ok) throw std::invalid_argument("decoder_forward: null pointer");
+  for (int32_t i = 0; i < num_layers; ++i) {
+    const DecoderLayerWeights& l = layers[i];
+    if (!l.input_norm || !l.post_attention_norm || !l.qkv.weight || !l.o.weight || !l.gate_up.weight ||
+        !l.down.weight || !l.key_cache || !l.value_cache) {
+      throw std::invalid_argument("decoder_forward: layer " + std::to_string(i) + " has a null pointer");
+    }
+  }
+}
+
+// `linear`: out [n, rows] = x [n, cols] @ W^T (+ bias), as QuantizedLinear.forward.
+void linear(const QuantLinearWeights& w, const float* x, int64_t n, int32_t cols, float* out, int32_t rows,
+            int num_threads) {
+  QuantMatmulArgs args;
+  args.out = out;
+  args.x = x;
+  args.weight = w.weight;
+  args.m = n;
+  args.n = rows;
+  args.k = cols;
+  args.x_stride = cols;
+  args.out_stride = rows;
+  args.type = w.type;
+  args.dtype = DType::kFloat32;
+  quant_matmul(args, num_threads);
+  if (w.bias == nullptr) return;
+  for (int64_t t = 0; t < n; ++t) {
+    float* row = out + t * rows;
+    for (int32_t j = 0; j < rows; ++j) row[j] += w.bias[j];
+  }
+}
+
+// RMSNorm.forward: without a residual, out = norm(x) and x becomes the residual stream (the
+// caller keeps x); with one, residual += x and x = norm(residual) in place.
+void rms_norm_step(const float* weight, float* x, float* residual, float* out, int64_t n, const DecoderShape& s,
+                   int num_threads) {
+  RmsNormArgs args;
+  args.out = out;
+  args.x = x;
+  args.residual = residual;
+  args.weight = weight;
+  args.num_tokens = n;
+  args.hidden_size = s.hidden_size;
+  args.eps = s.rms_norm_eps;
+  args.dtype = DType::kFloat32;
+  rms_norm(args, num_threads);
+}
+
+// LlamaAttention.forward from the normed input `x` to attention output rows `out`
+// [n, num_heads * head_size] (the o projection is the caller's).
+void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, const DecoderBatch& b, const float* x,
+                    float* qkv, float* out, int num_threads) {
+  const int64_t n = b.num_tokens;
+  const int32_t q_size = s.num_heads * s.head_size;
+  const int32_t kv_size = s.num_kv_heads * s.head_size;
+  const int32_t width = q_size + 2 * kv_size;
+  linear(layer.qkv, x, n, s.hidden_size, qkv, width, num_threads);
+
+  RotaryArgs rotary;  // rotary.rotate_: query then key heads lead each row
+  rotary.x = qkv;
+  rotary.row_stride = width;
+  rotary.positions = b.positions;
+  rotary.cos_sin = s.cos_sin;
+  rotary.max_position = s.max_position;
+  rotary.num_tokens = n;
+  rotary.num_heads = s.num_heads + s.num_kv_heads;
+  rotary.head_size = s.head_size;
+  rotary.dtype = DType::kFloat32;
+  rotary_embedding(rotary, num_threads);
+
+  ReshapeAndCacheArgs cache;  // PagedAttention.forward: ops.reshape_and_cache
+  cache.key = qkv + q_size;
+  cache.value = qkv + q_size + kv_size;
+  cache.key_cache = layer.key_cache;
+  cache.value_cache = layer.value_cache;
+  cache.slot_mapping = b.slot_mapping;
+  cache.num_tokens = n;
+  cache.key_stride = width;
+  cache.value_stride = width;
+  cache.cache = s.cache;
+  reshape_and_cache(cache, num_threads);
+
+  PagedAttentionArgs attention;  // ops.paged_attention / paged_prefill_attention
+  attention.out = out;
+  attention.query = qkv;
+  attention.key_cache = layer.key_cache;
+  attention.value_cache = layer.value_cache;
+  attention.block_tables = b.block_tables;
+  attention.context_lens = b.context_lens;
+  attention.query_start_loc = b.query_start_loc;
+  attention.num_seqs = b.num_seqs;
+  attention.num_query_tokens = n;
+  attention.num_heads = s.num_heads;
+  attention.max_blocks_per_seq = b.max_blocks_per_seq;
+  attention.max_context_len = b.max_context_len;
+  attention.query_stride = width;
+  attention.scale = s.attention_scale;
+  attention.cache = s.cache;
+  paged_attention(attention, num_threads);
+}
+
+// LlamaMLP.forward: out [n, hidden] = down(silu(gate(x)) * up(x)).
+void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const float* x, float* gate_up,
+              float* activation, float* out, int num_threads) {
+  linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * s.intermediate_size, num_threads);
+  SiluAndMulArgs act;
+  act.out = activation;
+  act.x = gate_up;
+  act.num_tokens = n;
+  act.d = s.intermediate_size;
+  act.dtype = DType::kFloat32;
+  silu_and_mul(act, num_threads);
+  linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, num_threads);
+}
+
+}  // namespace
+
+void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num_layers,
+                     const DecoderBatch& b, int num_threads) {
+  check(s, layers, num_layers, b);
+  const int64_t n = b.num_tokens;
+  if (n == 0) return;
+  Workspace& w = Workspace::of_this_thread();
+  const int32_t q_size = s.num_heads * s.head_size;
+  float* residual = sized(w.residual, n, s.hidden_size);
+  float* hidden = sized(w.hidden, n, s.hidden_size);
+  float* qkv = sized(w.qkv, n, q_size + 2 * s.num_kv_heads * s.head_size);
+  float* attention = sized(w.attention, n, q_size);
+  float* gate_up = sized(w.gate_up, n, 2 * static_cast<int64_t>(s.intermediate_size));
+  float* activation = sized(w.activation, n, s.intermediate_size);
+
+  // Layer 0's input norm has no residual yet: the embeddings become the residual stream.
+  std::memcpy(residual, b.embeddings, sizeof(float) * static_cast<size_t>(n * s.hidden_size));
+  rms_norm_step(layers[0].input_norm, residual, nullptr, hidden, n, s, num_threads);
+  for (int32_t i = 0; i < num_layers; ++i) {
+    const DecoderLayerWeights& layer = layers[i];
+    if (i > 0) rms_norm_step(layer.input_norm, hidden, residual, hidden, n, s, num_threads);
+    attention_step(s, layer, b, hidden, qkv, attention, num_threads);
+    linear(layer.o, attention, n, q_size, hidden, s.hidden_size, num_threads);
+    rms_norm_step(layer.post_attention_norm, hidden, residual, hidden, n, s, num_threads);
+    mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
+  }
+  rms_norm_step(s.final_norm, hidden, residual, b.out, n, s, num_threads);
+}
+
+}  // namespace vpage::cpu

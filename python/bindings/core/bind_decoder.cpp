@@ -1,0 +1,122 @@
+// vpage._core._CpuDecoder: the C++ layer loop of a quantized Llama-family model on the CPU
+// (decoder_forward.h), built once from the model's weight and KV cache pointers (Python ints)
+// by vpage.model_executor.models.cpu_decoder, which keeps the tensors alive.
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "vpage/kernels/decoder_forward.h"
+
+namespace py = pybind11;
+
+namespace vpage::bindings {
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+uintptr_t field(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw py::value_error(std::string("_CpuDecoder: layer entry lacks '") + key + "'");
+  return d[key].cast<uintptr_t>();
+}
+
+QuantLinearWeights linear_of(const py::dict& d, const std::string& name) {
+  QuantLinearWeights w;
+  w.weight = ptr<const uint8_t>(field(d, (name + "_weight").c_str()));
+  w.type = static_cast<QuantType>(field(d, (name + "_type").c_str()));
+  w.bias = ptr<const float>(field(d, (name + "_bias").c_str()));
+  if (!quant_type_supported(static_cast<int32_t>(w.type))) {
+    throw py::value_error("_CpuDecoder: " + name + " has unsupported ggml type " +
+                          std::to_string(static_cast<int32_t>(w.type)));
+  }
+  return w;
+}
+
+class CpuDecoder {
+ public:
+  CpuDecoder(const DecoderShape& shape, const std::vector<py::dict>& layers) : shape_(shape) {
+    for (const py::dict& d : layers) {
+      DecoderLayerWeights l;
+      l.input_norm = ptr<const float>(field(d, "input_norm"));
+      l.post_attention_norm = ptr<const float>(field(d, "post_attention_norm"));
+      l.qkv = linear_of(d, "qkv");
+      l.o = linear_of(d, "o");
+      l.gate_up = linear_of(d, "gate_up");
+      l.down = linear_of(d, "down");
+      l.key_cache = ptr<void>(field(d, "key_cache"));
+      l.value_cache = ptr<void>(field(d, "value_cache"));
+      layers_.push_back(l);
+    }
+  }
+
+  void forward(const DecoderBatch& batch, int num_threads) const {
+    cpu::decoder_forward(shape_, layers_.data(), static_cast<int32_t>(layers_.size()), batch, num_threads);
+  }
+
+ private:
+  DecoderShape shape_;
+  std::vector<DecoderLayerWeights> layers_;
+};
+
+}  // namespace
+
+void bind_decoder(py::module_& m) {
+  py::class_<CpuDecoder>(m, "_CpuDecoder")
+      .def(py::init([](int32_t hidden_size, int32_t num_heads, int32_t num_kv_heads, int32_t head_size,
+                       int32_t intermediate_size, float rms_norm_eps, float attention_scale, uintptr_t cos_sin,
+                       int64_t max_position, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
+                       const std::vector<py::dict>& layers) {
+             DecoderShape s;
+             s.hidden_size = hidden_size;
+             s.num_heads = num_heads;
+             s.num_kv_heads = num_kv_heads;
+             s.head_size = head_size;
+             s.intermediate_size = intermediate_size;
+             s.rms_norm_eps = rms_norm_eps;
+             s.attention_scale = attention_scale;
+             s.cos_sin = ptr<const float>(cos_sin);
+             s.max_position = max_position;
+             s.final_norm = ptr<const float>(final_norm);
+             s.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, DType::kFloat32};
+             return CpuDecoder(s, layers);
+           }),
+           py::arg("hidden_size"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
+           py::arg("intermediate_size"), py::arg("rms_norm_eps"), py::arg("attention_scale"), py::arg("cos_sin"),
+           py::arg("max_position"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("layers"),
+           "layers: one dict per layer of pointers (ints): input_norm, post_attention_norm, key_cache,\n"
+           "value_cache, and for each of qkv, o, gate_up, down: <name>_weight, <name>_type (ggml type id),\n"
+           "<name>_bias (0 = none). float32 activations and caches.")
+      .def(
+          "forward",
+          [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
+             uintptr_t block_tables, uintptr_t context_lens, uintptr_t query_start_loc, int64_t num_tokens,
+             int32_t num_seqs, int32_t max_blocks_per_seq, int32_t max_context_len, int num_threads) {
+            DecoderBatch b;
+            b.embeddings = ptr<const float>(embeddings);
+            b.out = ptr<float>(out);
+            b.positions = ptr<const int64_t>(positions);
+            b.slot_mapping = ptr<const int64_t>(slot_mapping);
+            b.block_tables = ptr<const int32_t>(block_tables);
+            b.context_lens = ptr<const int32_t>(context_lens);
+            b.query_start_loc = ptr<const int32_t>(query_start_loc);
+            b.num_tokens = num_tokens;
+            b.num_seqs = num_seqs;
+            b.max_blocks_per_seq = max_blocks_per_seq;
+            b.max_context_len = max_context_len;
+            py::gil_scoped_release release;
+            self.forward(b, num_threads);
+          },
+          py::arg("embeddings"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"),
+          py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
+          py::arg("num_seqs"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("num_threads"),
+          "Every layer and the final norm over one step (query_start_loc 0 = decode); writes out\n"
+          "[num_tokens, hidden_size] and the step's K/V into each layer's cache.");
+}
+
+}  // namespace vpage::bindings
