@@ -400,6 +400,14 @@ int main() {
       {vpage::DType::kFloat32, 9, 3, 64, 16, {17, 60}, {17, 7}},
       {vpage::DType::kBFloat16, 8, 1, 96, 8, {40}, {40}},
       {vpage::DType::kFloat16, 4, 2, 256, 12, {30, 19}, {3, 19}},
+      // Decode at block boundaries, GQA groups 1/3/8 (1 or 3 rows per pass, 2 passes of 4).
+      {vpage::DType::kFloat32, 3, 3, 64, 16, {1, 15, 16, 17, 1000}, {}},
+      {vpage::DType::kBFloat16, 9, 3, 64, 32, {1, 15, 16, 17, 1000}, {}},
+      {vpage::DType::kFloat16, 16, 2, 128, 8, {1, 15, 16, 17, 1000}, {}},
+      // One long sequence: context partitions (tasks starting mid-context), groups 5 and 12.
+      {vpage::DType::kFloat32, 5, 1, 64, 16, {2000}, {}},
+      {vpage::DType::kBFloat16, 12, 1, 64, 32, {700}, {}},
+      {vpage::DType::kFloat32, 4, 2, 256, 16, {63, 64, 65}, {}},
   };
   for (const std::string& isa : isas) {
     vpage::cpu::set_cpu_isa(isa);

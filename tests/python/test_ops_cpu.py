@@ -72,6 +72,32 @@ def test_decode(dtype, block_size, group, head_size):
     check_close(out, reference_paged_attention(query, kc, vc, tables, lens, scale), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 16])
+def test_decode_block_boundaries(dtype, block_size, group):
+    """Contexts ending just before, at and after block and 64-token group boundaries, every
+    number of rows per task pass (1..4, then passes of 4), NaN in unused slots."""
+    contexts = [1, 15, 16, 17, 31, 33, 63, 64, 65, 129, 1000]
+    query, kc, vc, tables, lens = setup(13, contexts, group * 2, 2, 64, block_size, dtype)
+    out = ops.paged_attention(query, kc, vc, tables, lens, 0.125)
+    check_close(out, reference_paged_attention(query, kc, vc, tables, lens, 0.125), dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sharp_softmax_partitions(threads, dtype):
+    """A large scale makes the running max jump between groups (accumulator rescaling), and
+    one long sequence is split into context partitions when threads > 1."""
+    query, kc, vc, tables, lens = setup(17, [1000, 3], 6, 2, 64, 16, dtype)
+    ops.set_num_threads(threads)
+    try:
+        out = ops.paged_attention(query, kc, vc, tables, lens, 2.0)
+    finally:
+        ops.set_num_threads(None)
+    check_close(out, reference_paged_attention(query, kc, vc, tables, lens, 2.0), dtype)
+
+
 @pytest.mark.parametrize("head_size", [80, 96, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_other_head_sizes(head_size, dtype):
@@ -82,8 +108,9 @@ def test_decode_other_head_sizes(head_size, dtype):
 
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_every_instruction_set(isa, dtype):
-    query, kc, vc, tables, lens = setup(3, [1, 54, 1030], 6, 2, 64, 16, dtype)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_every_instruction_set(isa, dtype, block_size):
+    query, kc, vc, tables, lens = setup(3, [1, 54, 1030], 6, 2, 64, block_size, dtype)
     try:
         _core.set_cpu_isa(isa)
         out = ops.paged_attention(query, kc, vc, tables, lens, 0.125)

@@ -256,6 +256,19 @@ inline Vec load_strided(const float* p, int stride) {
 #endif
 }
 
+/// Lanes [0, n) of a, the other lanes zero (0 <= n <= kLanes; NaN past n also becomes 0).
+inline Vec keep_first(Vec a, int n) {
+#if defined(VPAGE_SIMD_AVX512)
+  return {_mm512_maskz_mov_ps(static_cast<__mmask16>((1u << n) - 1u), a.v)};
+#elif defined(VPAGE_SIMD_AVX2)
+  const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return {_mm256_and_ps(a.v, _mm256_castsi256_ps(keep))};
+#else
+  for (int i = n; i < kLanes; ++i) a.v[i] = 0.0f;
+  return a;
+#endif
+}
+
 /// Loads the first n (< kLanes) elements, the other lanes are zero.
 template <typename T>
 inline Vec load_partial(const T* p, int n) {
