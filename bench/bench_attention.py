@@ -13,6 +13,9 @@ read per second and its fraction of the machine's copy bandwidth (torch copy of 
 buffer, read + write bytes).
 
     python bench/bench_attention.py [--batch 32,64] [--context 512,2048] [--repeats 20]
+
+``--vpage-only --clock thread --threads 1`` times vpage alone with CPU time (kernel A/B on a
+shared machine: run it once per build, alternating, and compare medians).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def copy_bandwidth(repeats):
 
 def bench_case(dtype, batch, context, args):
     heads, kv_heads, head_size, block_size = args.heads, args.kv_heads, args.head_size, args.block_size
-    blocks_per_seq = context // block_size
+    blocks_per_seq = (context + block_size - 1) // block_size
     num_blocks = batch * blocks_per_seq
     gen = torch.Generator().manual_seed(0)
     key_cache = torch.randn(ops.key_cache_shape(num_blocks, kv_heads, head_size, block_size, dtype),
@@ -123,14 +126,27 @@ def bench_case(dtype, batch, context, args):
     def vpage_decode():
         return ops.paged_attention(query, key_cache, value_cache, tables, lens, scale, context, out=out)
 
+    kv_bytes = 2 * batch * kv_heads * context * head_size * query.element_size()
+    if args.vpage_only:
+        inner = max(1, 20000 // (batch * context))  # calls per sample: short calls > clock resolution
+
+        def vpage_many():
+            for _ in range(inner):
+                vpage_decode()
+
+        (t, p10, p90), = interleaved([vpage_many], args.repeats, clock=CLOCKS[args.clock])
+        return dict(vpage=t / inner, p10=p10 / inner, p90=p90 / inner, rate=kv_bytes * inner / t)
+
     (vpage_t, vpage_p10, vpage_p90), (gqa_t, _, _), (expanded_t, _, _), (gather_t, _, _) = interleaved(
         [vpage_decode, sdpa_gqa, sdpa_expanded, gather_sdpa], args.repeats)
     del k_full, v_full
-    kv_bytes = 2 * batch * kv_heads * context * head_size * query.element_size()
     sdpa_t = min(gqa_t, expanded_t)
     return dict(vpage=vpage_t, p10=vpage_p10, p90=vpage_p90, sdpa=sdpa_t,
                 sdpa_kind="gqa" if gqa_t <= expanded_t else "expanded", gather=gather_t,
                 rate=kv_bytes / vpage_t)
+
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def main():
@@ -146,6 +162,9 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--thread-source", choices=["openmp", "own"], default="openmp",
                         help="vpage's kernel threads: torch's OpenMP threads (default) or vpage's own pool")
+    parser.add_argument("--vpage-only", action="store_true", help="time vpage alone (no SDPA, no gather)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time (default) or this thread's CPU time (for --vpage-only --threads 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
@@ -155,6 +174,16 @@ def main():
           f"torch {torch.__version__}, vpage isa {_core.cpu_isa()}, vpage threads {runtime or 'own pool'}")
     print(f"shapes: heads {args.heads}, kv heads {args.kv_heads}, head size {args.head_size}, "
           f"block size {args.block_size}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
+    if args.vpage_only:
+        print(f"| dtype | batch | context | vpage us (p10-p90), {args.clock} clock | KV read GB/s |")
+        print("|---|---|---|---|---|")
+        for name in args.dtype.split(","):
+            for batch in args.batch:
+                for context in args.context:
+                    r = bench_case(getattr(torch, name), batch, context, args)
+                    print(f"| {name} | {batch} | {context} | {r['vpage'] * 1e6:.1f} ({r['p10'] * 1e6:.1f}-"
+                          f"{r['p90'] * 1e6:.1f}) | {r['rate'] / 1e9:.1f} |", flush=True)
+        return
     print("| dtype | batch | context | vpage ms (p10-p90) | SDPA contiguous ms | gather+SDPA ms "
           "| SDPA / vpage | gather / vpage | KV read GB/s | of copy bw |")
     print("|---|---|---|---|---|---|---|---|---|---|")

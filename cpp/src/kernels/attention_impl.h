@@ -15,6 +15,8 @@
 //       a per-row [head_size][block_size] fp32 accumulator, summed over tokens at the end.
 //       The blocks of a group are accumulated in registers, so the accumulator is loaded
 //       and stored once per group instead of once per block.
+// run_task uses this kernel only for block sizes that are not a multiple of kLanes; the
+// others take the register-blocked decode fast path further down (run_fast_task_typed).
 // Only the scratch passed in is used: no allocation, no std templates (see simd_vec.h).
 #pragma once
 
@@ -523,8 +525,8 @@ template <int R, typename T>
 inline void fast_qk_block(const T* key_block, const float* qrep, int64_t q_stride, float* logits,
                           int64_t logits_stride, float* part, int64_t part_stride, int num_chunks, int row_len,
                           int row_vecs) {
-  // row_vecs = (block_size / kLanes) * x is a multiple of x >= 4, so the tile or its half
-  // divides it (tiles are >= 2 only when 8 divides... checked at run time).
+  // row_vecs = (block_size / kLanes) * x is a multiple of x >= 4: the tile (<= 8) or its
+  // half divides it.
   constexpr int kTile = fast_tile<R>();
   if (row_vecs % kTile == 0) {
     fast_qk_block_v<R, kTile>(key_block, qrep, q_stride, logits, logits_stride, part, part_stride, num_chunks,
