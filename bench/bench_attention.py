@@ -119,8 +119,9 @@ def bench_case(dtype, batch, context, args):
 
     def gather_sdpa():
         ids = tables.long()
-        kg = key_cache[ids].permute(0, 2, 1, 4, 3, 5).reshape(batch, kv_heads, context, head_size)
-        vg = value_cache[ids].permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, context, head_size)
+        padded = blocks_per_seq * block_size
+        kg = key_cache[ids].permute(0, 2, 1, 4, 3, 5).reshape(batch, kv_heads, padded, head_size)[:, :, :context]
+        vg = value_cache[ids].permute(0, 2, 1, 4, 3).reshape(batch, kv_heads, padded, head_size)[:, :, :context]
         return F.scaled_dot_product_attention(q4, kg, vg, scale=scale, enable_gqa=True)
 
     def vpage_decode():
