@@ -9,6 +9,19 @@ in a model's layers), so the weights come from memory; larger m use one matrix (
 Timing is round-robin (bench_attention.interleaved). Prints the CPU model and instruction set.
 
     python bench/bench_quant_matmul.py [--types Q4_1,Q8_0] [--m 1,8,64,512] [--repeats 7] [--threads 1]
+
+--decode-model times the integer decode path on the default model's matrices instead (SmolLM2-135M:
+per layer Q4_1 qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; Q8_0 output 49152x576),
+each shape cycled over enough copies (at least --decode-bytes) that its weights come from memory,
+at each m and thread count: us per call, GB/s of weight bytes, cycles per 32-value block per
+thread at --ghz (an assumed core clock: the machine has no cycle counter to read), and a token's
+total (30 layers plus the output). Calls go straight to the binding (vpage._ops_cpu, as the
+engine's trusted path does: no argument checks in Python). The fixed per-call cost (binding,
+fork/join on torch's OpenMP threads, x quantization, output store) is the time of a call on a
+tiny matrix (n = 64, k = 576: two tasks, so two threads take part; weights in L1), and "block
+cost" is what remains per block after subtracting it:
+
+    python bench/bench_quant_matmul.py --decode-model --m 1,2,4 --thread-list 1,2 [--ghz 3.0]
 """
 
 from __future__ import annotations
@@ -21,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_attention import interleaved, ints, machine_description
-from vpage import _core, ops
+from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
 
@@ -87,6 +100,58 @@ def parse_timing_args(parser):
     return args
 
 
+MODEL_LAYERS = 30
+MODEL_SHAPES = [("Q4_1", 960, 576, MODEL_LAYERS), ("Q4_1", 576, 576, MODEL_LAYERS), ("Q4_1", 3072, 576, MODEL_LAYERS),
+                ("Q4_1", 576, 1536, MODEL_LAYERS), ("Q8_0", 49152, 576, 1)]
+
+
+def bench_decode_model(args, rng):
+    """The integer decode path on the default model's shapes (see --decode-model)."""
+    print("| threads | m | type | n x k | us/call | GB/s | cycles/block/thread | block cost (cycles) | "
+          "calls/token | ms/token |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    tiny = random_blocks("Q4_1", 64, 576, rng)
+    for threads in args.thread_list:
+        ops.set_num_threads(threads)
+        for m in args.m:
+            x = torch.randn(m, 3072)
+            out = torch.empty(m, 49152)
+            tiny_out = torch.empty(m, 64)
+
+            x576 = x[:, :576]
+
+            def tiny_run():
+                for _ in range(100):
+                    _ops_cpu.quant_matmul(tiny_out, x576, tiny, 3, 64, 576)
+
+            fixed_s = interleaved([tiny_run], args.repeats, args.clock)[0][0] / 100
+            total_ms = fixed_ms = 0.0
+            for qtype, n, k, calls in MODEL_SHAPES:
+                one = random_blocks(qtype, n, k, rng)
+                copies = max(1, min(64, -(-args.decode_bytes // one.numel())))
+                qs = [one.clone() for _ in range(copies)]
+                xk, outn = x[:, :k], out[:, :n]
+                type_id = ops.QUANT_TYPES[qtype][0]
+
+                def run():
+                    for q in qs:
+                        _ops_cpu.quant_matmul(outn, xk, q, type_id, n, k)
+
+                t = interleaved([run], args.repeats, args.clock)[0][0] / copies
+                blocks = n * k // 32
+                cycles = t * args.ghz * 1e9 * threads / blocks
+                block_cost = max(t - fixed_s, 0.0) * args.ghz * 1e9 * threads / blocks
+                total_ms += calls * t * 1e3
+                fixed_ms += calls * fixed_s * 1e3
+                print(f"| {threads} | {m} | {qtype} | {n}x{k} | {t * 1e6:.1f} | {one.numel() / t / 1e9:.2f} | "
+                      f"{cycles:.2f} | {block_cost:.2f} | {calls} | {calls * t * 1e3:.2f} |", flush=True)
+                del qs
+            print(f"| {threads} | {m} | fixed | tiny 64x576 | {fixed_s * 1e6:.1f} | | | | | |")
+            print(f"| {threads} | {m} | **token** | all | | | | | {4 * MODEL_LAYERS + 1} | **{total_ms:.2f}** "
+                  f"(fixed {fixed_ms:.2f}) |", flush=True)
+    ops.set_num_threads(None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--types", default=",".join(ops.QUANT_TYPES))
@@ -95,11 +160,21 @@ def main():
     parser.add_argument("--copies", type=int, default=64, help="weight matrices cycled for m <= 16")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", default="auto", help="auto, avx512, avx2 or generic")
+    parser.add_argument("--decode-model", action="store_true", help="the default model's decode shapes (see above)")
+    parser.add_argument("--thread-list", type=ints, default=[1, 2], help="with --decode-model: thread counts")
+    parser.add_argument("--ghz", type=float, default=3.0, help="with --decode-model: assumed core clock")
+    parser.add_argument("--decode-bytes", type=int, default=64 << 20,
+                        help="with --decode-model: weight bytes cycled per shape (above the caches)")
     args = parse_timing_args(parser)
     _core.set_cpu_isa(args.isa)
     rng = np.random.default_rng(0)
     print(f"CPU: {machine_description()}; vpage ISA: {_core.quant_matmul_isa()}; "
           f"threads: {ops.get_num_threads()}; torch {torch.__version__}; {args.clock_name}")
+    if args.decode_model:
+        print(f"integer decode path (QUANT_INTEGER_PATH_ROWS = {_core.QUANT_INTEGER_PATH_ROWS}); "
+              f"cycles at an assumed {args.ghz} GHz")
+        bench_decode_model(args, rng)
+        return
     print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | torch f32 us | torch GB/s | "
           "torch GFLOP/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -2,7 +2,7 @@
 // reference of their layouts, every type against a double-precision matmul of
 // quant_dequantize_rows, in every instruction set the CPU has, on every path (integer dot
 // products up to kQuantIntegerPathRows rows for the 32-value formats, float dot products below 128 rows, outer
-// product from 128); bad arguments throw. (The Python tests check every layout against the
+// product from 128), bit-identical on 1, 2 and 3 threads; bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
 #include <cmath>
 #include <cstdint>
@@ -107,7 +107,9 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
     }
   }
   std::normal_distribution<float> normal;
-  for (int m : {1, 4, 5, 17, 131}) {
+  const int64_t integer_rows = vpage::cpu::kQuantIntegerPathRows;
+  for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{17}, integer_rows,
+                    integer_rows + 1, int64_t{131}}) {
     std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
     for (auto& v : x) v = normal(rng);
     // The reference multiplies what the kernel multiplies; the rounding itself is bounded:
@@ -127,6 +129,13 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
     a.out_stride = n;
     a.type = type;
     vpage::cpu::quant_matmul(a, 2);
+    // Each output is computed by one task in a fixed order: the same bits on any thread count.
+    std::vector<float> out_threads(out.size());
+    for (int threads : {1, 3}) {
+      a.out = out_threads.data();
+      vpage::cpu::quant_matmul(a, threads);
+      EXPECT(std::memcmp(out_threads.data(), out.data(), sizeof(float) * out.size()) == 0);
+    }
     double scale = 0.0, worst = 0.0;
     for (int i = 0; i < m; ++i) {
       for (int j = 0; j < n; ++j) {
@@ -148,6 +157,12 @@ TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
     check_type(QuantType::kQ8_0, 13, 96, rng, true);
     check_type(QuantType::kQ4_1, 13, 96, rng, true);
     check_type(QuantType::kQ4_0, 13, 96, rng, false);
+    // The integer path's awkward shapes: n not a multiple of its 4-row tiles or of a task, one
+    // block (no pair), an odd block count, several tasks.
+    for (QuantType t : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {
+      for (int n : {1, 3, 17, 257}) check_type(t, n, n == 257 ? 160 : 32, rng, false);
+      check_type(t, 67, 576, rng, false);
+    }
     for (QuantType t : {QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K}) check_type(t, 13, 512, rng, false);
   }
   vpage::cpu::set_cpu_isa("auto");

@@ -14,13 +14,17 @@ from test_engine_smollm2 import PROMPTS
 from vpage import LLM, SamplingParams
 from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
 
-# Logprob gap between the float path's two best tokens that counts as a tie: batched decode
-# multiplies in float32 like the float path (only summation order differs); single-stream
-# decode rounds x to 8 bits, which moves the chosen tokens' logprobs by ~0.015 (median) and,
-# over 16 tokens on these prompts, up to 0.12-0.29 (measured in two runs), so ties are wider
-# there. A wrong scale or offset in the integer path moves them by whole units.
-NEAR_TIE = {False: 0.05, True: 0.5}
-MEDIAN_DRIFT = {False: 0.01, True: 0.05}
+# Logprob gap between the float path's two best tokens that counts as a tie. Decode batches of
+# up to _core.QUANT_INTEGER_PATH_ROWS sequences (both cases here: 8 prompts) round x to 8 bits,
+# which moves the chosen tokens' logprobs by ~0.015 (median) and, over 16 tokens on these
+# prompts, up to 0.12-0.29 (measured in two runs), so ties are wide. The rounding also makes
+# the path chaotic: a 1e-7 change in an input (another summation order in the kernel) flips
+# some x's rounding and moved a layer's output by 2% four layers later, so which near-ties
+# flip, and how many of the 8 outputs stay equal (4-5 seen), depends on the kernel's exact
+# arithmetic. A wrong scale or offset in the integer path moves logprobs by whole units.
+NEAR_TIE = {False: 0.5, True: 0.5}
+MEDIAN_DRIFT = {False: 0.05, True: 0.05}
+MIN_EQUAL = 4  # of the 8 prompts
 _ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory=0.25, swap_space=0.0, max_model_len=512,
                max_num_batched_tokens=512)
 
@@ -44,8 +48,8 @@ def floats():
     return LLM(quantization="none", **_ENGINE)
 
 
-# Batched decode multiplies in float32; one sequence at a time (up to
-# _core.QUANT_INTEGER_PATH_ROWS rows) takes the integer path, x rounded to 8 bits.
+# Batched decode (8 sequences) and one sequence at a time both take the integer path (up to
+# _core.QUANT_INTEGER_PATH_ROWS rows), x rounded to 8 bits.
 @pytest.mark.parametrize("one_at_a_time", [False, True], ids=["batched", "single-stream"])
 def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, one_at_a_time):
     assert len(PROMPTS) >= 8
@@ -69,7 +73,7 @@ def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, 
         top = f.outputs[0].logprobs[i]
         assert a[i] in top, (prompt, i)
         assert max(lp.logprob for lp in top.values()) - top[a[i]].logprob < NEAR_TIE[one_at_a_time], (prompt, i)
-    assert equal >= len(PROMPTS) - 3
+    assert equal >= MIN_EQUAL
     assert sorted(drift)[len(drift) // 2] < MEDIAN_DRIFT[one_at_a_time] and max(drift) < NEAR_TIE[one_at_a_time]
 
 

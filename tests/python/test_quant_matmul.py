@@ -63,8 +63,10 @@ def test_every_type_every_isa_against_float64(isa, qtype):
     deq = ops.dequantize_rows(qweight, qtype, k)
     np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
     gen = torch.Generator().manual_seed(1)
-    # integer path (m <= 4, 32-value types), float dot path (m < 128), outer-product path (257 = 42 * 6 + 5)
-    for m in (1, 3, 4, 5, 17, 64, 257):
+    # integer path (m <= QUANT_INTEGER_PATH_ROWS, 32-value types), float dot path (m < 128),
+    # outer-product path (257 = 42 * 6 + 5)
+    rows = _core.QUANT_INTEGER_PATH_ROWS
+    for m in (1, 2, 3, 4, 5, 17, rows, rows + 1, 64, 257):
         x = torch.randn(m, k, generator=gen)
         _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6, qtype)
 
@@ -90,8 +92,11 @@ def test_shapes_of_the_default_model_and_many_threads():
     ops.set_num_threads(3)
     try:
         _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6, "Q4_1")
-        _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6, 3)
+        _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6, 3)  # integer path
         _check(ops.quant_matmul(x[:1], qweight, 3, 1560, 576), x[:1], w64, 2e-6, 3)  # integer path
+        rows = _core.QUANT_INTEGER_PATH_ROWS
+        _check(ops.quant_matmul(x[:rows], qweight, 3, 1560, 576), x[:rows], w64, 2e-6, 3)  # integer path
+        _check(ops.quant_matmul(x[:rows + 1], qweight, 3, 1560, 576), x[:rows + 1], w64, 2e-6, 3)
     finally:
         ops.set_num_threads(None)
 

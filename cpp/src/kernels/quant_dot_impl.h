@@ -7,6 +7,13 @@
 //   Q4_1: d_w * d_x * sum(q_w * q_x) + m_w * s_x              (value = d_w * q_w + m_w)
 // No weight is ever turned into a float, which is what makes the bandwidth-bound decode case
 // fast. The price is x's rounding: |error| <= sum_k |w_k| * d_x / 2 per block (tests check it).
+//
+// Blocks go in pairs (b, b + 1 for even b). x's bytes are stored pair by pair in the order
+// the AVX2 kernel multiplies them: [x_b[0:16], x_b+1[0:16], x_b[16:32], x_b+1[16:32]], so one
+// 256-bit register holds the first halves of both blocks and a weight register built the same
+// way (two 16-byte loads) meets it with one maddubs; 4-bit weights need no shuffle at all, as a
+// Q4 block's 16 bytes hold its low nibbles (values 0-15) and high nibbles (16-31). Each 128-bit
+// lane then holds one block's partial sums, and a vector [s_b x4, s_b+1 x4] scales both.
 #pragma once
 
 #include <algorithm>
@@ -22,14 +29,24 @@ namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 
 constexpr int kXRowsPerPass = 4;  // x rows whose accumulators stay in registers together
 
-/// Quantizes `m` rows of `k` values (k a multiple of 32) into q [m, k], d and s [m, k / 32].
+// Where byte j (0..31) of x block b sits within its row of QuantizedX::q (pair order above).
+inline int64_t x_byte_offset(int32_t b, int32_t j) { return (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16; }
+
+/// Quantizes `m` rows of `k` values (k a multiple of 32) into q [m, q_stride] (pair order;
+/// q_stride = quant_x_row_bytes(k), the missing partner of an odd last block zero), d and s
+/// [m, k / 32].
 inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d,
                              float* s) {
   const int32_t blocks = k / 32;
+  const int64_t q_stride = quant_x_row_bytes(k);
   for (int64_t i = 0; i < m; ++i) {
+    int8_t* q_row = q + i * q_stride;
+    if (blocks % 2 != 0) {
+      std::memset(q_row + x_byte_offset(blocks, 0), 0, 16);
+      std::memset(q_row + x_byte_offset(blocks, 16), 0, 16);
+    }
     for (int32_t b = 0; b < blocks; ++b) {
       const float* v = x + i * x_stride + 32 * b;
-      int8_t* out = q + i * k + 32 * b;
 #if defined(__AVX2__)
       const __m256 sign = _mm256_set1_ps(-0.0f);
       __m256 part[4], amax8 = _mm256_setzero_ps();
@@ -48,9 +65,11 @@ inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_
       }
       const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
       // Packing works within 128-bit lanes: the permute puts the 32 bytes back in order.
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                          _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])),
+          _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_row + x_byte_offset(b, 0)), _mm256_castsi256_si128(bytes));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q_row + x_byte_offset(b, 16)), _mm256_extracti128_si256(bytes, 1));
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
       const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1))));
@@ -61,7 +80,7 @@ inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_
       int32_t sum = 0;
       for (int j = 0; j < 32; ++j) {
         const int32_t r = static_cast<int32_t>(std::nearbyint(v[j] * inv));  // |r| <= 127
-        out[j] = static_cast<int8_t>(r);
+        q_row[x_byte_offset(b, j)] = static_cast<int8_t>(r);
         sum += r;
       }
 #endif
@@ -78,19 +97,87 @@ constexpr int32_t block_bytes() {
 }
 
 #if defined(__AVX2__)
-// The 32 weights of one block as bytes ready for _mm256_maddubs_epi16, which multiplies
-// unsigned by signed bytes: nibbles are already unsigned; Q8_0's signed weights become |w|,
-// and their signs move onto x (sign_x).
-inline __m256i nibbles_u8x32(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);  // values 0..15 low, 16..31 high
-  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+// Weight tiles: NW weight rows against MR x rows, every (weight row, x row) pair with its own
+// accumulators, so its arithmetic, and hence its result, is the same whatever tile, task and
+// thread count it falls in.
+//
+// A step covers the block pair b, b + 1 of a weight row. Their f16 headers (8 bytes each, of
+// which d, or d and m, matter) are loaded into one register and converted together, block b's
+// into lanes 0-3 and b + 1's into lanes 4-7; QuantizedX::pairs holds x's side of the scale math
+// in the same lanes. One in-lane permute and one multiply give the scales [d_w * d_x x4] of both
+// blocks, and one FMA adds both offsets (m_w * s_x, or -8 d_w * s_x) to the accumulator (the
+// header's other lanes, weight bytes read as f16, possibly NaN, are masked off first). Per
+// block on Zen 3 this is about 8 vector uops for Q4 (was ~17 with a scalar f16 conversion,
+// multiply and broadcast per block and a nibble split per block) and 9 for Q8_0.
+//
+// Software prefetch: each step touches the weights kPrefetchTiles tiles ahead (the rows NW *
+// kPrefetchTiles further on, possibly past the matrix: a prefetch never faults). The hardware
+// prefetcher alone does not keep up with rows read side by side (weights from memory, Zen 3,
+// one thread, m = 1: Q8_0 16-18 -> 8 cycles per block, Q4_1 k = 1536 11-13 -> 5-6).
+constexpr int kPrefetchTiles = 1;
+
+template <QuantType T>
+constexpr int32_t weight_offset() {
+  return T == QuantType::kQ4_1 ? 4 : 2;
 }
 
-// Eight int32 partial sums of w * x over the block, as floats.
-inline __m256 dot_u8_i8(__m256i w, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(w, x);  // |sums| <= 2 * 255 * 127: no saturation
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+// Block pair b, b + 1 of one weight row against MR x rows: acc[i] += scaled dot products and
+// header offsets. kFull = false: block b alone (an odd block count's last block; x's missing
+// partner is zero, and nothing past block b is read).
+template <QuantType T, int MR, bool kFull>
+inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, const float* xp, int64_t pair_stride,
+                      __m256* acc) {
+  constexpr int32_t kBytes = block_bytes<T>();
+  __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk));
+  if constexpr (kFull) {
+    head = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(head), reinterpret_cast<const double*>(blk + kBytes)));
+  }
+  const __m256 wd = _mm256_cvtph_ps(head);  // [d_b, ., ., ., d_b+1, ., ., .] (Q4_1: m in lanes 1, 5)
+  const __m256 d4 = _mm256_permute_ps(wd, 0);
+  // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
+  const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
+                                                                 : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
+  const __m256 wo = _mm256_and_ps(wd, lanes);
+  auto half = [&](int32_t offset_in_block) {  // 16 weight bytes of block b (low lane) and b + 1
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + offset_in_block));
+    if constexpr (kFull) {
+      return _mm256_inserti128_si256(_mm256_castsi128_si256(lo),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + offset_in_block)),
+                                     1);
+    } else {
+      return _mm256_zextsi128_si256(lo);
+    }
+  };
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i w_lo, w_hi;  // bytes for the x halves [0:16] and [16:32]
+  if constexpr (T == QuantType::kQ8_0) {
+    w_lo = half(2);
+    w_hi = half(18);
+  } else {
+    const __m256i raw = half(weight_offset<T>());
+    const __m256i mask = _mm256_set1_epi8(15);
+    w_lo = _mm256_and_si256(raw, mask);
+    w_hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride));
+    const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride + 32));
+    __m256i sums;
+    if constexpr (T == QuantType::kQ8_0) {
+      // maddubs multiplies unsigned by signed bytes: |w| by x with w's sign (|sums| <= 2 * 128 * 127).
+      const __m256i p_lo = _mm256_maddubs_epi16(_mm256_sign_epi8(w_lo, w_lo), _mm256_sign_epi8(x_lo, w_lo));
+      const __m256i p_hi = _mm256_maddubs_epi16(_mm256_sign_epi8(w_hi, w_hi), _mm256_sign_epi8(x_hi, w_hi));
+      sums = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+    } else {
+      // Nibbles: each int16 is a sum of 4 products of at most 15 * 127, no overflow.
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w_lo, x_lo), _mm256_maddubs_epi16(w_hi, x_hi));
+      sums = _mm256_madd_epi16(p, ones);
+    }
+    const float* pi = xp + i * pair_stride;
+    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d4, _mm256_loadu_ps(pi)), _mm256_cvtepi32_ps(sums), acc[i]);
+    if constexpr (T != QuantType::kQ8_0) acc[i] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(pi + 8), acc[i]);
+  }
 }
 
 inline float reduce8(__m256 v) {
@@ -100,93 +187,109 @@ inline float reduce8(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
-// out[r * out_stride + i] = dot(weight row r, x row i) for r < NW, i < mr <= MR: NW * MR
-// independent accumulator chains (one weight row alone would wait on its FMA latency).
+// out[r * out_stride + i] = dot(weight row r, x row i) for r < NW, i < MR. xq: x rows (pair
+// order) at stride x_stride bytes; xp: their QuantizedX::pairs at stride pair_stride floats.
 template <QuantType T, int NW, int MR>
-inline void dot_tile(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, int32_t k,
-                     const float* xd, const float* xs, int mr, float* out, int out_stride) {
+inline void dot_tile(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, int64_t x_stride,
+                     const float* xp, int64_t pair_stride, float* out, int out_stride) {
+  constexpr int32_t kBytes = block_bytes<T>();
   __m256 acc[NW][MR];
-  float offset[NW][MR];
+#pragma GCC unroll 4
   for (int r = 0; r < NW; ++r) {
+#pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       acc[r][i] = _mm256_setzero_ps();
-      offset[r][i] = 0.0f;
     }
   }
-  for (int32_t b = 0; b < blocks; ++b) {
+  const int64_t prefetch = kPrefetchTiles * NW * row_bytes;
+  int32_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+#pragma GCC unroll 4
     for (int r = 0; r < NW; ++r) {
-      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * block_bytes<T>();
-      const float dw = load_f16(blk);
-      __m256i w;
-      if constexpr (T == QuantType::kQ8_0) {
-        w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      } else {
-        w = nibbles_u8x32(blk + (T == QuantType::kQ4_1 ? 4 : 2));
-      }
-      const float off = T == QuantType::kQ4_1 ? load_f16(blk + 2) : -8.0f * dw;  // per unit of s_x
-      for (int i = 0; i < MR; ++i) {
-        if (i >= mr) break;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * k + 32 * b));
-        __m256 dot;
-        if constexpr (T == QuantType::kQ8_0) {
-          dot = dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-        } else {
-          dot = dot_u8_i8(w, x);
-        }
-        acc[r][i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * blocks + b]), dot, acc[r][i]);
-        if constexpr (T != QuantType::kQ8_0) offset[r][i] += off * xs[i * blocks + b];
-      }
+      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * kBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + prefetch), _MM_HINT_T0);
+      pair_step<T, MR, true>(blk, xq + 32 * b, x_stride, xp + (b / 2) * kXPairFloats, pair_stride, acc[r]);
     }
   }
+  if (b < blocks) {
+#pragma GCC unroll 4
+    for (int r = 0; r < NW; ++r) {
+      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * kBytes;
+      pair_step<T, MR, false>(blk, xq + 32 * b, x_stride, xp + (b / 2) * kXPairFloats, pair_stride, acc[r]);
+    }
+  }
+#pragma GCC unroll 4
   for (int r = 0; r < NW; ++r) {
-    for (int i = 0; i < mr; ++i) out[r * out_stride + i] = reduce8(acc[r][i]) + offset[r][i];
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) out[r * out_stride + i] = reduce8(acc[r][i]);
   }
 }
 
-// One weight row against x rows [0, mr), mr <= kXRowsPerPass.
-template <QuantType T>
-inline void dot_row(const uint8_t* row, int32_t blocks, const int8_t* xq, int32_t k, const float* xd,
-                    const float* xs, int mr, float* out) {
-  dot_tile<T, 1, kXRowsPerPass>(row, 0, blocks, xq, k, xd, xs, mr, out, 0);
+// Weight rows [0, rows) against x rows [0, MR): tiles of NW rows, then single rows.
+template <QuantType T, int NW, int MR>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const int8_t* xq,
+                     int64_t x_stride, const float* xp, int64_t pair_stride, float* out, int out_stride) {
+  int32_t r = 0;
+  for (; r + NW <= rows; r += NW) {
+    dot_tile<T, NW, MR>(w + r * row_bytes, row_bytes, blocks, xq, x_stride, xp, pair_stride, out + r * out_stride,
+                        out_stride);
+  }
+  for (; r < rows; ++r) {
+    dot_tile<T, 1, MR>(w + r * row_bytes, row_bytes, blocks, xq, x_stride, xp, pair_stride, out + r * out_stride,
+                       out_stride);
+  }
 }
 
-// Four weight rows against one x row (single-stream decode): out[r] for r < 4.
+// values [rows, mr]: weight rows [0, rows) against x rows [0, mr), mr <= kXRowsPerPass.
 template <QuantType T>
-inline void dot_4_rows(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, const float* xd,
-                       const float* xs, float* out) {
-  dot_tile<T, 4, 1>(rows, row_bytes, blocks, xq, 0, xd, xs, 1, out, 1);
+inline void dot_block_of_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const QuantizedX& x,
+                              int64_t i0, int mr, float* values) {
+  const int64_t pair_stride = static_cast<int64_t>((blocks + 1) / 2) * kXPairFloats;
+  const int8_t* xq = x.q + i0 * x.q_stride;
+  const float* xp = x.pairs + i0 * pair_stride;
+  switch (mr) {
+    case 1: return dot_rows<T, 4, 1>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 1);
+    case 2: return dot_rows<T, 2, 2>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 2);
+    case 3: return dot_rows<T, 1, 3>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 3);
+    default: return dot_rows<T, 1, 4>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 4);
+  }
 }
 #else
 template <QuantType T>
-inline void dot_row(const uint8_t* row, int32_t blocks, const int8_t* xq, int32_t k, const float* xd,
-                    const float* xs, int mr, float* out) {
-  for (int i = 0; i < mr; ++i) out[i] = 0.0f;
-  for (int32_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
-    const float dw = load_f16(blk);
-    for (int i = 0; i < mr; ++i) {
-      const int8_t* x = xq + i * k + 32 * b;
-      int32_t dot = 0;
-      if constexpr (T == QuantType::kQ8_0) {
-        const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2);
-        for (int j = 0; j < 32; ++j) dot += w[j] * x[j];
-      } else {
-        const uint8_t* qs = blk + (T == QuantType::kQ4_1 ? 4 : 2);
-        for (int j = 0; j < 16; ++j) dot += (qs[j] & 15) * x[j] + (qs[j] >> 4) * x[j + 16];
+inline void dot_block_of_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const QuantizedX& x,
+                              int64_t i0, int mr, float* values) {
+  for (int32_t r = 0; r < rows; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    float* out = values + r * mr;
+    for (int i = 0; i < mr; ++i) out[i] = 0.0f;
+    for (int32_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
+      const float dw = load_f16(blk);
+      for (int i = 0; i < mr; ++i) {
+        const int8_t* xq = x.q + (i0 + i) * x.q_stride;
+        const int64_t xb = (i0 + i) * blocks + b;
+        int32_t dot = 0;
+        if constexpr (T == QuantType::kQ8_0) {
+          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+          for (int j = 0; j < 32; ++j) dot += q[j] * xq[x_byte_offset(b, j)];
+        } else {
+          const uint8_t* qs = blk + (T == QuantType::kQ4_1 ? 4 : 2);
+          for (int j = 0; j < 16; ++j) {
+            dot += (qs[j] & 15) * xq[x_byte_offset(b, j)] + (qs[j] >> 4) * xq[x_byte_offset(b, j + 16)];
+          }
+        }
+        out[i] += dw * x.d[xb] * static_cast<float>(dot);
+        if constexpr (T == QuantType::kQ4_1) out[i] += load_f16(blk + 2) * x.s[xb];
+        if constexpr (T == QuantType::kQ4_0) out[i] -= 8.0f * dw * x.s[xb];
       }
-      out[i] += dw * xd[i * blocks + b] * static_cast<float>(dot);
-      if constexpr (T == QuantType::kQ4_1) out[i] += load_f16(blk + 2) * xs[i * blocks + b];
-      if constexpr (T == QuantType::kQ4_0) out[i] -= 8.0f * dw * xs[i * blocks + b];
     }
   }
 }
-
-template <QuantType T>
-inline void dot_4_rows(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, const float* xd,
-                       const float* xs, float* out) {
-  for (int r = 0; r < 4; ++r) dot_row<T>(rows + r * row_bytes, blocks, xq, 0, xd, xs, 1, out + r);
-}
 #endif
+
+// Weight rows are taken kDotRowChunk at a time, and each chunk meets all x rows (kXRowsPerPass
+// at a time) while it is in L1.
+constexpr int32_t kDotRowChunk = 16;
 
 template <QuantType T>
 inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
@@ -194,22 +297,19 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
   const int32_t rows = std::min(rows_per_task, a.n - n0);
   const int32_t blocks = a.k / 32;
   const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
-  float values[kXRowsPerPass];
   thread_local std::vector<float> out_buffer;  // [m, rows_per_task] for quant_store_out
   out_buffer.resize(static_cast<size_t>(a.m) * rows_per_task);
   float* out_rows = out_buffer.data();
-  int32_t r = 0;
-  if (a.m == 1) {
-    for (; r + 4 <= rows; r += 4) {
-      dot_4_rows<T>(a.weight + (n0 + r) * row_bytes, row_bytes, blocks, x.q, x.d, x.s, out_rows + r);
-    }
-  }
-  for (; r < rows; ++r) {
-    const uint8_t* row = a.weight + (n0 + r) * row_bytes;
+  float values[kDotRowChunk * kXRowsPerPass];
+  for (int32_t r0 = 0; r0 < rows; r0 += kDotRowChunk) {
+    const int32_t chunk = std::min(kDotRowChunk, rows - r0);
+    const uint8_t* w = a.weight + (n0 + r0) * row_bytes;
     for (int64_t i0 = 0; i0 < a.m; i0 += kXRowsPerPass) {
       const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
-      dot_row<T>(row, blocks, x.q + i0 * a.k, a.k, x.d + i0 * blocks, x.s + i0 * blocks, mr, values);
-      for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + r] = values[i];
+      dot_block_of_rows<T>(w, row_bytes, chunk, blocks, x, i0, mr, values);
+      for (int32_t r = 0; r < chunk; ++r) {
+        for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + r0 + r] = values[r * mr + i];
+      }
     }
   }
   for (int64_t i = 0; i < a.m; ++i) quant_store_out(a, i, n0, rows, out_rows + i * rows_per_task);

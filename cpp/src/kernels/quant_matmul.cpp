@@ -145,6 +145,22 @@ void quant_store_out(const QuantMatmulArgs& a, int64_t row, int32_t col0, int32_
   }
 }
 
+void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs) {
+  const int32_t num_pairs = (blocks + 1) / 2;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int32_t p = 0; p < num_pairs; ++p) {
+      float* out = pairs + (i * num_pairs + p) * kXPairFloats;
+      std::fill(out, out + kXPairFloats, 0.0f);
+      for (int32_t h = 0; h < 2 && 2 * p + h < blocks; ++h) {
+        const int64_t b = i * blocks + 2 * p + h;
+        std::fill(out + 4 * h, out + 4 * h + 4, d[b]);
+        if (type == QuantType::kQ4_1) out[8 + 4 * h + 1] = s[b];
+        if (type == QuantType::kQ4_0) out[8 + 4 * h] = -8.0f * s[b];
+      }
+    }
+  }
+}
+
 void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
   check_args(args);
   if (args.m == 0 || args.n == 0) return;
@@ -155,13 +171,16 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
   const float* x = float_rows(args, converted, &x_stride, num_threads);
   if (use_dot_path(args)) {
     thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> xd, xs;
+    thread_local std::vector<float> xd, xs, pairs;
     const size_t values = static_cast<size_t>(args.m) * args.k;
-    xq.resize(values);
+    const int32_t blocks = args.k / 32;
+    xq.resize(static_cast<size_t>(args.m) * quant_x_row_bytes(args.k));
     xd.resize(values / 32);
     xs.resize(values / 32);
+    pairs.resize(static_cast<size_t>(args.m) * ((blocks + 1) / 2) * kXPairFloats);
     kernels.quantize_x(x, x_stride, args.m, args.k, xq.data(), xd.data(), xs.data());
-    const QuantizedX qx{xq.data(), xd.data(), xs.data()};
+    quant_x_pairs(args.type, xd.data(), xs.data(), args.m, blocks, pairs.data());
+    const QuantizedX qx{xq.data(), quant_x_row_bytes(args.k), xd.data(), xs.data(), pairs.data()};
     const int32_t task_rows = dot_task_rows(args.n, num_threads);
     const int64_t num_tasks = (args.n + task_rows - 1) / task_rows;
     ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {

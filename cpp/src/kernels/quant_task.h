@@ -19,12 +19,31 @@ struct QuantPlan {
 };
 
 /// x rows quantized to 8 bits per 32 values for the integer decode path (quant_dot_impl.h):
-/// q [m, k], d and s [m, k / 32] (scale and scale * sum of q of each block).
+/// q [m, q_stride] (each row's blocks in pairs, bytes in the kernel's order), d and s
+/// [m, k / 32] (scale and scale * sum of q of each block), and `pairs`, the same scales laid
+/// out for the SIMD kernels (quant_x_pairs), [m, (k / 32 + 1) / 2, 16].
 struct QuantizedX {
   const int8_t* q = nullptr;
+  int64_t q_stride = 0;
   const float* d = nullptr;
   const float* s = nullptr;
+  const float* pairs = nullptr;
 };
+
+/// Bytes per row of QuantizedX::q: k rounded up to whole block pairs (64 values).
+constexpr int64_t quant_x_row_bytes(int32_t k) { return (static_cast<int64_t>(k) + 63) / 64 * 64; }
+
+/// Floats per block pair in QuantizedX::pairs.
+constexpr int32_t kXPairFloats = 16;
+
+/// Fills pairs [m, (blocks + 1) / 2, 16] from d, s [m, blocks] for weight type `type`. Pair p
+/// of a row covers blocks 2p and 2p + 1 (absent in the last pair of an odd count: zeros) in two
+/// 8-float vectors that line up with a weight block pair's f16 header as the SIMD kernels convert
+/// it (block 2p's header halves in lanes 0-3, block 2p + 1's in lanes 4-7; quant_dot_impl.h):
+///   [0, 8):  the x scale d: lanes 0-3 of block 2p, 4-7 of block 2p + 1;
+///   [8, 16): the weight header's offset factor, one non-zero lane per block: Q4_1 s in lane 1
+///            (times m_w), Q4_0 -8 s in lane 0 (times d_w), nothing for Q8_0.
+void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs);
 
 /// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
 /// (args.x is ignored); writes out rows for the task's columns.
@@ -33,7 +52,7 @@ using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_
 /// Dequantizes `rows` whole rows of `k` values into out [rows, k].
 using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
-/// Quantizes m rows of x (k a multiple of 32) into q, d, s (see QuantizedX).
+/// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s (see QuantizedX).
 using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
 /// Integer decode path, 32-value formats only (Q4_0, Q4_1, Q8_0), m <= kQuantIntegerPathRows: task
 /// `task` covers weight rows [task * rows_per_task, ...).
