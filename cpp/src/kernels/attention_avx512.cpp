@@ -1,5 +1,6 @@
 // AVX-512 (F, BW, VL, DQ) build of the attention task kernel (flags in kernels.cmake).
 #define VPAGE_ISA_NAMESPACE avx512
+#include "attention_decode_fast_impl.h"
 #include "attention_prefill_impl.h"
 
 namespace vpage::cpu::avx512 {

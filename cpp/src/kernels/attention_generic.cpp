@@ -1,5 +1,6 @@
 // Portable build (baseline flags) of the attention task kernel.
 #define VPAGE_ISA_NAMESPACE generic
+#include "attention_decode_fast_impl.h"
 #include "attention_prefill_impl.h"
 
 namespace vpage::cpu::generic {

@@ -1,4 +1,4 @@
-# CPU kernels of vpage_core. The attention task kernel (attention_impl.h) and the quantized
+# CPU kernels of vpage_core. The attention task kernels (attention_*impl.h) and the quantized
 # matmul task (quant_matmul_impl.h) are compiled once per instruction set, each build in its
 # own namespace with its own -m flags; cpu_isa.cpp picks one at run time with
 # __builtin_cpu_supports (quant_matmul.cpp follows its choice). Everything else uses

@@ -17,11 +17,6 @@ namespace py = pybind11;
 namespace vpage::bindings {
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
 CacheShape cache_shape(int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size,
                        int32_t dtype) {
   return CacheShape{num_blocks, num_kv_heads, head_size, block_size, static_cast<DType>(dtype)};

@@ -15,11 +15,6 @@ namespace py = pybind11;
 namespace vpage::bindings {
 namespace {
 
-template <typename T>
-T* ptr(uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
 uintptr_t field(const py::dict& d, const char* key) {
   if (!d.contains(key)) throw py::value_error(std::string("_CpuDecoder: layer entry lacks '") + key + "'");
   return d[key].cast<uintptr_t>();

@@ -3,7 +3,15 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 namespace vpage::bindings {
+
+/// A data pointer passed from Python as an int (tensor.data_ptr()).
+template <typename T>
+T* ptr(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
 
 void bind_types(pybind11::module_& m);        // bind_types.cpp
 void bind_scheduler(pybind11::module_& m);    // bind_scheduler.cpp
