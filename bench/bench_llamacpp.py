@@ -8,7 +8,8 @@ the measurement (never part of vpage). Two parts:
 
 serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage bench serve``'s
           client streams the seeded synthetic ShareGPT-like trace (greedy, ignore_eos) at every
-          concurrency, the first N requests of the same trace at each. Reported: output
+          concurrency, the first N requests of the same trace at each, each level on a freshly
+          started server (nothing cached from the previous level). Reported: output
           tok/s, TTFT and TPOT percentiles, and the peak RSS of the server's processes (vpage:
           API + engine core). llama-server runs the way its documentation recommends for
           concurrent serving: one slot per concurrent stream (-np), continuous batching
@@ -112,27 +113,28 @@ def start_llama_server(args, slots: int) -> tuple[subprocess.Popen, str]:
 
 
 def serve_rows(args, name: str, start) -> list[dict]:
+    """One fresh server per concurrency level: the levels replay the same trace's first
+    requests, so a server kept across levels would answer the later levels' prompts from what
+    it cached serving the earlier ones (llama-server keeps each slot's last prompt by default)."""
     rows = []
     slots = max(args.concurrency)
-    proc, url = start(args, slots)
-    rss = PeakRSS(proc.pid)
-    try:
-        for conc in args.concurrency:
-            trace = synthetic_trace(args.num_prompts[conc], args.seed)
-            report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
-            report.update(system=name, concurrency=conc, requests=len(trace))
-            rows.append(report)
-            print(f"{name} c={conc}: {report['output_throughput']:.1f} output tok/s "
-                  f"({report['completed']}/{len(trace)} completed)", flush=True)
-    finally:
-        peak = rss.stop()
-        proc.terminate()
+    for conc in args.concurrency:
+        proc, url = start(args, slots)
+        rss = PeakRSS(proc.pid)
+        trace = synthetic_trace(args.num_prompts[conc], args.seed)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for row in rows:
-        row["peak_rss_mb"] = peak / 2**20
+            report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
+        finally:
+            peak = rss.stop()
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        report.update(system=name, concurrency=conc, requests=len(trace), peak_rss_mb=peak / 2**20)
+        rows.append(report)
+        print(f"{name} c={conc}: {report['output_throughput']:.1f} output tok/s "
+              f"({report['completed']}/{len(trace)} completed)", flush=True)
     return rows
 
 
@@ -167,12 +169,12 @@ def percentiles(report: dict, key: str, scale: float) -> str:
 
 
 def markdown(args, header: str, rows: list[dict], single: dict) -> str:
-    lines = [header, "", "| system | concurrency | requests | output tok/s | ratio | TTFT p50 / p99 s | "
+    lines = [header, "", "| system | concurrency | completed | output tok/s | ratio | TTFT p50 / p99 s | "
              "TPOT p50 / p99 ms | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     llama = {r["concurrency"]: r["output_throughput"] for r in rows if r["system"] == "llama-server"}
     for r in rows:
         ratio = r["output_throughput"] / llama[r["concurrency"]] if llama.get(r["concurrency"]) else float("nan")
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['requests']} | {r['output_throughput']:.1f} | "
+        lines.append(f"| {r['system']} | {r['concurrency']} | {r['completed']}/{r['requests']} | {r['output_throughput']:.1f} | "
                      f"{ratio:.2f}x | {percentiles(r, 'ttft_ms', 1e-3)} | {percentiles(r, 'tpot_ms', 1.0)} | "
                      f"{r['peak_rss_mb']:.0f} |")
     lines += ["", "| single stream, 128 tokens | tok/s | ratio |", "|---|---:|---:|"]
