@@ -70,6 +70,10 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 /// (embedding lookups, tests). Single-threaded. Throws std::invalid_argument on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
+/// Turns the integer GEMM path (the 32-value formats beyond kQuantIntegerPathRows rows) on
+/// (default) or off (those rows take the float path): for benchmarks and tests.
+void set_quant_integer_gemm(bool enabled);
+
 /// Instruction set quant_matmul uses: follows set_cpu_isa ("avx512", "avx2" or "generic").
 const char* quant_matmul_isa();
 
