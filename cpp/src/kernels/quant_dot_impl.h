@@ -122,31 +122,33 @@ constexpr int32_t weight_offset() {
 }
 
 // One weight block pair, b and b + 1, as the integer kernels use it: the bytes meeting x's
-// halves [0:16] and [16:32] (Q8_0 also their absolute values), the scales [d_b x4, d_b+1 x4]
-// and the offset factors (see above). The decode path builds it from the blocks at every
-// step; the GEMM path (quant_gemm_impl.h) builds it once per tile and stores it.
+// halves [0:16] and [16:32] (Q4: nibbles 0-15; Q8_0: int8, and their absolute values, maddubs'
+// unsigned operand), the scales [d_b x4, d_b+1 x4] and (Q4) the offset factors (see above).
+// The decode path builds it from the blocks at every step; the GEMM path (quant_gemm_impl.h)
+// builds it once per tile and stores it.
+template <QuantType T>
 struct WeightPair {
-  __m256i lo, hi;          // Q4: nibbles 0-15; Q8_0: int8
-  __m256i abs_lo, abs_hi;  // Q8_0 only: |lo|, |hi| (maddubs' unsigned operand)
-  __m256 d4, wo;           // wo: Q4 only
+  __m256i lo, hi;
+  __m256 d4, wo;
+};
+template <>
+struct WeightPair<QuantType::kQ8_0> {
+  __m256i lo, hi, abs_lo, abs_hi;
+  __m256 d4;
 };
 
 // kFull = false: block b alone (an odd block count's last block; x's missing partner is zero,
 // and nothing past block b is read).
 template <QuantType T, bool kFull>
-inline WeightPair weight_pair(const uint8_t* blk) {
+inline WeightPair<T> weight_pair(const uint8_t* blk) {
   constexpr int32_t kBytes = block_bytes<T>();
   __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk));
   if constexpr (kFull) {
     head = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(head), reinterpret_cast<const double*>(blk + kBytes)));
   }
-  WeightPair w;
+  WeightPair<T> w;
   const __m256 wd = _mm256_cvtph_ps(head);  // [d_b, ., ., ., d_b+1, ., ., .] (Q4_1: m in lanes 1, 5)
   w.d4 = _mm256_permute_ps(wd, 0);
-  // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
-  const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
-                                                                 : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
-  w.wo = _mm256_and_ps(wd, lanes);
   auto half = [&](int32_t offset_in_block) {  // 16 weight bytes of block b (low lane) and b + 1
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + offset_in_block));
     if constexpr (kFull) {
@@ -167,7 +169,10 @@ inline WeightPair weight_pair(const uint8_t* blk) {
     const __m256i mask = _mm256_set1_epi8(15);
     w.lo = _mm256_and_si256(raw, mask);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    w.abs_lo = w.abs_hi = _mm256_setzero_si256();
+    // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
+    const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
+                                                                   : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
+    w.wo = _mm256_and_ps(wd, lanes);
   }
   return w;
 }
@@ -176,7 +181,7 @@ inline WeightPair weight_pair(const uint8_t* blk) {
 // (QuantizedX::pairs). Every integer kernel goes through this, so a (weight row, x row) result
 // is bitwise the same whichever kernel computes it.
 template <QuantType T>
-inline __m256 pair_madd(const WeightPair& w, __m256i x_lo, __m256i x_hi, const float* xp, __m256 acc) {
+inline __m256 pair_madd(const WeightPair<T>& w, __m256i x_lo, __m256i x_hi, const float* xp, __m256 acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i sums;
   if constexpr (T == QuantType::kQ8_0) {
@@ -190,7 +195,7 @@ inline __m256 pair_madd(const WeightPair& w, __m256i x_lo, __m256i x_hi, const f
     sums = _mm256_madd_epi16(p, ones);
   }
   acc = _mm256_fmadd_ps(_mm256_mul_ps(w.d4, _mm256_loadu_ps(xp)), _mm256_cvtepi32_ps(sums), acc);
-  if constexpr (T != QuantType::kQ8_0) acc = _mm256_fmadd_ps(w.wo, _mm256_loadu_ps(xp + 8), acc);
+  if constexpr (T != QuantType::kQ8_0) return _mm256_fmadd_ps(w.wo, _mm256_loadu_ps(xp + 8), acc);
   return acc;
 }
 
@@ -199,7 +204,7 @@ inline __m256 pair_madd(const WeightPair& w, __m256i x_lo, __m256i x_hi, const f
 template <QuantType T, int MR, bool kFull>
 inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, const float* xp, int64_t pair_stride,
                       __m256* acc) {
-  const WeightPair w = weight_pair<T, kFull>(blk);
+  const WeightPair<T> w = weight_pair<T, kFull>(blk);
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
     const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride));

@@ -80,7 +80,7 @@ bool block32(const QuantMatmulArgs& a) {
 bool use_dot_path(const QuantMatmulArgs& a) { return block32(a) && a.m <= kQuantIntegerPathRows; }
 
 // Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
-// into a tile (Q4 k = 1536: 32 rows x 24 pairs x 192 bytes = 144 KiB, in L2).
+// into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
 std::atomic<bool> gemm_enabled{true};
 constexpr int32_t kGemmTaskRows = 32;
 
