@@ -5,7 +5,7 @@ Per block type, weight shape [n, k] (default: the default model's MLP, 1536x576 
 576x1536) and rows m of x: median time, GB/s of weight bytes read (the quantized bytes for
 vpage, float32 bytes for torch) and GFLOP/s (2 m n k). Where the integer GEMM path runs (Q4_0,
 Q4_1, Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows) the float path it replaced is timed too
-(set_quant_integer_gemm(False)). For decode-sized m (<= 16) each timed
+(set_quant_integer_gemm_rows(0)). For decode-sized m (<= 16) each timed
 call runs over --copies distinct weight matrices in turn (more than the CPU caches hold, as
 in a model's layers), so the weights come from memory; larger m use one matrix (compute-bound).
 Timing is round-robin (bench_attention.interleaved). Prints the CPU model and instruction set.
@@ -79,11 +79,11 @@ def bench_shape(qtype, n, k, ms, args, rng):
                 torch.matmul(x, w.t(), out=out_f)
 
         def float_path_run():  # the float path the integer GEMM replaces
-            _core.set_quant_integer_gemm(False)
+            _core.set_quant_integer_gemm_rows(0)
             try:
                 vpage_run()
             finally:
-                _core.set_quant_integer_gemm(True)
+                _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
 
         gemm = qtype in INTEGER_GEMM_TYPES and m > _core.QUANT_INTEGER_PATH_ROWS
         runs = [vpage_run, torch_run] + ([float_path_run] if gemm else [])

@@ -81,11 +81,11 @@ bool use_dot_path(const QuantMatmulArgs& a) { return block32(a) && a.m <= kQuant
 
 // Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
 // into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
-std::atomic<bool> gemm_enabled{true};
+std::atomic<int64_t> gemm_max_rows{kQuantIntegerGemmMaxRows};
 constexpr int32_t kGemmTaskRows = 32;
 
 bool use_gemm_path(const QuantMatmulArgs& a) {
-  return block32(a) && a.m > kQuantIntegerPathRows && gemm_enabled.load(std::memory_order_relaxed);
+  return block32(a) && a.m > kQuantIntegerPathRows && a.m <= gemm_max_rows.load(std::memory_order_relaxed);
 }
 
 // Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).
@@ -249,7 +249,7 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
 }
 
-void set_quant_integer_gemm(bool enabled) { gemm_enabled.store(enabled, std::memory_order_relaxed); }
+void set_quant_integer_gemm_rows(int64_t max_rows) { gemm_max_rows.store(max_rows, std::memory_order_relaxed); }
 
 const char* quant_matmul_isa() { return selected_quant_kernels().name; }
 
