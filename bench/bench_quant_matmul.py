@@ -3,9 +3,9 @@ matmul (F.linear) on the same weights dequantized, in the same run.
 
 Per block type, weight shape [n, k] (default: the default model's MLP, 1536x576 and
 576x1536) and rows m of x: median time, GB/s of weight bytes read (the quantized bytes for
-vpage, float32 bytes for torch) and GFLOP/s (2 m n k). Where the integer GEMM path runs (Q4_0,
-Q4_1, Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows) the float path it replaced is timed too
-(set_quant_integer_gemm_rows(0)). For decode-sized m (<= 16) each timed
+vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For Q4_0, Q4_1 and Q8_0 beyond
+QUANT_INTEGER_PATH_ROWS rows, both paths are also timed whatever the dispatcher picks: the
+integer GEMM (set_quant_integer_gemm_rows(m)) and the float path (set_quant_integer_gemm_rows(0)). For decode-sized m (<= 16) each timed
 call runs over --copies distinct weight matrices in turn (more than the CPU caches hold, as
 in a model's layers), so the weights come from memory; larger m use one matrix (compute-bound).
 Timing is round-robin (bench_attention.interleaved). Prints the CPU model and instruction set.
@@ -39,7 +39,7 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
-INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # integer GEMM beyond QUANT_INTEGER_PATH_ROWS rows
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the integer GEMM's types
 
 
 def shapes(text):
@@ -78,21 +78,23 @@ def bench_shape(qtype, n, k, ms, args, rng):
             for w in ws:
                 torch.matmul(x, w.t(), out=out_f)
 
-        def float_path_run():  # the float path the integer GEMM replaces
-            _core.set_quant_integer_gemm_rows(0)
-            try:
-                vpage_run()
-            finally:
-                _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+        def forced(rows):  # vpage_run with the integer GEMM up to `rows` rows
+            def run():
+                _core.set_quant_integer_gemm_rows(rows)
+                try:
+                    vpage_run()
+                finally:
+                    _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+            return run
 
         gemm = qtype in INTEGER_GEMM_TYPES and m > _core.QUANT_INTEGER_PATH_ROWS
-        runs = [vpage_run, torch_run] + ([float_path_run] if gemm else [])
+        runs = [vpage_run, torch_run] + ([forced(m), forced(0)] if gemm else [])
         times = [t / copies for t, _, _ in interleaved(runs, args.repeats, args.clock)]
         tq, tf = times[0], times[1]
         flops = 2 * m * n * k
-        old = f"{flops / times[2] / 1e9:.1f}" if gemm else ""
-        old_ratio = f"{times[2] / tq:.2f}x" if gemm else ""
-        rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9, old, old_ratio,
+        paths = [f"{flops / times[2] / 1e9:.1f}", f"{flops / times[3] / 1e9:.1f}", f"{times[3] / times[2]:.2f}x"] if gemm \
+            else ["", "", ""]
+        rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9, *paths,
                      tf * 1e6, dense.numel() * 4 / tf / 1e9, flops / tf / 1e9, tf / tq))
         del qs, ws
     return rows
@@ -189,13 +191,13 @@ def main():
               f"cycles at an assumed {args.ghz} GHz")
         bench_decode_model(args, rng)
         return
-    print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | float path GFLOP/s | vs float path | "
-          "torch f32 us | torch GB/s | torch GFLOP/s | vs torch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | integer GEMM GFLOP/s | float path GFLOP/s | "
+          "GEMM vs float | torch f32 us | torch GB/s | torch GFLOP/s | vpage vs torch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for qtype in args.types.split(","):
         for n, k in args.shapes:
             for row in bench_shape(qtype, n, k, args.m, args, rng):
-                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {:.2f}x |".format(*row),
+                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {:.2f}x |".format(*row),
                       flush=True)
 
 
