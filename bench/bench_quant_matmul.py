@@ -5,9 +5,10 @@ Per block type, weight shape [n, k] (default: the default model's MLP, 1536x576 
 576x1536) and rows m of x: median time, GB/s of weight bytes read (the quantized bytes for
 vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For Q4_0, Q4_1 and Q8_0 beyond
 QUANT_INTEGER_PATH_ROWS rows, both paths are also timed whatever the dispatcher picks: the
-integer GEMM (set_quant_integer_gemm_rows(m)) and the float path (set_quant_integer_gemm_rows(0)). For decode-sized m (<= 16) each timed
-call runs over --copies distinct weight matrices in turn (more than the CPU caches hold, as
-in a model's layers), so the weights come from memory; larger m use one matrix (compute-bound).
+integer GEMM (set_quant_integer_gemm_rows(m)) and the float path (set_quant_integer_gemm_rows(0)).
+For decode-sized m (<= 16) each timed call runs over --copies distinct weight matrices in turn
+(more than the CPU caches hold, as in a model's layers), so the weights come from memory;
+larger m use one matrix (compute-bound).
 Timing is round-robin (bench_attention.interleaved). Prints the CPU model and instruction set.
 
     python bench/bench_quant_matmul.py [--types Q4_1,Q8_0] [--m 1,8,64,512] [--repeats 7] [--threads 1]
@@ -92,8 +93,9 @@ def bench_shape(qtype, n, k, ms, args, rng):
         times = [t / copies for t, _, _ in interleaved(runs, args.repeats, args.clock)]
         tq, tf = times[0], times[1]
         flops = 2 * m * n * k
-        paths = [f"{flops / times[2] / 1e9:.1f}", f"{flops / times[3] / 1e9:.1f}", f"{times[3] / times[2]:.2f}x"] if gemm \
-            else ["", "", ""]
+        paths = ["", "", ""]
+        if gemm:
+            paths = [f"{flops / times[2] / 1e9:.1f}", f"{flops / times[3] / 1e9:.1f}", f"{times[3] / times[2]:.2f}x"]
         rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9, *paths,
                      tf * 1e6, dense.numel() * 4 / tf / 1e9, flops / tf / 1e9, tf / tq))
         del qs, ws
@@ -197,8 +199,8 @@ def main():
     for qtype in args.types.split(","):
         for n, k in args.shapes:
             for row in bench_shape(qtype, n, k, args.m, args, rng):
-                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {:.2f}x |".format(*row),
-                      flush=True)
+                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | "
+                      "{:.2f}x |".format(*row), flush=True)
 
 
 if __name__ == "__main__":

@@ -66,9 +66,9 @@ constexpr int64_t kQuantIntegerPathRows = 16;
 /// for 4), all other divergences at near-ties. set_quant_integer_gemm_rows moves the limit.
 constexpr int64_t kQuantIntegerGemmMaxRows = 64;
 
-/// Runs the matmul. Besides the integer paths above, two paths by m: below 128 rows (decode) every weight row is dequantized
-/// once, a K chunk at a time, and multiplied with all rows of x by a dot-product
-/// micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of 32 (AVX-512: 64)
+/// Runs the matmul. Besides the integer paths above, two paths by m: below 128 rows (decode)
+/// every weight row is dequantized once, a K chunk at a time, and multiplied with all rows of
+/// x by a dot-product micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of 32 (AVX-512: 64)
 /// weight rows is dequantized once per 2048 rows of x, transposed, and an outer-product FMA
 /// micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
 /// 16-bit x is converted to float32 first.
