@@ -3,9 +3,12 @@ matmul (F.linear) on the same weights dequantized, in the same run.
 
 Per block type, weight shape [n, k] (default: the default model's MLP, 1536x576 and
 576x1536) and rows m of x: median time, GB/s of weight bytes read (the quantized bytes for
-vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For decode-sized m (<= 16) each timed
-call runs over --copies distinct weight matrices in turn (more than the CPU caches hold, as
-in a model's layers), so the weights come from memory; larger m use one matrix (compute-bound).
+vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For Q4_0, Q4_1 and Q8_0 beyond
+QUANT_INTEGER_PATH_ROWS rows, both paths are also timed whatever the dispatcher picks: the
+integer GEMM (set_quant_integer_gemm_rows(m)) and the float path (set_quant_integer_gemm_rows(0)).
+For decode-sized m (<= 16) each timed call runs over --copies distinct weight matrices in turn
+(more than the CPU caches hold, as in a model's layers), so the weights come from memory;
+larger m use one matrix (compute-bound).
 Timing is round-robin (bench_attention.interleaved). Prints the CPU model and instruction set.
 
     python bench/bench_quant_matmul.py [--types Q4_1,Q8_0] [--m 1,8,64,512] [--repeats 7] [--threads 1]
@@ -37,6 +40,7 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the integer GEMM's types
 
 
 def shapes(text):
@@ -75,10 +79,24 @@ def bench_shape(qtype, n, k, ms, args, rng):
             for w in ws:
                 torch.matmul(x, w.t(), out=out_f)
 
-        (tq, _, _), (tf, _, _) = interleaved([vpage_run, torch_run], args.repeats, args.clock)
-        tq, tf = tq / copies, tf / copies
+        def forced(rows):  # vpage_run with the integer GEMM up to `rows` rows
+            def run():
+                _core.set_quant_integer_gemm_rows(rows)
+                try:
+                    vpage_run()
+                finally:
+                    _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+            return run
+
+        gemm = qtype in INTEGER_GEMM_TYPES and m > _core.QUANT_INTEGER_PATH_ROWS
+        runs = [vpage_run, torch_run] + ([forced(m), forced(0)] if gemm else [])
+        times = [t / copies for t, _, _ in interleaved(runs, args.repeats, args.clock)]
+        tq, tf = times[0], times[1]
         flops = 2 * m * n * k
-        rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9,
+        paths = ["", "", ""]
+        if gemm:
+            paths = [f"{flops / times[2] / 1e9:.1f}", f"{flops / times[3] / 1e9:.1f}", f"{times[3] / times[2]:.2f}x"]
+        rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9, *paths,
                      tf * 1e6, dense.numel() * 4 / tf / 1e9, flops / tf / 1e9, tf / tq))
         del qs, ws
     return rows
@@ -175,14 +193,14 @@ def main():
               f"cycles at an assumed {args.ghz} GHz")
         bench_decode_model(args, rng)
         return
-    print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | torch f32 us | torch GB/s | "
-          "torch GFLOP/s | speed-up |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| type | n x k | m | vpage us | vpage GB/s | vpage GFLOP/s | integer GEMM GFLOP/s | float path GFLOP/s | "
+          "GEMM vs float | torch f32 us | torch GB/s | torch GFLOP/s | vpage vs torch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for qtype in args.types.split(","):
         for n, k in args.shapes:
             for row in bench_shape(qtype, n, k, args.m, args, rng):
-                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {:.0f} | {:.2f} | {:.1f} | {:.2f}x |".format(*row),
-                      flush=True)
+                print("| {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | {} | {} | {} | {:.0f} | {:.2f} | {:.1f} | "
+                      "{:.2f}x |".format(*row), flush=True)
 
 
 if __name__ == "__main__":

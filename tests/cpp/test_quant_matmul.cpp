@@ -1,8 +1,10 @@
 // vpage::cpu::quant_matmul over hand-written ggml blocks: Q8_0 and Q4_1 against a scalar
 // reference of their layouts, every type against a double-precision matmul of
-// quant_dequantize_rows, in every instruction set the CPU has, on every path (integer dot
-// products up to kQuantIntegerPathRows rows for the 32-value formats, float dot products below 128 rows, outer
-// product from 128), bit-identical on 1, 2 and 3 threads; bad arguments throw. (The Python tests check every layout against the
+// quant_dequantize_rows, in every instruction set the CPU has, on every path (for the 32-value
+// formats integer dot products up to kQuantIntegerPathRows rows, then the integer GEMM up to
+// kQuantIntegerGemmMaxRows; float dot products below 128 rows, outer product from 128),
+// bit-identical on 1, 2 and 3 threads, and the integer paths' rows bit-identical to single-row
+// calls; bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
 #include <cmath>
 #include <cstdint>
@@ -75,11 +77,12 @@ float reference_value(QuantType type, const uint8_t* row, int i) {
   return d * static_cast<float>(q) + vpage::half_to_float(h);
 }
 
-// The integer decode path (32-value formats, at most kQuantIntegerPathRows x rows) multiplies x as rounded to
-// 8 bits per 32 values; this is that rounding, written from its definition: d = max|x| / 127,
+// The integer paths (32-value formats, at most kQuantIntegerGemmMaxRows x rows) multiply x as
+// rounded to 8 bits per 32 values; this is that rounding, written from its definition: d = max|x| / 127,
 // q = round(x * 127 / max|x|), x' = d * q.
-bool rounds_x(QuantType type, int m) {
-  return m <= vpage::cpu::kQuantIntegerPathRows && (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0);
+bool rounds_x(QuantType type, int64_t m) {
+  return m <= vpage::cpu::kQuantIntegerGemmMaxRows &&
+         (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0);
 }
 
 std::vector<float> round_x_to_8_bits(const std::vector<float>& x) {
@@ -108,8 +111,9 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
   }
   std::normal_distribution<float> normal;
   const int64_t integer_rows = vpage::cpu::kQuantIntegerPathRows;
+  const int64_t gemm_rows = vpage::cpu::kQuantIntegerGemmMaxRows;
   for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{17}, integer_rows,
-                    integer_rows + 1, int64_t{131}}) {
+                    integer_rows + 1, gemm_rows, gemm_rows + 1, int64_t{131}}) {
     std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
     for (auto& v : x) v = normal(rng);
     // The reference multiplies what the kernel multiplies; the rounding itself is bounded:
@@ -135,6 +139,16 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
       a.out = out_threads.data();
       vpage::cpu::quant_matmul(a, threads);
       EXPECT(std::memcmp(out_threads.data(), out.data(), sizeof(float) * out.size()) == 0);
+    }
+    // The integer paths compute every (weight row, x row) the same way: rows equal single-row calls.
+    if (rounds_x(type, m) && m > 1) {
+      a.m = 1;
+      for (int64_t i : {int64_t{0}, m / 2, m - 1}) {
+        a.x = x.data() + i * k;
+        a.out = out_threads.data();
+        vpage::cpu::quant_matmul(a, 1);
+        EXPECT(std::memcmp(out_threads.data(), out.data() + i * n, sizeof(float) * n) == 0);
+      }
     }
     double scale = 0.0, worst = 0.0;
     for (int i = 0; i < m; ++i) {

@@ -29,15 +29,13 @@ def _weights(qtype: str, n: int, k: int, seed: int):
     return torch.from_numpy(np.ascontiguousarray(rows)), dequantized(qtype, rows)
 
 
-def _as_multiplied(x: torch.Tensor, qtype) -> np.ndarray:
-    """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0 at up to QUANT_INTEGER_PATH_ROWS rows
-    rounded to 8 bits per 32 values (d = max|x| / 127, q = round(x / d)), written here from
-    that definition; otherwise x itself."""
-    xf = x.float().numpy()
-    name = qtype if isinstance(qtype, str) else {v[0]: k for k, v in ops.QUANT_TYPES.items()}[qtype]
-    if name not in ("Q4_0", "Q4_1", "Q8_0") or x.shape[0] > _core.QUANT_INTEGER_PATH_ROWS:
-        return xf.astype(np.float64)
-    blocks = xf.reshape(x.shape[0], -1, 32)
+INTEGER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # x rounded to 8 bits (integer decode and GEMM paths)
+
+
+def _round_x(xf: np.ndarray) -> np.ndarray:
+    """x rounded to 8 bits per 32 values as the integer paths round it (d = max|x| / 127,
+    q = round(x / d)), written here from that definition, as float64."""
+    blocks = xf.reshape(xf.shape[0], -1, 32)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     inv = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), np.float32(0))
     q = np.rint(blocks * inv.astype(np.float32))
@@ -46,8 +44,17 @@ def _as_multiplied(x: torch.Tensor, qtype) -> np.ndarray:
     return rounded.reshape(xf.shape).astype(np.float64)
 
 
-def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float, qtype) -> None:
-    ref = _as_multiplied(x, qtype) @ w64.T
+def _as_multiplied(x: torch.Tensor, qtype, max_integer_rows: int) -> np.ndarray:
+    """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0 at up to max_integer_rows rows (the
+    integer paths) rounded to 8 bits (_round_x), otherwise x itself."""
+    xf = x.float().numpy()
+    name = qtype if isinstance(qtype, str) else {v[0]: k for k, v in ops.QUANT_TYPES.items()}[qtype]
+    return _round_x(xf) if name in INTEGER_TYPES and x.shape[0] <= max_integer_rows else xf.astype(np.float64)
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float, qtype,
+           max_integer_rows: int = _core.QUANT_INTEGER_GEMM_MAX_ROWS) -> None:
+    ref = _as_multiplied(x, qtype, max_integer_rows) @ w64.T
     assert np.abs(ref).max() > 0  # never compare zeros
     err = np.abs(out.double().numpy() - ref).max() / np.abs(ref).max()
     assert err < rtol, err
@@ -63,7 +70,8 @@ def test_every_type_every_isa_against_float64(isa, qtype):
     deq = ops.dequantize_rows(qweight, qtype, k)
     np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
     gen = torch.Generator().manual_seed(1)
-    # integer path (m <= QUANT_INTEGER_PATH_ROWS, 32-value types), float dot path (m < 128),
+    # 32-value types: integer decode path (m <= QUANT_INTEGER_PATH_ROWS), integer GEMM (up to
+    # QUANT_INTEGER_GEMM_MAX_ROWS); beyond, and the other types: float dot path (m < 128),
     # outer-product path (257 = 42 * 6 + 5)
     rows = _core.QUANT_INTEGER_PATH_ROWS
     for m in (1, 2, 3, 4, 5, 17, rows, rows + 1, 64, 257):
@@ -86,7 +94,7 @@ def test_16bit_activations_and_strided_rows(qtype, dtype):
 
 
 def test_shapes_of_the_default_model_and_many_threads():
-    # Tasks of the outer-product path (32 rows) and the dot path (8), with a ragged last task.
+    # Tasks of the float path (32 rows), the integer paths (32 rows or more), a ragged last task.
     qweight, w64 = _weights("Q4_1", 1536 + 24, 576, seed=3)
     x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
     ops.set_num_threads(3)
@@ -96,9 +104,82 @@ def test_shapes_of_the_default_model_and_many_threads():
         _check(ops.quant_matmul(x[:1], qweight, 3, 1560, 576), x[:1], w64, 2e-6, 3)  # integer path
         rows = _core.QUANT_INTEGER_PATH_ROWS
         _check(ops.quant_matmul(x[:rows], qweight, 3, 1560, 576), x[:rows], w64, 2e-6, 3)  # integer path
-        _check(ops.quant_matmul(x[:rows + 1], qweight, 3, 1560, 576), x[:rows + 1], w64, 2e-6, 3)
+        _check(ops.quant_matmul(x[:rows + 1], qweight, 3, 1560, 576), x[:rows + 1], w64, 2e-6, 3)  # GEMM
+        gemm = _core.QUANT_INTEGER_GEMM_MAX_ROWS
+        _check(ops.quant_matmul(x[:gemm], qweight, 3, 1560, 576), x[:gemm], w64, 2e-6, 3)  # GEMM
+        _check(ops.quant_matmul(x[:gemm + 1], qweight, 3, 1560, 576), x[:gemm + 1], w64, 2e-6, 3)  # float
     finally:
         ops.set_num_threads(None)
+
+
+def _poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"))
+
+
+@pytest.fixture
+def gemm_rows():
+    """The integer GEMM path for every row count >= QUANT_INTEGER_PATH_ROWS + 1 (by default it
+    stops at QUANT_INTEGER_GEMM_MAX_ROWS); afterwards the default again."""
+    _core.set_quant_integer_gemm_rows(1 << 40)
+    yield
+    _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+
+
+# The integer GEMM path (Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows): awkward n (one
+# row, tasks of 32 rows with ragged ends) and k (one block, an odd block count, the model's).
+@pytest.mark.parametrize("qtype", INTEGER_TYPES)
+@pytest.mark.parametrize("n,k", [(1, 32), (3, 96), (17, 576), (100, 1536), (257, 96)])
+def test_integer_gemm_against_float64(gemm_rows, qtype, n, k):
+    qweight, w64 = _weights(qtype, n, k, seed=11 + n)
+    gen = torch.Generator().manual_seed(n + k)
+    for m in (17, 31, 64, 257):
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4  # row scales differ
+        out = ops.quant_matmul(x, qweight, qtype, n, k, out=_poisoned(m, n))
+        assert torch.isfinite(out).all()
+        # (a) the dequantized weights times x rounded as the kernel rounds it: float32 roundings only
+        ref = _round_x(x.numpy()) @ w64.T
+        scale = np.abs(_round_x(x.numpy())) @ np.abs(w64).T  # bounds the summation's rounding error
+        np.testing.assert_array_less(np.abs(out.double().numpy() - ref), 1e-5 * scale + 1e-30)
+        # (b) x itself: off by at most x's rounding, sum_k |w_k| * d_k / 2 (d_k = max|x| / 127 of k's block)
+        d = np.repeat(np.abs(x.numpy().reshape(m, -1, 32)).max(axis=-1) / 127, 32, axis=1).astype(np.float64)
+        bound = (d / 2) @ np.abs(w64).T * 1.001 + 1e-5 * scale
+        np.testing.assert_array_less(np.abs(out.double().numpy() - x.double().numpy() @ w64.T), bound)
+
+
+@pytest.mark.parametrize("qtype", INTEGER_TYPES)
+def test_integer_gemm_rows_equal_single_rows_bitwise(gemm_rows, qtype):
+    # Every (weight row, x row) pair runs the same arithmetic in both integer paths, whatever m,
+    # task split or thread count: a row of a batch equals that row alone (the decode path), bit
+    # for bit, and 1 thread equals 2.
+    n, k = 70, 96 * 3  # 9 blocks: an odd block count
+    qweight, _ = _weights(qtype, n, k, seed=5)
+    x = torch.randn(257, k, generator=torch.Generator().manual_seed(6))
+    single = torch.cat([ops.quant_matmul(x[i:i + 1], qweight, qtype, n, k) for i in range(x.shape[0])])
+    try:
+        for threads in (1, 2):
+            ops.set_num_threads(threads)
+            for m in (17, 64, 257):
+                out = ops.quant_matmul(x[:m], qweight, qtype, n, k, out=_poisoned(m, n))
+                assert torch.equal(out, single[:m]), (threads, m)
+    finally:
+        ops.set_num_threads(None)
+    # The float path it replaces differs (x is not rounded there): the comparison can fail.
+    _core.set_quant_integer_gemm_rows(0)
+    try:
+        assert not torch.equal(ops.quant_matmul(x[:64], qweight, qtype, n, k), single[:64])
+    finally:
+        _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+
+
+def test_integer_gemm_prefill_chunk(gemm_rows):
+    # One prefill chunk of the engine (2048 rows) on the model's down projection shape.
+    n, k, m = 576, 1536, 2048
+    qweight, w64 = _weights("Q4_1", n, k, seed=9)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(9))
+    out = ops.quant_matmul(x, qweight, "Q4_1", n, k, out=_poisoned(m, n))
+    _check(out, x, w64, 2e-6, "Q4_1", max_integer_rows=m)
+    rows = [0, 1, 1000, m - 1]
+    assert torch.equal(out[rows], torch.cat([ops.quant_matmul(x[i:i + 1], qweight, "Q4_1", n, k) for i in rows]))
 
 
 def test_empty_batch_and_argument_checks():

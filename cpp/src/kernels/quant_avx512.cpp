@@ -1,11 +1,11 @@
 // AVX-512 (F, BW, VL, DQ) build of the quantized matmul task (flags in kernels.cmake).
 #define VPAGE_ISA_NAMESPACE avx512
-#include "quant_dot_impl.h"
+#include "quant_gemm_impl.h"
 #include "quant_matmul_impl.h"
 
 namespace vpage::cpu::avx512 {
 
 extern const QuantKernels kQuantKernels = {"avx512", &qmm::run_task, &qmm::dequantize_rows, &qmm::quantize_rows_q8,
-                                            &qmm::run_dot_task, qmm::kNr, qmm::kPanel};
+                                            &qmm::run_dot_task, &qmm::run_gemm_task, qmm::kNr, qmm::kPanel};
 
 }  // namespace vpage::cpu::avx512

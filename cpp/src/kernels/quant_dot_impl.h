@@ -121,23 +121,34 @@ constexpr int32_t weight_offset() {
   return T == QuantType::kQ4_1 ? 4 : 2;
 }
 
-// Block pair b, b + 1 of one weight row against MR x rows: acc[i] += scaled dot products and
-// header offsets. kFull = false: block b alone (an odd block count's last block; x's missing
-// partner is zero, and nothing past block b is read).
-template <QuantType T, int MR, bool kFull>
-inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, const float* xp, int64_t pair_stride,
-                      __m256* acc) {
+// One weight block pair, b and b + 1, as the integer kernels use it: the bytes meeting x's
+// halves [0:16] and [16:32] (Q4: nibbles 0-15; Q8_0: int8, and their absolute values, maddubs'
+// unsigned operand), the scales [d_b x4, d_b+1 x4] and (Q4) the offset factors (see above).
+// The decode path builds it from the blocks at every step; the GEMM path (quant_gemm_impl.h)
+// builds it once per tile and stores it.
+template <QuantType T>
+struct WeightPair {
+  __m256i lo, hi;
+  __m256 d4, wo;
+};
+template <>
+struct WeightPair<QuantType::kQ8_0> {
+  __m256i lo, hi, abs_lo, abs_hi;
+  __m256 d4;
+};
+
+// kFull = false: block b alone (an odd block count's last block; x's missing partner is zero,
+// and nothing past block b is read).
+template <QuantType T, bool kFull>
+inline WeightPair<T> weight_pair(const uint8_t* blk) {
   constexpr int32_t kBytes = block_bytes<T>();
   __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk));
   if constexpr (kFull) {
     head = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(head), reinterpret_cast<const double*>(blk + kBytes)));
   }
+  WeightPair<T> w;
   const __m256 wd = _mm256_cvtph_ps(head);  // [d_b, ., ., ., d_b+1, ., ., .] (Q4_1: m in lanes 1, 5)
-  const __m256 d4 = _mm256_permute_ps(wd, 0);
-  // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
-  const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
-                                                                 : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
-  const __m256 wo = _mm256_and_ps(wd, lanes);
+  w.d4 = _mm256_permute_ps(wd, 0);
   auto half = [&](int32_t offset_in_block) {  // 16 weight bytes of block b (low lane) and b + 1
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + offset_in_block));
     if constexpr (kFull) {
@@ -148,35 +159,57 @@ inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, co
       return _mm256_zextsi128_si256(lo);
     }
   };
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i w_lo, w_hi;  // bytes for the x halves [0:16] and [16:32]
   if constexpr (T == QuantType::kQ8_0) {
-    w_lo = half(2);
-    w_hi = half(18);
+    w.lo = half(2);
+    w.hi = half(18);
+    w.abs_lo = _mm256_sign_epi8(w.lo, w.lo);
+    w.abs_hi = _mm256_sign_epi8(w.hi, w.hi);
   } else {
     const __m256i raw = half(weight_offset<T>());
     const __m256i mask = _mm256_set1_epi8(15);
-    w_lo = _mm256_and_si256(raw, mask);
-    w_hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    w.lo = _mm256_and_si256(raw, mask);
+    w.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
+    const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
+                                                                   : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
+    w.wo = _mm256_and_ps(wd, lanes);
   }
+  return w;
+}
+
+// acc + the weight pair times one x row's pair: x_lo, x_hi its 64 bytes, xp its 16 pair floats
+// (QuantizedX::pairs). Every integer kernel goes through this, so a (weight row, x row) result
+// is bitwise the same whichever kernel computes it.
+template <QuantType T>
+inline __m256 pair_madd(const WeightPair<T>& w, __m256i x_lo, __m256i x_hi, const float* xp, __m256 acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sums;
+  if constexpr (T == QuantType::kQ8_0) {
+    // maddubs multiplies unsigned by signed bytes: |w| by x with w's sign (|sums| <= 2 * 128 * 127).
+    const __m256i p_lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(x_lo, w.lo));
+    const __m256i p_hi = _mm256_maddubs_epi16(w.abs_hi, _mm256_sign_epi8(x_hi, w.hi));
+    sums = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+  } else {
+    // Nibbles: each int16 is a sum of 4 products of at most 15 * 127, no overflow.
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x_lo), _mm256_maddubs_epi16(w.hi, x_hi));
+    sums = _mm256_madd_epi16(p, ones);
+  }
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(w.d4, _mm256_loadu_ps(xp)), _mm256_cvtepi32_ps(sums), acc);
+  if constexpr (T != QuantType::kQ8_0) return _mm256_fmadd_ps(w.wo, _mm256_loadu_ps(xp + 8), acc);
+  return acc;
+}
+
+// Block pair b, b + 1 of one weight row against MR x rows: acc[i] += scaled dot products and
+// header offsets (kFull: see weight_pair).
+template <QuantType T, int MR, bool kFull>
+inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, const float* xp, int64_t pair_stride,
+                      __m256* acc) {
+  const WeightPair<T> w = weight_pair<T, kFull>(blk);
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
     const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride));
     const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride + 32));
-    __m256i sums;
-    if constexpr (T == QuantType::kQ8_0) {
-      // maddubs multiplies unsigned by signed bytes: |w| by x with w's sign (|sums| <= 2 * 128 * 127).
-      const __m256i p_lo = _mm256_maddubs_epi16(_mm256_sign_epi8(w_lo, w_lo), _mm256_sign_epi8(x_lo, w_lo));
-      const __m256i p_hi = _mm256_maddubs_epi16(_mm256_sign_epi8(w_hi, w_hi), _mm256_sign_epi8(x_hi, w_hi));
-      sums = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
-    } else {
-      // Nibbles: each int16 is a sum of 4 products of at most 15 * 127, no overflow.
-      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w_lo, x_lo), _mm256_maddubs_epi16(w_hi, x_hi));
-      sums = _mm256_madd_epi16(p, ones);
-    }
-    const float* pi = xp + i * pair_stride;
-    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d4, _mm256_loadu_ps(pi)), _mm256_cvtepi32_ps(sums), acc[i]);
-    if constexpr (T != QuantType::kQ8_0) acc[i] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(pi + 8), acc[i]);
+    acc[i] = pair_madd<T>(w, x_lo, x_hi, xp + i * pair_stride, acc[i]);
   }
 }
 

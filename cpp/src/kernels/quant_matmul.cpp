@@ -2,6 +2,7 @@
 // ISA build that set_cpu_isa selected for attention, plans the tasks and runs them on the
 // kernels' parallel_for. Also the block-format tables and the output conversion.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -72,9 +73,52 @@ int32_t dot_task_rows(int32_t n, int num_threads) {
   return static_cast<int32_t>(std::max(kDotMinTaskRows, (rows + 3) / 4 * 4));
 }
 
-bool use_dot_path(const QuantMatmulArgs& a) {
-  const bool block32 = a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0;
-  return block32 && a.m <= kQuantIntegerPathRows;
+bool block32(const QuantMatmulArgs& a) {
+  return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0;
+}
+
+bool use_dot_path(const QuantMatmulArgs& a) { return block32(a) && a.m <= kQuantIntegerPathRows; }
+
+// Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
+// into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
+std::atomic<int64_t> gemm_max_rows{kQuantIntegerGemmMaxRows};
+constexpr int32_t kGemmTaskRows = 32;
+
+bool use_gemm_path(const QuantMatmulArgs& a) {
+  return block32(a) && a.m > kQuantIntegerPathRows && a.m <= gemm_max_rows.load(std::memory_order_relaxed);
+}
+
+// Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).
+constexpr int64_t kQuantizeRowsPerTask = 64;
+
+// x quantized for the integer paths, in thread_local buffers of the calling thread.
+QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, const float* x, int64_t x_stride,
+                      int num_threads) {
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs, pairs;
+  const int32_t blocks = a.k / 32;
+  const int64_t q_stride = quant_x_row_bytes(a.k);
+  const int64_t pair_stride = static_cast<int64_t>((blocks + 1) / 2) * kXPairFloats;
+  xq.resize(static_cast<size_t>(a.m) * q_stride);
+  xd.resize(static_cast<size_t>(a.m) * blocks);
+  xs.resize(static_cast<size_t>(a.m) * blocks);
+  pairs.resize(static_cast<size_t>(a.m) * pair_stride);
+  // The lambda runs on other threads: it must see this thread's buffers, not its own thread_locals.
+  const QuantizedX qx{xq.data(), q_stride, xd.data(), xs.data(), pairs.data()};
+  int8_t* q_out = xq.data();
+  float* d_out = xd.data();
+  float* s_out = xs.data();
+  float* pairs_out = pairs.data();
+  const int64_t tasks = (a.m + kQuantizeRowsPerTask - 1) / kQuantizeRowsPerTask;
+  ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t task, int) {
+    const int64_t i0 = task * kQuantizeRowsPerTask;
+    const int64_t rows = std::min(kQuantizeRowsPerTask, a.m - i0);
+    float* d = d_out + i0 * blocks;
+    float* s = s_out + i0 * blocks;
+    kernels.quantize_x(x + i0 * x_stride, x_stride, rows, a.k, q_out + i0 * q_stride, d, s);
+    quant_x_pairs(a.type, d, s, rows, blocks, pairs_out + i0 * pair_stride);
+  });
+  return qx;
 }
 
 const QuantKernels& selected_quant_kernels() {
@@ -169,22 +213,14 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
   thread_local std::vector<float> converted;
   int64_t x_stride = 0;
   const float* x = float_rows(args, converted, &x_stride, num_threads);
-  if (use_dot_path(args)) {
-    thread_local std::vector<int8_t> xq;
-    thread_local std::vector<float> xd, xs, pairs;
-    const size_t values = static_cast<size_t>(args.m) * args.k;
-    const int32_t blocks = args.k / 32;
-    xq.resize(static_cast<size_t>(args.m) * quant_x_row_bytes(args.k));
-    xd.resize(values / 32);
-    xs.resize(values / 32);
-    pairs.resize(static_cast<size_t>(args.m) * ((blocks + 1) / 2) * kXPairFloats);
-    kernels.quantize_x(x, x_stride, args.m, args.k, xq.data(), xd.data(), xs.data());
-    quant_x_pairs(args.type, xd.data(), xs.data(), args.m, blocks, pairs.data());
-    const QuantizedX qx{xq.data(), quant_x_row_bytes(args.k), xd.data(), xs.data(), pairs.data()};
-    const int32_t task_rows = dot_task_rows(args.n, num_threads);
+  if (use_dot_path(args) || use_gemm_path(args)) {
+    const QuantizedX qx = quantize_x(args, kernels, x, x_stride, num_threads);
+    const bool dot = use_dot_path(args);
+    const int32_t task_rows = dot ? dot_task_rows(args.n, num_threads) : kGemmTaskRows;
+    const QuantDotTaskFn run = dot ? kernels.run_dot_task : kernels.run_gemm_task;
     const int64_t num_tasks = (args.n + task_rows - 1) / task_rows;
     ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
-      kernels.run_dot_task(args, qx, task_rows, task);
+      run(args, qx, task_rows, task);
     });
     return;
   }
@@ -212,6 +248,8 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   }
   selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
 }
+
+void set_quant_integer_gemm_rows(int64_t max_rows) { gemm_max_rows.store(max_rows, std::memory_order_relaxed); }
 
 const char* quant_matmul_isa() { return selected_quant_kernels().name; }
 

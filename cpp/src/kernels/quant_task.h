@@ -58,6 +58,7 @@ using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_
 /// `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
                                 int64_t task);
+// The integer GEMM path (quant_gemm_impl.h) for more rows has the same signature.
 
 /// The entry points of one ISA build.
 struct QuantKernels {
@@ -66,6 +67,7 @@ struct QuantKernels {
   QuantDequantizeFn dequantize_rows;
   QuantizeXFn quantize_x;
   QuantDotTaskFn run_dot_task;
+  QuantDotTaskFn run_gemm_task;
   int32_t rows_multiple;   // weight rows per decode micro-kernel column group
   int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };

@@ -43,6 +43,10 @@ void bind_quant(py::module_& m) {
       py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"), py::arg("qtype"),
       "Dequantizes rows contiguous ggml-format rows of k values into float32 out [rows, k].");
   m.attr("QUANT_INTEGER_PATH_ROWS") = cpu::kQuantIntegerPathRows;
+  m.attr("QUANT_INTEGER_GEMM_MAX_ROWS") = cpu::kQuantIntegerGemmMaxRows;
+  m.def("set_quant_integer_gemm_rows", &cpu::set_quant_integer_gemm_rows, py::arg("max_rows"),
+        "Most rows the integer GEMM path (Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows) takes\n"
+        "(default QUANT_INTEGER_GEMM_MAX_ROWS; 0: none, the float path): for benchmarks and tests.");
   m.def("quant_matmul_isa", &cpu::quant_matmul_isa,
         "Instruction set of the quantized matmul (follows set_cpu_isa): avx512, avx2 or generic.");
 }

@@ -57,11 +57,21 @@ namespace cpu {
 /// equal from 32. Prefill chunks of more rows keep the float path's accuracy.
 constexpr int64_t kQuantIntegerPathRows = 16;
 
-/// Runs the matmul. Besides the integer path above, two paths by m: below 128 rows (decode) every weight row is dequantized
-/// once, a K chunk at a time, and multiplied with all rows of x by a dot-product
-/// micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of 32 (AVX-512: 64)
-/// weight rows is dequantized once per 2048 rows of x, transposed, and an outer-product FMA
-/// micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
+/// Beyond kQuantIntegerPathRows and up to this many rows (decode batches), the 32-value formats
+/// take the integer GEMM path: x rounded as above, each weight tile unpacked once for all rows.
+/// Zen 3, one thread, the default model's shapes, against the float path: Q4_1 1.22-1.52x at
+/// 17-64 rows, 1.5-1.65x at 128, 1.17-1.31x at 512-2048; Q8_0 0.98-1.37x at 17-64, 1.17-1.26x
+/// at 128, 0.99-1.09x at 512-2048 (bench/RESULTS-quant.md). The limit is set by accuracy, not
+/// speed: with prefill batches rounded too (110 rows), test_quant_engine's greedy outputs equal
+/// the float32 model's for 3 of 8 prompts (6 with the float path; it asks for 4), all other
+/// divergences at near-ties. set_quant_integer_gemm_rows moves the limit.
+constexpr int64_t kQuantIntegerGemmMaxRows = 64;
+
+/// Runs the matmul. Besides the integer paths above, two paths by m: below 128 rows (decode)
+/// every weight row is dequantized once, a K chunk at a time, and multiplied with all rows of
+/// x by a dot-product micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of
+/// 32 (AVX-512: 64) weight rows is dequantized once per 2048 rows of x, transposed, and an
+/// outer-product FMA micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
 /// 16-bit x is converted to float32 first.
 /// Throws std::invalid_argument on a bad type, dtype or sizes.
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
@@ -69,6 +79,10 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 /// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
 /// (embedding lookups, tests). Single-threaded. Throws std::invalid_argument on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
+
+/// Sets the most rows the integer GEMM path takes (default kQuantIntegerGemmMaxRows; up to
+/// kQuantIntegerPathRows: none, those rows take the float path): for benchmarks and tests.
+void set_quant_integer_gemm_rows(int64_t max_rows);
 
 /// Instruction set quant_matmul uses: follows set_cpu_isa ("avx512", "avx2" or "generic").
 const char* quant_matmul_isa();
