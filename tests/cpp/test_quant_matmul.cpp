@@ -1,8 +1,9 @@
 // vpage::cpu::quant_matmul over hand-written ggml blocks: Q8_0 and Q4_1 against a scalar
 // reference of their layouts, every type against a double-precision matmul of
 // quant_dequantize_rows, in every instruction set the CPU has, on every path (for the 32-value
-// formats integer dot products up to kQuantIntegerPathRows rows, then the integer GEMM up to
-// kQuantIntegerGemmMaxRows; float dot products below 128 rows, outer product from 128),
+// formats integer dot products up to kQuantIntegerPathRows rows, then the integer GEMM; float
+// dot products below 128 rows, outer product from 128, for the K formats and with the GEMM
+// off),
 // bit-identical on 1, 2 and 3 threads, and the integer paths' rows bit-identical to single-row
 // calls; bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
@@ -77,11 +78,11 @@ float reference_value(QuantType type, const uint8_t* row, int i) {
   return d * static_cast<float>(q) + vpage::half_to_float(h);
 }
 
-// The integer paths (32-value formats, at most kQuantIntegerGemmMaxRows x rows) multiply x as
-// rounded to 8 bits per 32 values; this is that rounding, written from its definition: d = max|x| / 127,
-// q = round(x * 127 / max|x|), x' = d * q.
-bool rounds_x(QuantType type, int64_t m) {
-  return m <= vpage::cpu::kQuantIntegerGemmMaxRows &&
+// The integer paths (32-value formats: the decode path up to kQuantIntegerPathRows x rows, the
+// GEMM up to gemm_rows) multiply x as rounded to 8 bits per 32 values; this is that rounding,
+// written from its definition: d = max|x| / 127, q = round(x * 127 / max|x|), x' = d * q.
+bool rounds_x(QuantType type, int64_t m, int64_t gemm_rows) {
+  return (m <= vpage::cpu::kQuantIntegerPathRows || m <= gemm_rows) &&
          (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0);
 }
 
@@ -111,56 +112,61 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
   }
   std::normal_distribution<float> normal;
   const int64_t integer_rows = vpage::cpu::kQuantIntegerPathRows;
-  const int64_t gemm_rows = vpage::cpu::kQuantIntegerGemmMaxRows;
-  for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{17}, integer_rows,
-                    integer_rows + 1, gemm_rows, gemm_rows + 1, int64_t{131}}) {
-    std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
-    for (auto& v : x) v = normal(rng);
-    // The reference multiplies what the kernel multiplies; the rounding itself is bounded:
-    // every x moves by at most d / 2, and it must move (a path that skipped it would fail).
-    const std::vector<float> x_ref = rounds_x(type, m) ? round_x_to_8_bits(x) : x;
-    double moved = 0.0;
-    for (size_t t = 0; t < x.size(); ++t) moved = std::max(moved, static_cast<double>(std::fabs(x[t] - x_ref[t])));
-    EXPECT(rounds_x(type, m) ? moved > 0.0 && moved <= 4.0 / 127.0 : moved == 0.0);
-    vpage::QuantMatmulArgs a;
-    a.out = out.data();
-    a.x = x.data();
-    a.weight = w.data();
-    a.m = m;
-    a.n = n;
-    a.k = k;
-    a.x_stride = k;
-    a.out_stride = n;
-    a.type = type;
-    vpage::cpu::quant_matmul(a, 2);
-    // Each output is computed by one task in a fixed order: the same bits on any thread count.
-    std::vector<float> out_threads(out.size());
-    for (int threads : {1, 3}) {
-      a.out = out_threads.data();
-      vpage::cpu::quant_matmul(a, threads);
-      EXPECT(std::memcmp(out_threads.data(), out.data(), sizeof(float) * out.size()) == 0);
-    }
-    // The integer paths compute every (weight row, x row) the same way: rows equal single-row calls.
-    if (rounds_x(type, m) && m > 1) {
-      a.m = 1;
-      for (int64_t i : {int64_t{0}, m / 2, m - 1}) {
-        a.x = x.data() + i * k;
+  for (int64_t gemm_rows : {vpage::cpu::kQuantIntegerGemmMaxRows, int64_t{64}, int64_t{0}}) {  // 0: GEMM off
+    vpage::cpu::set_quant_integer_gemm_rows(gemm_rows);
+    for (int64_t m : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}, int64_t{17}, integer_rows,
+                      integer_rows + 1, int64_t{64}, int64_t{65}, int64_t{131}}) {
+      std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
+      for (auto& v : x) v = normal(rng);
+      // The reference multiplies what the kernel multiplies; the rounding itself is bounded:
+      // every x moves by at most d / 2, and it must move (a path that skipped it would fail).
+      const std::vector<float> x_ref = rounds_x(type, m, gemm_rows) ? round_x_to_8_bits(x) : x;
+      double moved = 0.0;
+      for (size_t t = 0; t < x.size(); ++t) moved = std::max(moved, static_cast<double>(std::fabs(x[t] - x_ref[t])));
+      EXPECT(rounds_x(type, m, gemm_rows) ? moved > 0.0 && moved <= 4.0 / 127.0 : moved == 0.0);
+      vpage::QuantMatmulArgs a;
+      a.out = out.data();
+      a.x = x.data();
+      a.weight = w.data();
+      a.m = m;
+      a.n = n;
+      a.k = k;
+      a.x_stride = k;
+      a.out_stride = n;
+      a.type = type;
+      vpage::cpu::quant_matmul(a, 2);
+      // Each output is computed by one task in a fixed order: the same bits on any thread count.
+      std::vector<float> out_threads(out.size());
+      for (int threads : {1, 3}) {
         a.out = out_threads.data();
-        vpage::cpu::quant_matmul(a, 1);
-        EXPECT(std::memcmp(out_threads.data(), out.data() + i * n, sizeof(float) * n) == 0);
+        vpage::cpu::quant_matmul(a, threads);
+        EXPECT(std::memcmp(out_threads.data(), out.data(), sizeof(float) * out.size()) == 0);
       }
-    }
-    double scale = 0.0, worst = 0.0;
-    for (int i = 0; i < m; ++i) {
-      for (int j = 0; j < n; ++j) {
-        double ref = 0.0;
-        for (int t = 0; t < k; ++t) ref += static_cast<double>(x_ref[i * k + t]) * dense[static_cast<size_t>(j) * k + t];
-        scale = std::max(scale, std::fabs(ref));
-        worst = std::max(worst, std::fabs(ref - out[i * n + j]));
+      // The integer paths compute every (weight row, x row) the same way: rows equal single-row calls.
+      if (rounds_x(type, m, gemm_rows) && m > 1) {
+        a.m = 1;
+        for (int64_t i : {int64_t{0}, m / 2, m - 1}) {
+          a.x = x.data() + i * k;
+          a.out = out_threads.data();
+          vpage::cpu::quant_matmul(a, 1);
+          EXPECT(std::memcmp(out_threads.data(), out.data() + i * n, sizeof(float) * n) == 0);
+        }
       }
+      double scale = 0.0, worst = 0.0;
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double ref = 0.0;
+          for (int t = 0; t < k; ++t) {
+            ref += static_cast<double>(x_ref[i * k + t]) * dense[static_cast<size_t>(j) * k + t];
+          }
+          scale = std::max(scale, std::fabs(ref));
+          worst = std::max(worst, std::fabs(ref - out[i * n + j]));
+        }
+      }
+      EXPECT(scale > 0.0 && worst <= 1e-5 * scale);
     }
-    EXPECT(scale > 0.0 && worst <= 1e-5 * scale);
   }
+  vpage::cpu::set_quant_integer_gemm_rows(vpage::cpu::kQuantIntegerGemmMaxRows);
 }
 
 TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {

@@ -14,17 +14,19 @@ from test_engine_smollm2 import PROMPTS
 from vpage import LLM, SamplingParams
 from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
 
-# Logprob gap between the float path's two best tokens that counts as a tie. Decode batches of
-# up to _core.QUANT_INTEGER_PATH_ROWS sequences (both cases here: 8 prompts) round x to 8 bits,
-# which moves the chosen tokens' logprobs by ~0.015 (median) and, over 16 tokens on these
-# prompts, up to 0.12-0.29 (measured in two runs), so ties are wide. The rounding also makes
-# the path chaotic: a 1e-7 change in an input (another summation order in the kernel) flips
-# some x's rounding and moved a layer's output by 2% four layers later, so which near-ties
-# flip, and how many of the 8 outputs stay equal (4-5 seen), depends on the kernel's exact
-# arithmetic. A wrong scale or offset in the integer path moves logprobs by whole units.
+# Logprob gap between the float path's two best tokens that counts as a tie. Every matmul with
+# the 32-value formats (prefill chunks and decode batches alike) rounds x to 8 bits, as ggml
+# does, which moves the chosen tokens' logprobs by ~0.019 (median) and, over 16 tokens on these
+# prompts, up to 0.12-0.29 (measured in several runs), so ties are wide. The rounding also
+# makes the path chaotic: a 1e-7 change in an input flips some x's rounding and moved a
+# layer's output by 2% four layers later, so which near-ties flip, and how many of the 8
+# outputs stay equal, depends on the kernel's exact arithmetic: 4-6 seen with prefill on the
+# float path, 3 with prefill rounded too.
+# What the test holds fixed is that every divergence is at a near-tie; a wrong scale or offset
+# in the integer paths moves logprobs by whole units.
 NEAR_TIE = {False: 0.5, True: 0.5}
 MEDIAN_DRIFT = {False: 0.05, True: 0.05}
-MIN_EQUAL = 4  # of the 8 prompts
+MIN_EQUAL = 3  # of the 8 prompts
 _ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory=0.25, swap_space=0.0, max_model_len=512,
                max_num_batched_tokens=512)
 
@@ -48,8 +50,8 @@ def floats():
     return LLM(quantization="none", **_ENGINE)
 
 
-# Batched decode (8 sequences) and one sequence at a time both take the integer path (up to
-# _core.QUANT_INTEGER_PATH_ROWS rows), x rounded to 8 bits.
+# Batched (8 sequences) and one sequence at a time: prefill and decode take the integer paths,
+# x rounded to 8 bits.
 @pytest.mark.parametrize("one_at_a_time", [False, True], ids=["batched", "single-stream"])
 def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, one_at_a_time):
     assert len(PROMPTS) >= 8

@@ -4,6 +4,8 @@ activations, and argument checks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -70,13 +72,16 @@ def test_every_type_every_isa_against_float64(isa, qtype):
     deq = ops.dequantize_rows(qweight, qtype, k)
     np.testing.assert_allclose(deq.double().numpy(), w64, rtol=1e-6, atol=1e-6 * np.abs(w64).max())
     gen = torch.Generator().manual_seed(1)
-    # 32-value types: integer decode path (m <= QUANT_INTEGER_PATH_ROWS), integer GEMM (up to
-    # QUANT_INTEGER_GEMM_MAX_ROWS); beyond, and the other types: float dot path (m < 128),
+    # 32-value types: integer decode path (m <= QUANT_INTEGER_PATH_ROWS), then the integer GEMM;
+    # the other types, and the 32-value ones with the GEMM off: float dot path (m < 128),
     # outer-product path (257 = 42 * 6 + 5)
     rows = _core.QUANT_INTEGER_PATH_ROWS
     for m in (1, 2, 3, 4, 5, 17, rows, rows + 1, 64, 257):
         x = torch.randn(m, k, generator=gen)
         _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6, qtype)
+        if m > rows:
+            with float_path():
+                _check(ops.quant_matmul(x, qweight, qtype, n, k), x, w64, 2e-6, qtype, max_integer_rows=rows)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K"])
@@ -99,15 +104,14 @@ def test_shapes_of_the_default_model_and_many_threads():
     x = torch.randn(130, 576, generator=torch.Generator().manual_seed(3))
     ops.set_num_threads(3)
     try:
-        _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6, "Q4_1")
+        _check(ops.quant_matmul(x, qweight, "Q4_1", 1560, 576), x, w64, 2e-6, "Q4_1")  # GEMM
         _check(ops.quant_matmul(x[:5], qweight, 3, 1560, 576), x[:5], w64, 2e-6, 3)  # integer path
         _check(ops.quant_matmul(x[:1], qweight, 3, 1560, 576), x[:1], w64, 2e-6, 3)  # integer path
         rows = _core.QUANT_INTEGER_PATH_ROWS
         _check(ops.quant_matmul(x[:rows], qweight, 3, 1560, 576), x[:rows], w64, 2e-6, 3)  # integer path
         _check(ops.quant_matmul(x[:rows + 1], qweight, 3, 1560, 576), x[:rows + 1], w64, 2e-6, 3)  # GEMM
-        gemm = _core.QUANT_INTEGER_GEMM_MAX_ROWS
-        _check(ops.quant_matmul(x[:gemm], qweight, 3, 1560, 576), x[:gemm], w64, 2e-6, 3)  # GEMM
-        _check(ops.quant_matmul(x[:gemm + 1], qweight, 3, 1560, 576), x[:gemm + 1], w64, 2e-6, 3)  # float
+        with float_path():
+            _check(ops.quant_matmul(x, qweight, 3, 1560, 576), x, w64, 2e-6, 3, max_integer_rows=rows)
     finally:
         ops.set_num_threads(None)
 
@@ -116,20 +120,22 @@ def _poisoned(m: int, n: int) -> torch.Tensor:
     return torch.full((m, n), float("nan"))
 
 
-@pytest.fixture
-def gemm_rows():
-    """The integer GEMM path for every row count >= QUANT_INTEGER_PATH_ROWS + 1 (by default it
-    stops at QUANT_INTEGER_GEMM_MAX_ROWS); afterwards the default again."""
-    _core.set_quant_integer_gemm_rows(1 << 40)
-    yield
-    _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+@contextlib.contextmanager
+def float_path():
+    """Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows on the float paths (the integer GEMM
+    off, as for the K formats); afterwards the default again."""
+    _core.set_quant_integer_gemm_rows(0)
+    try:
+        yield
+    finally:
+        _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
 
 
 # The integer GEMM path (Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows): awkward n (one
 # row, tasks of 32 rows with ragged ends) and k (one block, an odd block count, the model's).
 @pytest.mark.parametrize("qtype", INTEGER_TYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (3, 96), (17, 576), (100, 1536), (257, 96)])
-def test_integer_gemm_against_float64(gemm_rows, qtype, n, k):
+def test_integer_gemm_against_float64(qtype, n, k):
     qweight, w64 = _weights(qtype, n, k, seed=11 + n)
     gen = torch.Generator().manual_seed(n + k)
     for m in (17, 31, 64, 257):
@@ -147,7 +153,7 @@ def test_integer_gemm_against_float64(gemm_rows, qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype", INTEGER_TYPES)
-def test_integer_gemm_rows_equal_single_rows_bitwise(gemm_rows, qtype):
+def test_integer_gemm_rows_equal_single_rows_bitwise(qtype):
     # Every (weight row, x row) pair runs the same arithmetic in both integer paths, whatever m,
     # task split or thread count: a row of a batch equals that row alone (the decode path), bit
     # for bit, and 1 thread equals 2.
@@ -164,14 +170,11 @@ def test_integer_gemm_rows_equal_single_rows_bitwise(gemm_rows, qtype):
     finally:
         ops.set_num_threads(None)
     # The float path it replaces differs (x is not rounded there): the comparison can fail.
-    _core.set_quant_integer_gemm_rows(0)
-    try:
+    with float_path():
         assert not torch.equal(ops.quant_matmul(x[:64], qweight, qtype, n, k), single[:64])
-    finally:
-        _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
 
 
-def test_integer_gemm_prefill_chunk(gemm_rows):
+def test_integer_gemm_prefill_chunk():
     # One prefill chunk of the engine (2048 rows) on the model's down projection shape.
     n, k, m = 576, 1536, 2048
     qweight, w64 = _weights("Q4_1", n, k, seed=9)

@@ -60,7 +60,7 @@ def test_tiny_quantized_gguf_matches_transformers(kind, case, tmp_path):
     tokens = list(range(3, 30))
     cache = PagedKVCache(loaded.config)
     # The float path, whose accuracy the tolerances below are for: 27 rows of Q4_0/Q4_1/Q8_0
-    # would take the integer GEMM (up to QUANT_INTEGER_GEMM_MAX_ROWS rows), which rounds x to 8
+    # would take the integer GEMM, which rounds x to 8
     # bits per 32 values (its accuracy is tested in test_quant_matmul.py).
     _core.set_quant_integer_gemm_rows(0)
     try:

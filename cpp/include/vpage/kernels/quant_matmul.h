@@ -57,17 +57,18 @@ namespace cpu {
 /// equal from 32. Prefill chunks of more rows keep the float path's accuracy.
 constexpr int64_t kQuantIntegerPathRows = 16;
 
-/// Beyond kQuantIntegerPathRows and up to this many rows (decode batches), the 32-value formats
-/// take the integer GEMM path: x rounded as above, each weight tile unpacked once for all rows.
+/// Beyond kQuantIntegerPathRows (decode batches and prefill chunks), the 32-value formats take
+/// the integer GEMM path: x rounded as above, each weight tile unpacked once for all rows; a
+/// row's output is bitwise the same on either integer path, whatever the batch.
 /// Zen 3, one thread, the default model's shapes, against the float path: Q4_1 1.22-1.52x at
 /// 17-64 rows, 1.5-1.65x at 128, 1.17-1.31x at 512-2048; Q8_0 0.98-1.37x at 17-64, 1.17-1.26x
-/// at 128, 0.99-1.09x at 512-2048 (bench/RESULTS-quant.md). The limit is set by accuracy, not
-/// speed: with prefill batches rounded too (110 rows), test_quant_engine's greedy outputs equal
-/// the float32 model's for 3 of 8 prompts (6 with the float path; it asks for 4), all other
-/// divergences at near-ties. set_quant_integer_gemm_rows moves the limit.
-constexpr int64_t kQuantIntegerGemmMaxRows = 64;
+/// at 128, 0.99-1.09x at 512-2048 (bench/RESULTS-quant.md); the default model's prefill 1.11x
+/// and batch-64 decode 1.16x. The price is accuracy: test_quant_engine's greedy outputs equal
+/// the float32 model's for 3 of 8 prompts (4-6 with prefill on the float path), every other
+/// divergence at a near-tie. set_quant_integer_gemm_rows(n) limits the path to n rows (0: off).
+constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 
-/// Runs the matmul. Besides the integer paths above, two paths by m: below 128 rows (decode)
+/// Runs the matmul. Besides the integer paths above (and for the K formats), two paths by m: below 128 rows (decode)
 /// every weight row is dequantized once, a K chunk at a time, and multiplied with all rows of
 /// x by a dot-product micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of
 /// 32 (AVX-512: 64) weight rows is dequantized once per 2048 rows of x, transposed, and an
