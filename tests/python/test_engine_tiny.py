@@ -72,3 +72,11 @@ def test_cli_generate_streams_text(tiny, capsys):
     assert expected.strip() and streamed.rstrip("\n") == expected
     assert cli_main(["generate", "x", "--model", str(folder / "missing")]) == 2
     assert "no such model" in capsys.readouterr().err
+
+
+def test_kv_cache_larger_than_the_machine_is_a_clear_error(tiny):
+    folder, _ = tiny
+    with pytest.raises(ValueError, match="GiB of host memory, more than this machine's"):
+        LLM(str(folder), dtype="float32", kv_cache_memory=1e6)
+    with pytest.raises(ValueError, match="GiB of host memory"):
+        LLM(str(folder), dtype="float32", kv_cache_memory=0.01, swap_space=1e6)

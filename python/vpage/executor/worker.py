@@ -14,6 +14,7 @@ import math
 import os
 from typing import Optional
 
+import psutil
 import torch
 
 from vpage import ops
@@ -72,6 +73,11 @@ class Worker:
         """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""
         args = self.args
         block_bytes = bytes_per_block(self.cache_config, args.block_size)
+        host_gib = args.swap_space + (args.kv_cache_memory or 0.0) * (self.device.type == "cpu")
+        total_gib = psutil.virtual_memory().total / _GIB
+        if host_gib > total_gib:
+            raise ValueError(f"kv_cache_memory and swap_space ask for {host_gib:.1f} GiB of host memory, more than "
+                             f"this machine's {total_gib:.1f} GiB")
         if args.kv_cache_memory is not None:
             gpu = int(args.kv_cache_memory * _GIB // block_bytes)
         elif self.device.type == "cpu":  # the ranks share this machine's memory
