@@ -204,7 +204,7 @@ def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
             driver.stdin.flush()
             time.sleep(1.0)  # generating
             os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
-        driver.wait(timeout=20)
+        driver.wait(timeout=60)  # 20 s timed out in two full-suite runs (cause not found)
         if how == "Ctrl-C":
             assert "KeyboardInterrupt" in driver.stderr.read()
         assert _gone(pids, 10)
