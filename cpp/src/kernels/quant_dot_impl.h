@@ -13,13 +13,14 @@
 // 256-bit register holds the first halves of both blocks and a weight register built the same
 // way (two 16-byte loads) meets it with one maddubs; 4-bit weights need no shuffle at all, as a
 // Q4 block's 16 bytes hold its low nibbles (values 0-15) and high nibbles (16-31). Each 128-bit
-// lane then holds one block's partial sums, and a vector [s_b x4, s_b+1 x4] scales both.
+// lane then holds one block's partial sums (how they are scaled: see below).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_blocks.h"  // load_f16, in namespace qmm
@@ -97,58 +98,47 @@ constexpr int32_t block_bytes() {
 }
 
 #if defined(__AVX2__)
-// Weight tiles: NW weight rows against MR x rows, every (weight row, x row) pair with its own
-// accumulators, so its arithmetic, and hence its result, is the same whatever tile, task and
-// thread count it falls in.
-//
-// A step covers the block pair b, b + 1 of a weight row. Their f16 headers (8 bytes each, of
-// which d, or d and m, matter) are loaded into one register and converted together, block b's
-// into lanes 0-3 and b + 1's into lanes 4-7; QuantizedX::pairs holds x's side of the scale math
-// in the same lanes. One in-lane permute and one multiply give the scales [d_w * d_x x4] of both
-// blocks, and one FMA adds both offsets (m_w * s_x, or -8 d_w * s_x) to the accumulator (the
-// header's other lanes, weight bytes read as f16, possibly NaN, are masked off first). Per
-// block on Zen 3 this is about 8 vector uops for Q4 (was ~17 with a scalar f16 conversion,
-// multiply and broadcast per block and a nibble split per block) and 9 for Q8_0.
+// Every integer kernel computes four (weight row, x row) dot products at once, one per lane:
+// for each block pair the exact integer sums of all four combinations are reduced into one
+// vector, [I_0 .. I_3 of block b | I_0 .. I_3 of block b + 1], converted once and scaled
+// once (scale_add). The decode path's four combinations are four weight rows against one x
+// row, the GEMM's one weight row against four x rows; the lane arithmetic is the same:
+//   acc = fma(d_w * d_x, I, acc); acc = fma(o_w, o_x, acc)   (o: the header offset, below)
+// block by block in order, even blocks in lanes 0-3 and odd ones in lanes 4-7, and the result
+// is lane j + lane j + 4. So a (weight row, x row) result is bitwise the same whatever kernel,
+// tile, task or thread count it falls in. Per block pair and combination this costs about 4
+// multiply-class uops (2 maddubs, madd, a quarter of cvt, mul and two FMAs), against 7 when
+// each combination was scaled on its own: on Zen 3 those uops share two pipes and bound the
+// kernel.
 //
 // Software prefetch: each step touches the weights kPrefetchTiles tiles ahead (the rows NW *
 // kPrefetchTiles further on, possibly past the matrix: a prefetch never faults). The hardware
 // prefetcher alone does not keep up with rows read side by side (weights from memory, Zen 3,
 // one thread, m = 1: Q8_0 16-18 -> 8 cycles per block, Q4_1 k = 1536 11-13 -> 5-6).
 constexpr int kPrefetchTiles = 1;
+constexpr int kCombos = 4;  // (weight row, x row) combinations per vector
 
 template <QuantType T>
 constexpr int32_t weight_offset() {
   return T == QuantType::kQ4_1 ? 4 : 2;
 }
 
-// One weight block pair, b and b + 1, as the integer kernels use it: the bytes meeting x's
-// halves [0:16] and [16:32] (Q4: nibbles 0-15; Q8_0: int8, and their absolute values, maddubs'
-// unsigned operand), the scales [d_b x4, d_b+1 x4] and (Q4) the offset factors (see above).
-// The decode path builds it from the blocks at every step; the GEMM path (quant_gemm_impl.h)
-// builds it once per tile and stores it.
+// The bytes of one weight block pair, b and b + 1, that meet x's halves [0:16] and [16:32]
+// (Q4: nibbles 0-15; Q8_0: int8, and their absolute values, maddubs' unsigned operand).
 template <QuantType T>
-struct WeightPair {
+struct PairBytes {
   __m256i lo, hi;
-  __m256 d4, wo;
 };
 template <>
-struct WeightPair<QuantType::kQ8_0> {
+struct PairBytes<QuantType::kQ8_0> {
   __m256i lo, hi, abs_lo, abs_hi;
-  __m256 d4;
 };
 
 // kFull = false: block b alone (an odd block count's last block; x's missing partner is zero,
 // and nothing past block b is read).
 template <QuantType T, bool kFull>
-inline WeightPair<T> weight_pair(const uint8_t* blk) {
+inline PairBytes<T> pair_bytes(const uint8_t* blk) {
   constexpr int32_t kBytes = block_bytes<T>();
-  __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk));
-  if constexpr (kFull) {
-    head = _mm_castpd_si128(_mm_loadh_pd(_mm_castsi128_pd(head), reinterpret_cast<const double*>(blk + kBytes)));
-  }
-  WeightPair<T> w;
-  const __m256 wd = _mm256_cvtph_ps(head);  // [d_b, ., ., ., d_b+1, ., ., .] (Q4_1: m in lanes 1, 5)
-  w.d4 = _mm256_permute_ps(wd, 0);
   auto half = [&](int32_t offset_in_block) {  // 16 weight bytes of block b (low lane) and b + 1
     const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + offset_in_block));
     if constexpr (kFull) {
@@ -159,6 +149,7 @@ inline WeightPair<T> weight_pair(const uint8_t* blk) {
       return _mm256_zextsi128_si256(lo);
     }
   };
+  PairBytes<T> w;
   if constexpr (T == QuantType::kQ8_0) {
     w.lo = half(2);
     w.hi = half(18);
@@ -169,122 +160,138 @@ inline WeightPair<T> weight_pair(const uint8_t* blk) {
     const __m256i mask = _mm256_set1_epi8(15);
     w.lo = _mm256_and_si256(raw, mask);
     w.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    // The offset factors alone (the other lanes hold weight bytes read as f16: maybe NaN).
-    const __m256 lanes = _mm256_castsi256_ps(T == QuantType::kQ4_1 ? _mm256_setr_epi32(0, -1, 0, 0, 0, -1, 0, 0)
-                                                                   : _mm256_setr_epi32(-1, 0, 0, 0, -1, 0, 0, 0));
-    w.wo = _mm256_and_ps(wd, lanes);
   }
   return w;
 }
 
-// acc + the weight pair times one x row's pair: x_lo, x_hi its 64 bytes, xp its 16 pair floats
-// (QuantizedX::pairs). Every integer kernel goes through this, so a (weight row, x row) result
-// is bitwise the same whichever kernel computes it.
+// The f16 headers of blocks b and b + 1 as floats: [d_b, m_b, ., ., d_b+1, m_b+1, ., .] (m:
+// Q4_1 only; the "." lanes are weight bytes read as f16, possibly NaN, never used). Block b
+// alone (kFull = false): zeros in lanes 4-7.
+template <QuantType T, bool kFull>
+inline __m256 pair_header(const uint8_t* blk) {
+  __m128i head = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk));
+  if constexpr (kFull) {
+    head = _mm_castpd_si128(
+        _mm_loadh_pd(_mm_castsi128_pd(head), reinterpret_cast<const double*>(blk + block_bytes<T>())));
+  }
+  return _mm256_cvtph_ps(head);
+}
+
+// The integer products of a weight pair and one x row's pair (x: its 64 bytes), not yet
+// summed per block: Q4 int16 (each a sum of 4 products of at most 15 * 127), Q8_0 int32.
 template <QuantType T>
-inline __m256 pair_madd(const WeightPair<T>& w, __m256i x_lo, __m256i x_hi, const float* xp, __m256 acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i sums;
+inline __m256i pair_products(const PairBytes<T>& w, const int8_t* x) {
+  const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
   if constexpr (T == QuantType::kQ8_0) {
     // maddubs multiplies unsigned by signed bytes: |w| by x with w's sign (|sums| <= 2 * 128 * 127).
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i p_lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(x_lo, w.lo));
     const __m256i p_hi = _mm256_maddubs_epi16(w.abs_hi, _mm256_sign_epi8(x_hi, w.hi));
-    sums = _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
+    return _mm256_add_epi32(_mm256_madd_epi16(p_lo, ones), _mm256_madd_epi16(p_hi, ones));
   } else {
-    // Nibbles: each int16 is a sum of 4 products of at most 15 * 127, no overflow.
-    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x_lo), _mm256_maddubs_epi16(w.hi, x_hi));
-    sums = _mm256_madd_epi16(p, ones);
+    return _mm256_add_epi16(_mm256_maddubs_epi16(w.lo, x_lo), _mm256_maddubs_epi16(w.hi, x_hi));
   }
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(w.d4, _mm256_loadu_ps(xp)), _mm256_cvtepi32_ps(sums), acc);
-  if constexpr (T != QuantType::kQ8_0) return _mm256_fmadd_ps(w.wo, _mm256_loadu_ps(xp + 8), acc);
+}
+
+// Four combinations' products -> [I_0, I_1, I_2, I_3 | the same for block b + 1], exact.
+// Q4: one pairwise int16 add more stays below 8 * 15 * 127 (no overflow), then int32.
+template <QuantType T>
+inline __m256i reduce_lanes(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  if constexpr (T == QuantType::kQ8_0) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+  } else {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones),
+                             _mm256_madd_epi16(_mm256_hadd_epi16(p2, p3), ones));
+  }
+}
+
+// The scale step of every integer kernel (lanes as in reduce_lanes): d_w, d_x the scales,
+// o_w, o_x the header offset's factors (Q4_1: m_w and s_x; Q4_0: d_w and -8 s_x; Q8_0: none).
+template <QuantType T>
+inline __m256 scale_add(__m256i sums, __m256 d_w, __m256 d_x, __m256 o_w, __m256 o_x, __m256 acc) {
+  acc = _mm256_fmadd_ps(_mm256_mul_ps(d_w, d_x), _mm256_cvtepi32_ps(sums), acc);
+  if constexpr (T != QuantType::kQ8_0) acc = _mm256_fmadd_ps(o_w, o_x, acc);
   return acc;
 }
 
-// Block pair b, b + 1 of one weight row against MR x rows: acc[i] += scaled dot products and
-// header offsets (kFull: see weight_pair).
-template <QuantType T, int MR, bool kFull>
-inline void pair_step(const uint8_t* blk, const int8_t* xq, int64_t x_stride, const float* xp, int64_t pair_stride,
-                      __m256* acc) {
-  const WeightPair<T> w = weight_pair<T, kFull>(blk);
-#pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) {
-    const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride));
-    const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * x_stride + 32));
-    acc[i] = pair_madd<T>(w, x_lo, x_hi, xp + i * pair_stride, acc[i]);
-  }
+// Lane j's dot product: its even blocks' sum plus its odd blocks'.
+inline __m128 lane_results(__m256 acc) {
+  return _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
 }
 
-inline float reduce8(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
+// x row `lane` of a pair's group floats (QuantizedX::pairs) spread over its block's 4 lanes.
+inline __m256 spread_lane(const float* group_floats, int lane) {
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(group_floats), _mm256_setr_epi32(lane, lane, lane, lane, lane + 4,
+                                                                                   lane + 4, lane + 4, lane + 4));
 }
 
-// out[r * out_stride + i] = dot(weight row r, x row i) for r < NW, i < MR. xq: x rows (pair
-// order) at stride x_stride bytes; xp: their QuantizedX::pairs at stride pair_stride floats.
-template <QuantType T, int NW, int MR>
-inline void dot_tile(const uint8_t* rows, int64_t row_bytes, int32_t blocks, const int8_t* xq, int64_t x_stride,
-                     const float* xp, int64_t pair_stride, float* out, int out_stride) {
+// Decode tile: weight rows rows[0..4) (pointers to their first block; a short tile repeats a
+// row and drops its results) against x rows [0, MR) of one x group (xq: the group's first
+// row, x_stride bytes apart; xp: the group's pair floats). out[r * out_stride + i].
+template <QuantType T, int MR>
+inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32_t blocks, const int8_t* xq,
+                     int64_t x_stride, const float* xp, float* out, int out_stride, int num_rows) {
   constexpr int32_t kBytes = block_bytes<T>();
-  __m256 acc[NW][MR];
+  __m256 acc[MR];
 #pragma GCC unroll 4
-  for (int r = 0; r < NW; ++r) {
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  auto step = [&](auto full, int32_t b) {
+    constexpr bool kFull = decltype(full)::value;
+    PairBytes<T> w[kCombos];
+    __m256 head[kCombos];
+#pragma GCC unroll 4
+    for (int r = 0; r < kCombos; ++r) {
+      const uint8_t* blk = rows[r] + static_cast<int64_t>(b) * kBytes;
+      if constexpr (kFull) _mm_prefetch(reinterpret_cast<const char*>(blk + prefetch), _MM_HINT_T0);
+      w[r] = pair_bytes<T, kFull>(blk);
+      head[r] = pair_header<T, kFull>(blk);
+    }
+    // [d_0, d_1, m_0, m_1 | ...] and [d_2, d_3, m_2, m_3 | ...] -> [d_0 .. d_3 | ...], [m_0 .. m_3 | ...]
+    const __m256 h01 = _mm256_unpacklo_ps(head[0], head[1]), h23 = _mm256_unpacklo_ps(head[2], head[3]);
+    const __m256 d_w = _mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 o_w = T == QuantType::kQ4_1 ? _mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(3, 2, 3, 2)) : d_w;
+    const float* g = xp + (b / 2) * kXPairFloats;
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
-      acc[r][i] = _mm256_setzero_ps();
+      const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
+      const __m256i sums = reduce_lanes<T>(pair_products<T>(w[0], x), pair_products<T>(w[1], x),
+                                           pair_products<T>(w[2], x), pair_products<T>(w[3], x));
+      acc[i] = scale_add<T>(sums, d_w, spread_lane(g, i), o_w, spread_lane(g + 8, i), acc[i]);
     }
-  }
-  const int64_t prefetch = kPrefetchTiles * NW * row_bytes;
+  };
   int32_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
+  for (; b + 2 <= blocks; b += 2) step(std::true_type{}, b);
+  if (b < blocks) step(std::false_type{}, b);
 #pragma GCC unroll 4
-    for (int r = 0; r < NW; ++r) {
-      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * kBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + prefetch), _MM_HINT_T0);
-      pair_step<T, MR, true>(blk, xq + 32 * b, x_stride, xp + (b / 2) * kXPairFloats, pair_stride, acc[r]);
-    }
-  }
-  if (b < blocks) {
-#pragma GCC unroll 4
-    for (int r = 0; r < NW; ++r) {
-      const uint8_t* blk = rows + r * row_bytes + static_cast<int64_t>(b) * kBytes;
-      pair_step<T, MR, false>(blk, xq + 32 * b, x_stride, xp + (b / 2) * kXPairFloats, pair_stride, acc[r]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NW; ++r) {
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) out[r * out_stride + i] = reduce8(acc[r][i]);
+  for (int i = 0; i < MR; ++i) {
+    alignas(16) float lanes[kCombos];
+    _mm_store_ps(lanes, lane_results(acc[i]));
+    for (int r = 0; r < num_rows; ++r) out[r * out_stride + i] = lanes[r];
   }
 }
 
-// Weight rows [0, rows) against x rows [0, MR): tiles of NW rows, then single rows.
-template <QuantType T, int NW, int MR>
-inline void dot_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const int8_t* xq,
-                     int64_t x_stride, const float* xp, int64_t pair_stride, float* out, int out_stride) {
-  int32_t r = 0;
-  for (; r + NW <= rows; r += NW) {
-    dot_tile<T, NW, MR>(w + r * row_bytes, row_bytes, blocks, xq, x_stride, xp, pair_stride, out + r * out_stride,
-                        out_stride);
-  }
-  for (; r < rows; ++r) {
-    dot_tile<T, 1, MR>(w + r * row_bytes, row_bytes, blocks, xq, x_stride, xp, pair_stride, out + r * out_stride,
-                       out_stride);
-  }
-}
-
-// values [rows, mr]: weight rows [0, rows) against x rows [0, mr), mr <= kXRowsPerPass.
+// values [rows, mr]: weight rows [0, rows) against x rows [i0, i0 + mr), i0 a multiple of
+// kCombos (one x group), mr <= kXRowsPerPass.
 template <QuantType T>
 inline void dot_block_of_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const QuantizedX& x,
                               int64_t i0, int mr, float* values) {
-  const int64_t pair_stride = static_cast<int64_t>((blocks + 1) / 2) * kXPairFloats;
+  static_assert(kXRowsPerPass == kCombos, "a pass covers one x group");
   const int8_t* xq = x.q + i0 * x.q_stride;
-  const float* xp = x.pairs + i0 * pair_stride;
-  switch (mr) {
-    case 1: return dot_rows<T, 4, 1>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 1);
-    case 2: return dot_rows<T, 2, 2>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 2);
-    case 3: return dot_rows<T, 1, 3>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 3);
-    default: return dot_rows<T, 1, 4>(w, row_bytes, rows, blocks, xq, x.q_stride, xp, pair_stride, values, 4);
+  const float* xp = x.pairs + (i0 / kCombos) * quant_x_group_floats(blocks);
+  const int64_t prefetch = kPrefetchTiles * kCombos * row_bytes;
+  for (int32_t r0 = 0; r0 < rows; r0 += kCombos) {
+    const int num_rows = std::min(kCombos, rows - r0);
+    const uint8_t* tile[kCombos];
+    for (int r = 0; r < kCombos; ++r) tile[r] = w + (r0 + std::min(r, num_rows - 1)) * row_bytes;
+    float* out = values + r0 * mr;
+    switch (mr) {
+      case 1: dot_tile<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1, num_rows); break;
+      case 2: dot_tile<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2, num_rows); break;
+      case 3: dot_tile<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3, num_rows); break;
+      default: dot_tile<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4, num_rows); break;
+    }
   }
 }
 #else

@@ -3,12 +3,11 @@
 // shares). The decode path rebuilds each weight block pair (nibble split, f16 header
 // conversion) for every kXRowsPerPass x rows; here a task unpacks its weight rows once into a
 // tile of WeightPairs, and the micro-kernel reuses each unpacked pair, held in registers,
-// across kGemmXRows x rows. Compiled once per instruction set like quant_dot_impl.h.
+// across the 4 x rows of an x group. Compiled once per instruction set like quant_dot_impl.h.
 //
-// Invariant: every (weight row, x row) pair runs pair_madd over the block pairs in order into
-// its own 8-lane accumulator, then reduce8, exactly as dot_tile does, so a row's output is
-// bitwise the same whatever m, tile, task or thread count (and whichever integer path) it
-// falls in.
+// Invariant: every (weight row, x row) pair goes through the lane arithmetic of scale_add,
+// block by block, exactly as dot_tile does, so a row's output is bitwise the same whatever m,
+// tile, task or thread count (and whichever integer path) it falls in.
 #pragma once
 
 #include <algorithm>
@@ -20,19 +19,49 @@
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 
 #if defined(__AVX2__)
-// Micro-kernel: one weight row against kGemmXRows x rows, the weight pair's four vectors held
-// in registers across the x rows. Measured on Zen 3 (one thread, Q4_1 and Q8_0, k = 576 and
-// 1536, m = 64 and 512) against 2x3, 3x2, 2x4, 4x2, 1x6 and 1x8 (weight x x rows): 1x4 was
-// the fastest, by 5-20%; the kernel is bound by the vector ALU ports (7 multiply-class uops
-// per block pair and x row for Q4, 9 for Q8_0), not by loads.
-constexpr int kGemmXRows = 4;
+// Micro-kernel: one weight row against kCombos x rows (one x group), the weight pair held in
+// registers across them; kernel bound by the vector ALU ports, not by loads (see
+// quant_dot_impl.h). 1 x 4 was the fastest shape on Zen 3 when each combination was scaled on
+// its own (against 2x3, 3x2, 2x4, 4x2, 1x6 and 1x8, by 5-20%).
+//
 // x rows per pass over the tile: about this many bytes of x (q and pairs: 2 bytes per value)
 // stay in L1 while every weight row of the tile (in L2) meets them.
 constexpr int64_t kGemmXChunkBytes = 24 << 10;
 
-// Tile layout: [rows, pairs] WeightPairs (32-byte aligned; 128 bytes per pair for Q4, 160
-// for Q8_0), the same values weight_pair gives the decode path (an odd count's last pair:
-// block b alone).
+// One weight block pair as the GEMM keeps it unpacked: its bytes and the header's scales in
+// the lanes of scale_add, [d_b x4 | d_b+1 x4] (and Q4_1's [m_b x4 | m_b+1 x4]).
+template <QuantType T>
+struct WeightPair {
+  PairBytes<T> bytes;
+  __m256 d_w;
+};
+template <>
+struct WeightPair<QuantType::kQ4_1> {
+  PairBytes<QuantType::kQ4_1> bytes;
+  __m256 d_w, m_w;
+};
+
+template <QuantType T, bool kFull>
+inline WeightPair<T> weight_pair(const uint8_t* blk) {
+  WeightPair<T> w;
+  w.bytes = pair_bytes<T, kFull>(blk);
+  const __m256 head = pair_header<T, kFull>(blk);
+  w.d_w = _mm256_permute_ps(head, 0);
+  if constexpr (T == QuantType::kQ4_1) w.m_w = _mm256_permute_ps(head, 0x55);
+  return w;
+}
+
+template <QuantType T>
+inline __m256 offset_factor(const WeightPair<T>& w) {
+  if constexpr (T == QuantType::kQ4_1) {
+    return w.m_w;
+  } else {
+    return w.d_w;  // Q4_0: d_w * (-8 s_x); unused for Q8_0
+  }
+}
+
+// Tile layout: [rows, pairs] WeightPairs (32-byte aligned; an odd count's last pair: block b
+// alone).
 template <QuantType T>
 inline void unpack_weight_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks,
                                WeightPair<T>* tile) {
@@ -47,36 +76,23 @@ inline void unpack_weight_rows(const uint8_t* w, int64_t row_bytes, int32_t rows
   }
 }
 
-// out[i * out_stride] = dot(tile row, x row i) for i < MR; x rows (pair order) at stride
-// x_stride bytes, their pair floats at pair_stride.
-template <QuantType T, int MR>
-inline void gemm_tile(const WeightPair<T>* row, int32_t pairs, const int8_t* xq, int64_t x_stride, const float* xp,
-                      int64_t pair_stride, float* out, int64_t out_stride) {
-  __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+// out[i * out_stride] = dot(tile row, x row i) for i < mr; x[0..4): the group's rows (pair
+// order; a short group repeats a row), xp: the group's pair floats.
+template <QuantType T>
+inline void gemm_tile(const WeightPair<T>* row, int32_t pairs, const int8_t* const x[kCombos], const float* xp, int mr,
+                      float* out, int64_t out_stride) {
+  __m256 acc = _mm256_setzero_ps();
   for (int32_t p = 0; p < pairs; ++p) {
     const WeightPair<T> w = row[p];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* xi = xq + i * x_stride + 64 * static_cast<int64_t>(p);
-      const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi));
-      const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + 32));
-      acc[i] = pair_madd<T>(w, x_lo, x_hi, xp + i * pair_stride + static_cast<int64_t>(p) * kXPairFloats, acc[i]);
-    }
+    const int64_t offset = 64 * static_cast<int64_t>(p);
+    const __m256i sums = reduce_lanes<T>(pair_products<T>(w.bytes, x[0] + offset), pair_products<T>(w.bytes, x[1] + offset),
+                                         pair_products<T>(w.bytes, x[2] + offset), pair_products<T>(w.bytes, x[3] + offset));
+    const float* g = xp + static_cast<int64_t>(p) * kXPairFloats;
+    acc = scale_add<T>(sums, w.d_w, _mm256_loadu_ps(g), offset_factor(w), _mm256_loadu_ps(g + 8), acc);
   }
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) out[i * out_stride] = reduce8(acc[i]);
-}
-
-// x rows [0, mr) (1 <= mr <= MR) against one tile row.
-template <QuantType T, int MR = kGemmXRows>
-inline void gemm_x_rows(int mr, const WeightPair<T>* row, int32_t pairs, const int8_t* xq, int64_t x_stride,
-                        const float* xp, int64_t pair_stride, float* out, int64_t out_stride) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return gemm_x_rows<T, MR - 1>(mr, row, pairs, xq, x_stride, xp, pair_stride, out, out_stride);
-  }
-  gemm_tile<T, MR>(row, pairs, xq, x_stride, xp, pair_stride, out, out_stride);
+  alignas(16) float lanes[kCombos];
+  _mm_store_ps(lanes, lane_results(acc));
+  for (int i = 0; i < mr; ++i) out[i * out_stride] = lanes[i];
 }
 
 template <QuantType T>
@@ -86,9 +102,9 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
   const int32_t blocks = a.k / 32;
   const int32_t pairs = (blocks + 1) / 2;
   const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
-  const int64_t pair_stride = static_cast<int64_t>(pairs) * kXPairFloats;
-  const int64_t x_row_bytes = x.q_stride + pair_stride * static_cast<int64_t>(sizeof(float));
-  const int64_t x_chunk = std::max<int64_t>(kGemmXRows, kGemmXChunkBytes / x_row_bytes / kGemmXRows * kGemmXRows);
+  const int64_t group_floats = quant_x_group_floats(blocks);
+  const int64_t x_row_bytes = x.q_stride + group_floats / kCombos * static_cast<int64_t>(sizeof(float));
+  const int64_t x_chunk = std::max<int64_t>(kCombos, kGemmXChunkBytes / x_row_bytes / kCombos * kCombos);
   thread_local std::vector<WeightPair<T>> tile;  // [rows_per_task, pairs]
   thread_local std::vector<float> out_rows;      // [x_chunk, rows_per_task] for quant_store_out
   tile.resize(static_cast<size_t>(rows_per_task) * pairs);
@@ -97,11 +113,13 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
   for (int64_t i0 = 0; i0 < a.m; i0 += x_chunk) {
     const int64_t mc = std::min(x_chunk, a.m - i0);
     for (int32_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < mc; i += kGemmXRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kGemmXRows, mc - i));
-        gemm_x_rows<T>(mr, tile.data() + static_cast<int64_t>(r) * pairs, pairs, x.q + (i0 + i) * x.q_stride,
-                       x.q_stride, x.pairs + (i0 + i) * pair_stride, pair_stride,
-                       out_rows.data() + i * rows_per_task + r, rows_per_task);
+      for (int64_t i = 0; i < mc; i += kCombos) {
+        const int mr = static_cast<int>(std::min<int64_t>(kCombos, mc - i));
+        const int8_t* x_rows[kCombos];
+        for (int l = 0; l < kCombos; ++l) x_rows[l] = x.q + (i0 + i + std::min(l, mr - 1)) * x.q_stride;
+        gemm_tile<T>(tile.data() + static_cast<int64_t>(r) * pairs, pairs, x_rows,
+                     x.pairs + (i0 + i) / kCombos * group_floats, mr, out_rows.data() + i * rows_per_task + r,
+                     rows_per_task);
       }
     }
     for (int64_t i = 0; i < mc; ++i) quant_store_out(a, i0 + i, n0, rows, out_rows.data() + i * rows_per_task);

@@ -89,7 +89,7 @@ bool use_gemm_path(const QuantMatmulArgs& a) {
 }
 
 // Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).
-constexpr int64_t kQuantizeRowsPerTask = 64;
+constexpr int64_t kQuantizeRowsPerTask = 64;  // a multiple of the x group (4 rows)
 
 // x quantized for the integer paths, in thread_local buffers of the calling thread.
 QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, const float* x, int64_t x_stride,
@@ -98,11 +98,11 @@ QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, con
   thread_local std::vector<float> xd, xs, pairs;
   const int32_t blocks = a.k / 32;
   const int64_t q_stride = quant_x_row_bytes(a.k);
-  const int64_t pair_stride = static_cast<int64_t>((blocks + 1) / 2) * kXPairFloats;
+  const int64_t group_floats = quant_x_group_floats(blocks);
   xq.resize(static_cast<size_t>(a.m) * q_stride);
   xd.resize(static_cast<size_t>(a.m) * blocks);
   xs.resize(static_cast<size_t>(a.m) * blocks);
-  pairs.resize(static_cast<size_t>(a.m) * pair_stride);
+  pairs.resize(static_cast<size_t>((a.m + 3) / 4 * group_floats));
   // The lambda runs on other threads: it must see this thread's buffers, not its own thread_locals.
   const QuantizedX qx{xq.data(), q_stride, xd.data(), xs.data(), pairs.data()};
   int8_t* q_out = xq.data();
@@ -116,7 +116,7 @@ QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, con
     float* d = d_out + i0 * blocks;
     float* s = s_out + i0 * blocks;
     kernels.quantize_x(x + i0 * x_stride, x_stride, rows, a.k, q_out + i0 * q_stride, d, s);
-    quant_x_pairs(a.type, d, s, rows, blocks, pairs_out + i0 * pair_stride);
+    quant_x_pairs(a.type, d, s, rows, blocks, pairs_out + i0 / 4 * group_floats);  // i0: a multiple of 4
   });
   return qx;
 }
@@ -191,16 +191,15 @@ void quant_store_out(const QuantMatmulArgs& a, int64_t row, int32_t col0, int32_
 
 void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs) {
   const int32_t num_pairs = (blocks + 1) / 2;
+  std::fill(pairs, pairs + (m + 3) / 4 * quant_x_group_floats(blocks), 0.0f);
   for (int64_t i = 0; i < m; ++i) {
-    for (int32_t p = 0; p < num_pairs; ++p) {
-      float* out = pairs + (i * num_pairs + p) * kXPairFloats;
-      std::fill(out, out + kXPairFloats, 0.0f);
-      for (int32_t h = 0; h < 2 && 2 * p + h < blocks; ++h) {
-        const int64_t b = i * blocks + 2 * p + h;
-        std::fill(out + 4 * h, out + 4 * h + 4, d[b]);
-        if (type == QuantType::kQ4_1) out[8 + 4 * h + 1] = s[b];
-        if (type == QuantType::kQ4_0) out[8 + 4 * h] = -8.0f * s[b];
-      }
+    const int64_t lane = i % 4;
+    for (int32_t b = 0; b < blocks; ++b) {
+      float* out = pairs + (i / 4 * num_pairs + b / 2) * kXPairFloats + 4 * (b % 2) + lane;
+      const int64_t xb = i * blocks + b;
+      out[0] = d[xb];
+      if (type == QuantType::kQ4_1) out[8] = s[xb];
+      if (type == QuantType::kQ4_0) out[8] = -8.0f * s[xb];
     }
   }
 }

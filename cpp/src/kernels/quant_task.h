@@ -21,7 +21,7 @@ struct QuantPlan {
 /// x rows quantized to 8 bits per 32 values for the integer decode path (quant_dot_impl.h):
 /// q [m, q_stride] (each row's blocks in pairs, bytes in the kernel's order), d and s
 /// [m, k / 32] (scale and scale * sum of q of each block), and `pairs`, the same scales laid
-/// out for the SIMD kernels (quant_x_pairs), [m, (k / 32 + 1) / 2, 16].
+/// out for the SIMD kernels (quant_x_pairs), [ceil(m / 4), (k / 32 + 1) / 2, 16].
 struct QuantizedX {
   const int8_t* q = nullptr;
   int64_t q_stride = 0;
@@ -33,16 +33,19 @@ struct QuantizedX {
 /// Bytes per row of QuantizedX::q: k rounded up to whole block pairs (64 values).
 constexpr int64_t quant_x_row_bytes(int32_t k) { return (static_cast<int64_t>(k) + 63) / 64 * 64; }
 
-/// Floats per block pair in QuantizedX::pairs.
+/// Floats per block pair and x group in QuantizedX::pairs.
 constexpr int32_t kXPairFloats = 16;
 
-/// Fills pairs [m, (blocks + 1) / 2, 16] from d, s [m, blocks] for weight type `type`. Pair p
-/// of a row covers blocks 2p and 2p + 1 (absent in the last pair of an odd count: zeros) in two
-/// 8-float vectors that line up with a weight block pair's f16 header as the SIMD kernels convert
-/// it (block 2p's header halves in lanes 0-3, block 2p + 1's in lanes 4-7; quant_dot_impl.h):
-///   [0, 8):  the x scale d: lanes 0-3 of block 2p, 4-7 of block 2p + 1;
-///   [8, 16): the weight header's offset factor, one non-zero lane per block: Q4_1 s in lane 1
-///            (times m_w), Q4_0 -8 s in lane 0 (times d_w), nothing for Q8_0.
+/// Floats per x group (4 rows) in QuantizedX::pairs.
+constexpr int64_t quant_x_group_floats(int32_t blocks) { return static_cast<int64_t>((blocks + 1) / 2) * kXPairFloats; }
+
+/// Fills pairs [ceil(m / 4), (blocks + 1) / 2, 16] from d, s [m, blocks] for weight type
+/// `type`: x rows go in groups of 4 (rows past m: zeros), and pair p of a group covers blocks
+/// 2p and 2p + 1 (absent in the last pair of an odd count: zeros) in two 8-float vectors laid
+/// out as the SIMD kernels' lanes (quant_dot_impl.h), row j of the group in lanes j and 4 + j:
+///   [0, 8):  the x scale d, block 2p in lanes 0-3, block 2p + 1 in lanes 4-7;
+///   [8, 16): the x factor of the weight header's offset, the same way: Q4_1 s (times m_w),
+///            Q4_0 -8 s (times d_w), zeros for Q8_0.
 void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs);
 
 /// Runs task `task` of `plan`: x is float32 [args.m, args.k] with row stride x_stride
