@@ -103,9 +103,9 @@ constexpr int32_t block_bytes() {
 // vector, [I_0 .. I_3 of block b | I_0 .. I_3 of block b + 1], converted once and scaled
 // once (scale_add). The decode path's four combinations are four weight rows against one x
 // row, the GEMM's one weight row against four x rows; the lane arithmetic is the same:
-//   acc = fma(d_w * d_x, I, acc); acc = fma(o_w, o_x, acc)   (o: the header offset, below)
+//   scaled = fma(d_w * d_x, I, scaled); offset = fma(o_w, o_x, offset)   (o: header offsets)
 // block by block in order, even blocks in lanes 0-3 and odd ones in lanes 4-7, and the result
-// is lane j + lane j + 4. So a (weight row, x row) result is bitwise the same whatever kernel,
+// is (scaled + offset) in lane j plus the same in lane j + 4. So a (weight row, x row) result is bitwise the same whatever kernel,
 // tile, task or thread count it falls in. Per block pair and combination this costs about 4
 // multiply-class uops (2 maddubs, madd, a quarter of cvt, mul and two FMAs), against 7 when
 // each combination was scaled on its own: on Zen 3 those uops share two pipes and bound the
@@ -207,18 +207,25 @@ inline __m256i reduce_lanes(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   }
 }
 
-// The scale step of every integer kernel (lanes as in reduce_lanes): d_w, d_x the scales,
-// o_w, o_x the header offset's factors (Q4_1: m_w and s_x; Q4_0: d_w and -8 s_x; Q8_0: none).
+// The accumulators of four combinations (lanes as in reduce_lanes): the scaled integer sums
+// and the header offsets in two chains, so that consecutive block pairs' FMAs do not wait on
+// each other (one chain of two dependent FMAs per pair bounded the Q4 GEMM by FMA latency).
+struct LaneSums {
+  __m256 scaled = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+};
+
+// The scale step of every integer kernel: d_w, d_x the scales, o_w, o_x the header offset's
+// factors (Q4_1: m_w and s_x; Q4_0: d_w and -8 s_x; Q8_0: none).
 template <QuantType T>
-inline __m256 scale_add(__m256i sums, __m256 d_w, __m256 d_x, __m256 o_w, __m256 o_x, __m256 acc) {
-  acc = _mm256_fmadd_ps(_mm256_mul_ps(d_w, d_x), _mm256_cvtepi32_ps(sums), acc);
-  if constexpr (T != QuantType::kQ8_0) acc = _mm256_fmadd_ps(o_w, o_x, acc);
-  return acc;
+inline void scale_add(__m256i sums, __m256 d_w, __m256 d_x, __m256 o_w, __m256 o_x, LaneSums& acc) {
+  acc.scaled = _mm256_fmadd_ps(_mm256_mul_ps(d_w, d_x), _mm256_cvtepi32_ps(sums), acc.scaled);
+  if constexpr (T != QuantType::kQ8_0) acc.offset = _mm256_fmadd_ps(o_w, o_x, acc.offset);
 }
 
-// Lane j's dot product: its even blocks' sum plus its odd blocks'.
-inline __m128 lane_results(__m256 acc) {
-  return _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+// Lane j's dot product: the two chains added, then its even blocks' sum plus its odd blocks'.
+inline __m128 lane_results(const LaneSums& acc) {
+  const __m256 v = _mm256_add_ps(acc.scaled, acc.offset);
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
 // x row `lane` of a pair's group floats (QuantizedX::pairs) spread over its block's 4 lanes.
@@ -234,9 +241,7 @@ template <QuantType T, int MR>
 inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32_t blocks, const int8_t* xq,
                      int64_t x_stride, const float* xp, float* out, int out_stride, int num_rows) {
   constexpr int32_t kBytes = block_bytes<T>();
-  __m256 acc[MR];
-#pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  LaneSums acc[MR];
   auto step = [&](auto full, int32_t b) {
     constexpr bool kFull = decltype(full)::value;
     PairBytes<T> w[kCombos];
@@ -258,7 +263,7 @@ inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32
       const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
       const __m256i sums = reduce_lanes<T>(pair_products<T>(w[0], x), pair_products<T>(w[1], x),
                                            pair_products<T>(w[2], x), pair_products<T>(w[3], x));
-      acc[i] = scale_add<T>(sums, d_w, spread_lane(g, i), o_w, spread_lane(g + 8, i), acc[i]);
+      scale_add<T>(sums, d_w, spread_lane(g, i), o_w, spread_lane(g + 8, i), acc[i]);
     }
   };
   int32_t b = 0;
