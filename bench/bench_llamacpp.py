@@ -9,7 +9,8 @@ the measurement (never part of vpage). Two parts:
 serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage bench serve``'s
           client streams the seeded synthetic ShareGPT-like trace (greedy, ignore_eos) at every
           concurrency, the first N requests of the same trace at each, each level on a freshly
-          started server (nothing cached from the previous level). Reported: output
+          started server (nothing cached from the previous level), the two servers one after
+          the other at each level (the machine's speed drifts over minutes). Reported: output
           tok/s, TTFT and TPOT percentiles, and the peak RSS of the server's processes (vpage:
           API + engine core). llama-server runs the way its documentation recommends for
           concurrent serving: one slot per concurrent stream (-np), continuous batching
@@ -112,30 +113,37 @@ def start_llama_server(args, slots: int) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-def serve_rows(args, name: str, start) -> list[dict]:
-    """One fresh server per concurrency level: the levels replay the same trace's first
-    requests, so a server kept across levels would answer the later levels' prompts from what
-    it cached serving the earlier ones (llama-server keeps each slot's last prompt by default)."""
-    rows = []
-    slots = max(args.concurrency)
-    for conc in args.concurrency:
-        proc, url = start(args, slots)
-        rss = PeakRSS(proc.pid)
-        trace = synthetic_trace(args.num_prompts[conc], args.seed)
+def serve_level(args, name: str, start, conc: int) -> dict:
+    """One concurrency level on a freshly started server: the levels replay the same trace's
+    first requests, so a server kept across levels would answer the later levels' prompts from
+    what it cached serving the earlier ones (llama-server keeps each slot's last prompt by
+    default)."""
+    proc, url = start(args, max(args.concurrency))
+    rss = PeakRSS(proc.pid)
+    trace = synthetic_trace(args.num_prompts[conc], args.seed)
+    try:
+        report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
+    finally:
+        peak = rss.stop()
+        proc.terminate()
         try:
-            report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
-        finally:
-            peak = rss.stop()
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        report.update(system=name, concurrency=conc, requests=len(trace), peak_rss_mb=peak / 2**20)
-        rows.append(report)
-        print(f"{name} c={conc}: {report['output_throughput']:.1f} output tok/s "
-              f"({report['completed']}/{len(trace)} completed)", flush=True)
-    return rows
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    report.update(system=name, concurrency=conc, requests=len(trace), peak_rss_mb=peak / 2**20)
+    print(f"{name} c={conc}: {report['output_throughput']:.1f} output tok/s "
+          f"({report['completed']}/{len(trace)} completed)", flush=True)
+    return report
+
+
+def serve_rows(args) -> list[dict]:
+    """Both servers at each level, one right after the other: this VM's speed drifts by 10-20%
+    over minutes, so each ratio compares runs minutes apart, not a whole side apart."""
+    rows = []
+    for conc in args.concurrency:
+        rows.append(serve_level(args, "llama-server", start_llama_server, conc))
+        rows.append(serve_level(args, "vpage serve", start_vpage, conc))
+    return sorted(rows, key=lambda r: r["system"] != "llama-server")
 
 
 def llama_bench_single(args) -> float:
@@ -225,8 +233,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         single["vpage"] = vpage_single(args)
         print(f"single stream: {single}", flush=True)
     if "serving" not in skip:
-        rows += serve_rows(args, "llama-server", start_llama_server)
-        rows += serve_rows(args, "vpage serve", start_vpage)
+        rows += serve_rows(args)
     text = markdown(args, header, rows, single)
     print(text)
     if args.markdown:

@@ -46,9 +46,12 @@ void normalize_f32(float* out, const float* src, float inv, const float* weight,
   for (int32_t i = 0; i < n; ++i) out[i] = (src[i] * inv) * weight[i];
 }
 
+// Two passes: in one loop GCC evaluates the division once per clamp case of exp_clamped and
+// blends the results, and the divisions were most of SiLU's time (3% of a batch-64 decode step).
 VPAGE_TARGET_CLONES
 void silu_f32(float* out, const float* a, int32_t n) {
-  for (int32_t i = 0; i < n; ++i) out[i] = a[i] / (1.0f + exp_clamped(-a[i]));
+  for (int32_t i = 0; i < n; ++i) out[i] = 1.0f + exp_clamped(-a[i]);
+  for (int32_t i = 0; i < n; ++i) out[i] = a[i] / out[i];
 }
 
 VPAGE_TARGET_CLONES
