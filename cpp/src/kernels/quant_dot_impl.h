@@ -194,17 +194,21 @@ inline __m256i pair_products(const PairBytes<T>& w, const int8_t* x) {
   }
 }
 
+// Two combinations' products -> int32 [2 sums of each per block]. Q4: one pairwise int16
+// add more stays below 8 * 15 * 127 (no overflow), then int32.
+template <QuantType T>
+inline __m256i reduce_two(__m256i p0, __m256i p1) {
+  if constexpr (T == QuantType::kQ8_0) {
+    return _mm256_hadd_epi32(p0, p1);
+  } else {
+    return _mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), _mm256_set1_epi16(1));
+  }
+}
+
 // Four combinations' products -> [I_0, I_1, I_2, I_3 | the same for block b + 1], exact.
-// Q4: one pairwise int16 add more stays below 8 * 15 * 127 (no overflow), then int32.
 template <QuantType T>
 inline __m256i reduce_lanes(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
-  if constexpr (T == QuantType::kQ8_0) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-  } else {
-    const __m256i ones = _mm256_set1_epi16(1);
-    return _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(p0, p1), ones),
-                             _mm256_madd_epi16(_mm256_hadd_epi16(p2, p3), ones));
-  }
+  return _mm256_hadd_epi32(reduce_two<T>(p0, p1), reduce_two<T>(p2, p3));
 }
 
 // The accumulators of four combinations (lanes as in reduce_lanes): the scaled integer sums
@@ -216,10 +220,18 @@ struct LaneSums {
 
 // The scale step of every integer kernel: d_w, d_x the scales, o_w, o_x the header offset's
 // factors (Q4_1: m_w and s_x; Q4_0: d_w and -8 s_x; Q8_0: none).
+// The chains are independent: a kernel may also run them in separate loops.
+inline void add_scaled(__m256i sums, __m256 d_w, __m256 d_x, LaneSums& acc) {
+  acc.scaled = _mm256_fmadd_ps(_mm256_mul_ps(d_w, d_x), _mm256_cvtepi32_ps(sums), acc.scaled);
+}
+template <QuantType T>
+inline void add_offset(__m256 o_w, __m256 o_x, LaneSums& acc) {
+  if constexpr (T != QuantType::kQ8_0) acc.offset = _mm256_fmadd_ps(o_w, o_x, acc.offset);
+}
 template <QuantType T>
 inline void scale_add(__m256i sums, __m256 d_w, __m256 d_x, __m256 o_w, __m256 o_x, LaneSums& acc) {
-  acc.scaled = _mm256_fmadd_ps(_mm256_mul_ps(d_w, d_x), _mm256_cvtepi32_ps(sums), acc.scaled);
-  if constexpr (T != QuantType::kQ8_0) acc.offset = _mm256_fmadd_ps(o_w, o_x, acc.offset);
+  add_scaled(sums, d_w, d_x, acc);
+  add_offset<T>(o_w, o_x, acc);
 }
 
 // Lane j's dot product: the two chains added, then its even blocks' sum plus its odd blocks'.

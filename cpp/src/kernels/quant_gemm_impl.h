@@ -76,22 +76,39 @@ inline void unpack_weight_rows(const uint8_t* w, int64_t row_bytes, int32_t rows
 
 // out[r + i * out_stride] = dot(tile row r, x row i) for r < NW, i < mr; rows: NW tile rows
 // `pairs` apart; x[0..4): the group's rows (pair order; a short group repeats a row), xp: the
-// group's pair floats. Two weight rows keep twice the independent FMA chains in flight (Zen 3,
-// one thread: Q4_1 1.15-1.2x, Q8_0 1.2x over one row).
+// group's pair floats. With two weight rows the x rows go two at a time, each meeting both
+// weight rows while loaded, and the offset chains run in a second loop, so that the 16 vector
+// registers hold the products and the FMA chains without spilling.
 template <QuantType T, int NW>
-inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* const x[kCombos], const float* xp, int mr,
-                      float* out, int64_t out_stride) {
+inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* const x[kCombos], const float* xp,
+                      int mr, float* out, int64_t out_stride) {
   LaneSums acc[NW];
   for (int32_t p = 0; p < pairs; ++p) {
     const int64_t offset = 64 * static_cast<int64_t>(p);
-    const float* g = xp + static_cast<int64_t>(p) * kXPairFloats;
-    const __m256 d_x = _mm256_loadu_ps(g), o_x = _mm256_loadu_ps(g + 8);
+    __m256i half[NW][2];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int8_t* xa = x[2 * h] + offset;
+      const int8_t* xb = x[2 * h + 1] + offset;
+      __m256i pa[NW], pb[NW];
+#pragma GCC unroll 2
+      for (int r = 0; r < NW; ++r) pa[r] = pair_products<T>(rows[r * static_cast<int64_t>(pairs) + p].bytes, xa);
+#pragma GCC unroll 2
+      for (int r = 0; r < NW; ++r) pb[r] = pair_products<T>(rows[r * static_cast<int64_t>(pairs) + p].bytes, xb);
+#pragma GCC unroll 2
+      for (int r = 0; r < NW; ++r) half[r][h] = reduce_two<T>(pa[r], pb[r]);
+    }
+    const __m256 d_x = _mm256_loadu_ps(xp + static_cast<int64_t>(p) * kXPairFloats);
 #pragma GCC unroll 2
     for (int r = 0; r < NW; ++r) {
-      const WeightPair<T> w = rows[r * static_cast<int64_t>(pairs) + p];
-      const __m256i sums = reduce_lanes<T>(pair_products<T>(w.bytes, x[0] + offset), pair_products<T>(w.bytes, x[1] + offset),
-                                           pair_products<T>(w.bytes, x[2] + offset), pair_products<T>(w.bytes, x[3] + offset));
-      scale_add<T>(sums, w.d_w, d_x, offset_factor(w), o_x, acc[r]);
+      add_scaled(_mm256_hadd_epi32(half[r][0], half[r][1]), rows[r * static_cast<int64_t>(pairs) + p].d_w, d_x, acc[r]);
+    }
+  }
+  if constexpr (T != QuantType::kQ8_0) {
+    for (int32_t p = 0; p < pairs; ++p) {
+      const __m256 o_x = _mm256_loadu_ps(xp + static_cast<int64_t>(p) * kXPairFloats + 8);
+#pragma GCC unroll 2
+      for (int r = 0; r < NW; ++r) add_offset<T>(offset_factor(rows[r * static_cast<int64_t>(pairs) + p]), o_x, acc[r]);
     }
   }
   for (int r = 0; r < NW; ++r) {
@@ -116,15 +133,18 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
   tile.resize(static_cast<size_t>(rows_per_task) * pairs);
   out_rows.resize(static_cast<size_t>(x_chunk) * rows_per_task);
   unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
-  for (int64_t i0 = 0; i0 < a.m; i0 += x_chunk) {
+  for (int64_t i0 = 0; i0 < a.m; i0 += x_chunk) {  // i0: a multiple of kCombos (one x group)
     const int64_t mc = std::min(x_chunk, a.m - i0);
+    const int64_t groups = (mc + kCombos - 1) / kCombos;
+    const float* xp0 = x.pairs + i0 / kCombos * group_floats;
     for (int32_t r = 0; r < rows; r += 2) {
-      for (int64_t i = 0; i < mc; i += kCombos) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t i = g * kCombos;
         const int mr = static_cast<int>(std::min<int64_t>(kCombos, mc - i));
         const int8_t* x_rows[kCombos];
         for (int l = 0; l < kCombos; ++l) x_rows[l] = x.q + (i0 + i + std::min(l, mr - 1)) * x.q_stride;
         const WeightPair<T>* tile_rows = tile.data() + static_cast<int64_t>(r) * pairs;
-        const float* xp = x.pairs + (i0 + i) / kCombos * group_floats;
+        const float* xp = xp0 + g * group_floats;
         float* out = out_rows.data() + i * rows_per_task + r;
         if (r + 1 < rows) {
           gemm_tile<T, 2>(tile_rows, pairs, x_rows, xp, mr, out, rows_per_task);
