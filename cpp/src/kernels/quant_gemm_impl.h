@@ -131,12 +131,16 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
   thread_local std::vector<WeightPair<T>> tile;  // [rows_per_task, pairs]
   thread_local std::vector<float> out_rows;      // [x_chunk, rows_per_task] for quant_store_out
   tile.resize(static_cast<size_t>(rows_per_task) * pairs);
-  out_rows.resize(static_cast<size_t>(x_chunk) * rows_per_task);
+  // float32 results go straight into out; 16-bit ones through out_rows and quant_store_out.
+  const bool direct = a.dtype == DType::kFloat32;
+  if (!direct) out_rows.resize(static_cast<size_t>(x_chunk) * rows_per_task);
   unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
   for (int64_t i0 = 0; i0 < a.m; i0 += x_chunk) {  // i0: a multiple of kCombos (one x group)
     const int64_t mc = std::min(x_chunk, a.m - i0);
     const int64_t groups = (mc + kCombos - 1) / kCombos;
     const float* xp0 = x.pairs + i0 / kCombos * group_floats;
+    float* out0 = direct ? static_cast<float*>(a.out) + i0 * a.out_stride + n0 : out_rows.data();
+    const int64_t out_stride = direct ? a.out_stride : rows_per_task;
     for (int32_t r = 0; r < rows; r += 2) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t i = g * kCombos;
@@ -145,15 +149,17 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
         for (int l = 0; l < kCombos; ++l) x_rows[l] = x.q + (i0 + i + std::min(l, mr - 1)) * x.q_stride;
         const WeightPair<T>* tile_rows = tile.data() + static_cast<int64_t>(r) * pairs;
         const float* xp = xp0 + g * group_floats;
-        float* out = out_rows.data() + i * rows_per_task + r;
+        float* out = out0 + i * out_stride + r;
         if (r + 1 < rows) {
-          gemm_tile<T, 2>(tile_rows, pairs, x_rows, xp, mr, out, rows_per_task);
+          gemm_tile<T, 2>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
         } else {
-          gemm_tile<T, 1>(tile_rows, pairs, x_rows, xp, mr, out, rows_per_task);
+          gemm_tile<T, 1>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
         }
       }
     }
-    for (int64_t i = 0; i < mc; ++i) quant_store_out(a, i0 + i, n0, rows, out_rows.data() + i * rows_per_task);
+    if (!direct) {
+      for (int64_t i = 0; i < mc; ++i) quant_store_out(a, i0 + i, n0, rows, out_rows.data() + i * rows_per_task);
+    }
   }
 }
 
