@@ -195,6 +195,27 @@ def test_prefill_chunks_after_cached_prefix(dtype, block_size, group):
     check_close(out, reference_prefill_attention(query, kc, vc, tables, starts, lens, 0.125), dtype)
 
 
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_token_beside_prompt_chunks_matches_a_decode_step_bitwise(block_size, group):
+    # A decode token scheduled in the same step as another request's prompt gets the decode
+    # step's kernel: its attention (one partition, short contexts) is bitwise the same.
+    contexts = [40, 21, 9]
+    num_queries = [1, 21, 1]  # a decode token, a whole prompt, a decode token
+    num_kv_heads = 2
+    query, kc, vc, tables, lens = setup(21, contexts, group * num_kv_heads, num_kv_heads, 64, block_size,
+                                        torch.float32, num_queries)
+    starts = torch.tensor([0] + num_queries, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    mixed = torch.full_like(query, float("nan"))
+    ops.paged_prefill_attention(query, kc, vc, tables, starts, lens, 0.125, out=mixed)
+    decode_rows = [0, 22]  # the decode tokens' query rows
+    for seq, row in zip((0, 2), decode_rows):
+        alone = torch.full_like(query[row:row + 1], float("nan"))
+        ops.paged_attention(query[row:row + 1].contiguous(), kc, vc, tables[seq:seq + 1].contiguous(),
+                            lens[seq:seq + 1].contiguous(), 0.125, out=alone)
+        assert torch.equal(alone[0], mixed[row])
+
+
 @pytest.mark.parametrize("isa", available_isas())
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 8])

@@ -216,11 +216,16 @@ void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
   if (partitions > 1) reduce_partitions(a, partial, partitions, partition_tokens, num_threads);
 }
 
+// A mixed batch: sequences with several queries (prompt chunks) take the prefill kernel; those
+// with one (decode tokens scheduled beside the chunks) take the decode kernel, as they do in a
+// decode-only step, so a decode token's attention does not depend on whether another request's
+// prompt happened to share its step (with one partition, as here and as in decode steps of
+// short contexts, the results are bitwise the same; speed measured the same either way).
 void prefill(const PagedAttentionArgs& a, int num_threads) {
   const int32_t per_task = heads_per_task(a);
   // Prefill tasks hold up to kPrefillRowVecs SIMD vectors of rows (queries x heads).
   const int32_t queries_per_task = std::max(1, kPrefillRowVecs * selected_kernels().lanes / per_task);
-  std::vector<AttentionTask> tasks;
+  std::vector<AttentionTask> tasks, single_query_tasks;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t begin = a.query_start_loc[s];
     const int32_t queries = a.query_start_loc[s + 1] - begin;
@@ -239,11 +244,12 @@ void prefill(const PagedAttentionArgs& a, int num_threads) {
         t.first_visible_end = len - queries + q + 1;
         t.ctx_begin = 0;
         t.ctx_end = t.first_visible_end + t.num_queries - 1;
-        tasks.push_back(t);
+        (queries == 1 ? single_query_tasks : tasks).push_back(t);
       }
     });
   }
-  run(a, tasks, num_threads, true);
+  if (!tasks.empty()) run(a, tasks, num_threads, true);
+  if (!single_query_tasks.empty()) run(a, single_query_tasks, num_threads, false);
 }
 
 }  // namespace
