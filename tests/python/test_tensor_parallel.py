@@ -170,6 +170,9 @@ def test_killed_worker_raises_quickly_and_leaves_no_process(folders):
 
 _DRIVER = """
 import faulthandler, signal, sys, psutil
+# Ctrl-C handled as in a terminal: a shell running the suite as a background job starts it
+# with SIGINT ignored, which Python and this child would inherit (the hang seen before).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump if it hangs
 from vpage import LLM, SamplingParams
 llm = LLM({folder!r}, dtype="float32", kv_cache_memory=0.01, block_size=8, tensor_parallel_size=2, num_threads=2)
@@ -207,7 +210,7 @@ def test_workers_exit_when_the_driver_dies_or_is_interrupted(folders, how):
             os.killpg(driver.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
         try:
             driver.wait(timeout=60)
-        except subprocess.TimeoutExpired:  # hung in some full-suite runs, never alone: show where
+        except subprocess.TimeoutExpired:  # show where it hangs
             driver.send_signal(signal.SIGUSR1)
             time.sleep(2.0)
             driver.kill()
