@@ -96,12 +96,12 @@ inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* co
 #pragma GCC unroll 2
       for (int r = 0; r < NW; ++r) pb[r] = pair_products<T>(rows[r * static_cast<int64_t>(pairs) + p].bytes, xb);
 #pragma GCC unroll 2
-      for (int r = 0; r < NW; ++r) half[r][h] = reduce_two<T>(pa[r], pb[r]);
+      for (int r = 0; r < NW; ++r) half[r][h] = interleave_two<T>(pa[r], pb[r]);
     }
     const __m256 d_x = _mm256_loadu_ps(xp + static_cast<int64_t>(p) * kXPairFloats);
 #pragma GCC unroll 2
     for (int r = 0; r < NW; ++r) {
-      add_scaled(_mm256_hadd_epi32(half[r][0], half[r][1]), rows[r * static_cast<int64_t>(pairs) + p].d_w, d_x, acc[r]);
+      add_scaled(combine_halves<T>(half[r][0], half[r][1]), rows[r * static_cast<int64_t>(pairs) + p].d_w, d_x, acc[r]);
     }
   }
   if constexpr (T != QuantType::kQ8_0) {
