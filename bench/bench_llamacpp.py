@@ -19,7 +19,8 @@ single    one stream of 128 generated tokens with no prompt: ``llama-bench -p 0 
           against vpage's engine generating 128 tokens after a one-token prompt (tok/s of
           the whole generate call).
 
-Both sides use --threads threads. Prints the CPU model and vpage's instruction set.
+Both sides use --threads threads and a float16 KV cache (llama.cpp's default; vpage's
+--kv-cache-dtype). Prints the CPU model and vpage's instruction set.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def start_vpage(args, slots: int) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))  # torch and vpage kernels: --threads
     proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--model", args.model, "--port", "0",
                              "--device", "cpu", "--dtype", "float32", "--max-num-seqs", str(slots),
-                             "--kv-cache-memory", str(args.kv_cache_memory), "--no-prefix-caching"],
+                             "--kv-cache-memory", str(args.kv_cache_memory), "--kv-cache-dtype", args.kv_cache_dtype,
+                             "--no-prefix-caching"],
                             stdout=subprocess.PIPE, text=True, env=env)
     for line in proc.stdout:
         match = _VPAGE_URL.search(line)
@@ -157,7 +159,8 @@ def vpage_single(args) -> float:
     from vpage import LLM, SamplingParams, ops
 
     ops.set_num_threads(args.threads)
-    llm = LLM(model=args.model, device="cpu", dtype="float32", kv_cache_memory=0.25, max_model_len=512)
+    llm = LLM(model=args.model, device="cpu", dtype="float32", kv_cache_memory=0.25, max_model_len=512,
+              kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     prompt = [1]  # one token id: the decode loop dominates, like llama-bench -p 0
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -207,6 +210,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-prompts", default="1:16,8:64,64:256", help="N, or concurrency:N pairs")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="vpage's KV cache, GiB")
+    p.add_argument("--kv-cache-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
+                   help="vpage's KV cache dtype (default float16: llama.cpp's default KV cache type, f16)")
     p.add_argument("--repeats", type=int, default=3, help="single-stream repetitions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma list of parts to skip: serving, single")
@@ -224,7 +229,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     header = (f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, vpage ISA {_core.cpu_isa()}, "
               f"{args.threads} threads each; model {os.path.basename(args.model)}; vpage float32 activations, "
-              f"GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
+              f"{args.kv_cache_dtype} KV cache, GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
               f"-c {max(args.concurrency) * _PER_SLOT_CONTEXT}")
     print(header, flush=True)
     rows, single = [], {}

@@ -50,7 +50,7 @@ def get_num_threads() -> int:
 def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> dict:
     num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
     return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size,
-                block_size=block_size, dtype=_DTYPE_CODES[key_cache.dtype])
+                block_size=block_size, cache_dtype=_DTYPE_CODES[key_cache.dtype])
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -58,7 +58,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     _core._cpu_reshape_and_cache(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         slot_mapping.data_ptr(), num_tokens=key.shape[0], key_stride=key.stride(0),
-        value_stride=value.stride(0), num_threads=get_num_threads(),
+        value_stride=value.stride(0), dtype=_DTYPE_CODES[key.dtype], num_threads=get_num_threads(),
         **_cache_geometry(key_cache, value_cache))
 
 
@@ -73,7 +73,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         num_seqs=context_lens.shape[0], num_query_tokens=query.shape[0],
         num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
         max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
-        num_threads=get_num_threads(), **_cache_geometry(key_cache, value_cache))
+        dtype=_DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
+        **_cache_geometry(key_cache, value_cache))
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],

@@ -152,7 +152,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     """Writes key/value [num_tokens, num_kv_heads, head_size] into their cache slots.
 
     slot_mapping: int64 [num_tokens], slot < 0 skips the token. key/value have the caches'
-    dtype and device; their rows may be strided (e.g. slices of a fused QKV output).
+    device and dtype (on CPU also float32 with a 16-bit cache: rounded to the cache's dtype
+    when written); their rows may be strided (e.g. slices of a fused QKV output).
     """
     device = key_cache.device
     if _checking():
@@ -164,15 +165,31 @@ def _check_cache_writes(key, value, key_cache, value_cache, slot_mapping) -> Non
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     device = key_cache.device
     for name, t in (("key", key), ("value", value)):
-        _check_tensor(name, t, dtype=key_cache.dtype, device=device, contiguous=False)
+        _check_tensor(name, t, device=device, contiguous=False)
+        _check_activation_dtype(name, t, key_cache)
         _check_rows(name, t)
         if tuple(t.shape[1:]) != (num_kv_heads, head_size):
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match the cache "
                              f"[num_tokens, {num_kv_heads}, {head_size}]")
+    if key.dtype != value.dtype:
+        raise TypeError(f"key and value must have one dtype, got {key.dtype} and {value.dtype}")
     _check_tensor("slot_mapping", slot_mapping, dtype=torch.int64, ndim=1, device=device)
     if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
         raise ValueError(f"key, value and slot_mapping disagree on num_tokens: {key.shape[0]}, "
                          f"{value.shape[0]}, {slot_mapping.shape[0]}")
+
+
+def kv_dtypes_supported(activation: torch.dtype, cache: torch.dtype, device: torch.device) -> bool:
+    """Whether activations (key/value written, query and out) of dtype ``activation`` may meet a
+    KV cache of dtype ``cache``: the same dtype, or on CPU float32 with a 16-bit cache."""
+    return activation == cache or (torch.device(device).type == "cpu" and activation == torch.float32
+                                   and cache in _SUPPORTED_DTYPES)
+
+
+def _check_activation_dtype(name: str, t: torch.Tensor, key_cache: torch.Tensor) -> None:
+    if not kv_dtypes_supported(t.dtype, key_cache.dtype, key_cache.device):
+        allowed = "the cache's dtype" + (" or float32" if key_cache.device.type == "cpu" else "")
+        raise TypeError(f"{name} must have {allowed} ({key_cache.dtype}), got {t.dtype}")
 
 
 def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
@@ -187,7 +204,8 @@ def _attention(query, key_cache, value_cache, block_tables, context_lens, query_
                                          context_lens, query_start_loc, float(scale), max_context_len)
         return out
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
-    _check_tensor("query", query, dtype=key_cache.dtype, device=device, contiguous=False)
+    _check_tensor("query", query, device=device, contiguous=False)
+    _check_activation_dtype("query", query, key_cache)
     _check_rows("query", query)
     num_heads = query.shape[1]
     if query.shape[2] != head_size:
@@ -230,7 +248,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention: one query token per sequence over its cached K/V.
 
-    query [num_seqs, num_heads, head_size] (cache dtype; num_heads a multiple of
+    query [num_seqs, num_heads, head_size] (cache dtype, or float32 on CPU; num_heads a multiple of
     num_kv_heads), block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs]
     (tokens in the cache, including the query's). Returns out [num_seqs, num_heads, head_size].
     """

@@ -62,12 +62,21 @@ struct Case {
   int num_heads, num_kv_heads, head_size, block_size;
   std::vector<int> context_lens;
   std::vector<int> query_lens;  // empty: decode
+  bool float_io = false;        // float32 key/value/query/out with a 16-bit cache
 };
+
+// f rounded to dtype, as a cache of that dtype stores it.
+double stored(vpage::DType dtype, float f) {
+  Buffer one(dtype, 1);
+  one.set(0, f);
+  return one.get(0);
+}
 
 void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
   const int num_seqs = static_cast<int>(c.context_lens.size());
   const bool decode = c.query_lens.empty();
   const int hs = c.head_size, bs = c.block_size, nkv = c.num_kv_heads;
+  const vpage::DType io = c.float_io ? vpage::DType::kFloat32 : c.dtype;
   int max_blocks = 0, total_blocks = 0, max_len = 0;
   for (int len : c.context_lens) {
     max_blocks = std::max(max_blocks, (len + bs - 1) / bs);
@@ -89,13 +98,13 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
   std::vector<std::vector<double>> keys(num_seqs), values(num_seqs);  // [len][nkv][hs]
   for (int s = 0; s < num_seqs; ++s) {
     const int len = c.context_lens[s];
-    Buffer k(c.dtype, static_cast<size_t>(len) * nkv * hs), v(c.dtype, static_cast<size_t>(len) * nkv * hs);
+    Buffer k(io, static_cast<size_t>(len) * nkv * hs), v(io, static_cast<size_t>(len) * nkv * hs);
     std::vector<int64_t> slots(len);
     for (size_t i = 0; i < static_cast<size_t>(len) * nkv * hs; ++i) {
       k.set(i, dist(rng));
       v.set(i, dist(rng));
-      keys[s].push_back(k.get(i));
-      values[s].push_back(v.get(i));
+      keys[s].push_back(stored(c.dtype, static_cast<float>(k.get(i))));
+      values[s].push_back(stored(c.dtype, static_cast<float>(v.get(i))));
     }
     for (int t = 0; t < len; ++t) slots[t] = static_cast<int64_t>(tables[s * max_blocks + t / bs]) * bs + t % bs;
     vpage::ReshapeAndCacheArgs r;
@@ -106,15 +115,16 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
     r.slot_mapping = slots.data();
     r.num_tokens = len;
     r.key_stride = r.value_stride = static_cast<int64_t>(nkv) * hs;
+    r.dtype = io;
     r.cache = {num_blocks, nkv, hs, bs, c.dtype};
     vpage::cpu::reshape_and_cache(r, 2);
   }
   std::vector<int32_t> query_start(num_seqs + 1, 0);
   for (int s = 0; s < num_seqs; ++s) query_start[s + 1] = query_start[s] + (decode ? 1 : c.query_lens[s]);
   const int num_tokens = query_start[num_seqs];
-  Buffer query(c.dtype, static_cast<size_t>(num_tokens) * c.num_heads * hs);
+  Buffer query(io, static_cast<size_t>(num_tokens) * c.num_heads * hs);
   for (size_t i = 0; i < static_cast<size_t>(num_tokens) * c.num_heads * hs; ++i) query.set(i, dist(rng));
-  Buffer out(c.dtype, static_cast<size_t>(num_tokens) * c.num_heads * hs);
+  Buffer out(io, static_cast<size_t>(num_tokens) * c.num_heads * hs);
 
   vpage::PagedAttentionArgs a;
   a.out = out.data();
@@ -131,10 +141,12 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
   a.max_context_len = max_len;
   a.query_stride = static_cast<int64_t>(c.num_heads) * hs;
   a.scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  a.dtype = io;
   a.cache = {num_blocks, nkv, hs, bs, c.dtype};
   vpage::cpu::paged_attention(a, 2);
 
-  const double tol = c.dtype == vpage::DType::kFloat32 ? 1e-4 : c.dtype == vpage::DType::kFloat16 ? 4e-3 : 2e-2;
+  // float32 io: the reference uses the cache's rounded K/V, so only float32 rounding remains.
+  const double tol = io == vpage::DType::kFloat32 ? 1e-4 : c.dtype == vpage::DType::kFloat16 ? 4e-3 : 2e-2;
   double worst = 0.0;
   const int group = c.num_heads / nkv;
   for (int s = 0; s < num_seqs; ++s) {
@@ -165,8 +177,9 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
     }
   }
   char what[256];
-  std::snprintf(what, sizeof(what), "%s %s dtype=%d heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)",
-                isa.c_str(), decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.num_heads, nkv, hs, bs,
+  std::snprintf(what, sizeof(what), "%s %s dtype=%d%s heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)",
+                isa.c_str(), decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.float_io ? " (float32 io)" : "",
+                c.num_heads, nkv, hs, bs,
                 num_seqs, max_len, worst, tol);
   expect(worst <= tol, what);
   std::printf("%s %s\n", worst <= tol ? "ok  " : "FAIL", what);
@@ -218,6 +231,28 @@ void test_bad_arguments() {
     threw = std::string(e.what()).find("multiple of num_kv_heads") != std::string::npos;
   }
   expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
+
+  // Activations meet a cache of their own dtype, or float32 a 16-bit one; nothing else.
+  const auto rejects = [](auto&& call, const char* what) {
+    bool dtype_error = false;
+    try {
+      call();
+    } catch (const std::invalid_argument& e) {
+      dtype_error = std::string(e.what()).find("dtype") != std::string::npos;
+    }
+    expect(dtype_error, what);
+  };
+  a.num_heads = 4;
+  a.dtype = vpage::DType::kBFloat16;
+  a.cache.dtype = vpage::DType::kFloat16;
+  rejects([&] { vpage::cpu::paged_attention(a, 1); }, "paged_attention rejects a bfloat16 query with a float16 cache");
+  a.dtype = vpage::DType::kFloat16;
+  a.cache.dtype = vpage::DType::kFloat32;
+  rejects([&] { vpage::cpu::paged_attention(a, 1); }, "paged_attention rejects a float16 query with a float32 cache");
+  vpage::ReshapeAndCacheArgs r;
+  r.dtype = vpage::DType::kFloat16;
+  r.cache = {4, 2, 64, 16, vpage::DType::kFloat32};
+  rejects([&] { vpage::cpu::reshape_and_cache(r, 1); }, "reshape_and_cache rejects float16 rows into a float32 cache");
 }
 
 // float32 RMSNorm (with residual) and SiLU-and-multiply against double, odd sizes (vector
@@ -408,6 +443,11 @@ int main() {
       {vpage::DType::kFloat32, 5, 1, 64, 16, {2000}, {}},
       {vpage::DType::kBFloat16, 12, 1, 64, 32, {700}, {}},
       {vpage::DType::kFloat32, 4, 2, 256, 16, {63, 64, 65}, {}},
+      // float32 activations with a 16-bit cache: decode (fast and old paths, partitions), prefill.
+      {vpage::DType::kFloat16, 9, 3, 64, 16, {1, 17, 300, 2000}, {}, true},
+      {vpage::DType::kBFloat16, 8, 2, 64, 12, {40, 5}, {}, true},
+      {vpage::DType::kFloat16, 9, 3, 64, 16, {17, 60}, {17, 7}, true},
+      {vpage::DType::kBFloat16, 4, 1, 128, 32, {33, 70}, {33, 1}, true},
   };
   for (const std::string& isa : isas) {
     vpage::cpu::set_cpu_isa(isa);

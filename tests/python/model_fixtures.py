@@ -77,10 +77,11 @@ class PagedKVCache:
     """Per-layer KV caches plus block tables for a few sequences, blocks drawn at random."""
 
     def __init__(self, config: ModelConfig, num_blocks: int = 64, block_size: int = 8, seed: int = 0):
-        args = (num_blocks, config.num_kv_heads, config.head_size, block_size, config.dtype)
+        dtype = config.cache_dtype
+        args = (num_blocks, config.num_kv_heads, config.head_size, block_size, dtype)
         self.caches = [
-            (torch.zeros(ops.key_cache_shape(*args), dtype=config.dtype),
-             torch.zeros(ops.value_cache_shape(*args), dtype=config.dtype))
+            (torch.zeros(ops.key_cache_shape(*args), dtype=dtype),
+             torch.zeros(ops.value_cache_shape(*args), dtype=dtype))
             for _ in range(config.num_layers)
         ]
         self.block_size = block_size

@@ -5,6 +5,8 @@ Python path; a malformed batch is refused before anything runs."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +68,28 @@ def test_cpu_decoder_matches_python_layers_bitwise(kind, qtype, tmp_path):
         assert torch.equal(fast, slow)
     for (fk, fv), (sk, sv) in zip(fast_caches, slow_caches):
         assert torch.equal(fk, sk) and torch.equal(fv, sv)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_cpu_decoder_with_a_16_bit_cache_matches_python_layers_bitwise(cache_dtype, tmp_path):
+    loaded = load_model(_tiny_gguf("llama", "Q4_1", tmp_path), device="cpu")
+    net = loaded.model
+    net_config[id(net)] = loaded.config
+    float_hidden, _ = _run(net, True)
+    net_config[id(net)] = dataclasses.replace(loaded.config, kv_cache_dtype=cache_dtype)
+    fast_hidden, fast_caches = _run(net, True)
+    slow_hidden, slow_caches = _run(net, False)
+    assert fast_caches[0][0].dtype == cache_dtype and fast_caches[0][0].abs().max() > 0.1
+    for fast, slow in zip(fast_hidden, slow_hidden):
+        assert torch.equal(fast, slow)
+    for (fk, fv), (sk, sv) in zip(fast_caches, slow_caches):
+        assert torch.equal(fk, sk) and torch.equal(fv, sv)
+    # Close to the float32 cache's hidden states: K/V's rounding to 16 bits moves the attention
+    # output a little, and the integer matmuls' 8-bit rounding of their inputs (1/254 of a
+    # block's largest value) turns that into differences of about 1%.
+    for fast, exact in zip(fast_hidden, float_hidden):
+        error = (fast - exact).abs().max() / exact.abs().max()
+        assert 0 < error < 0.05
 
 
 def test_float_model_stays_on_python_layers(tmp_path):

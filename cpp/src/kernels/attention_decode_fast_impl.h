@@ -260,7 +260,8 @@ inline void for_row_passes(int rows, Fn&& fn) {
   }
 }
 
-template <typename T>
+// T: the cache element, TQ: the query and output element.
+template <typename T, typename TQ>
 void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, float* scratch) {
   static_assert(kFastRowsPerPass == 4, "the row-pass switches below handle 1..4 rows");
   constexpr int x = 16 / static_cast<int>(sizeof(T));
@@ -285,12 +286,12 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
   const int64_t acc_stride = static_cast<int64_t>(hs) * kLanes;
 
   // Queries, scaled, as repeated x-fragments: qrep[r][c][lane] = q[c*x + lane % x] * scale.
-  const T* query = static_cast<const T*>(a.query);
+  const TQ* query = static_cast<const TQ*>(a.query);
   const Vec scale = set1(a.scale);
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
-    const T* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
+    const TQ* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
     float* dst = qrep + r * q_stride;
     if (x == kLanes) {
       for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load(src + d), scale));
@@ -416,7 +417,7 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
       dst[1] = row_sum[r];
       for (int d = 0; d < hs; ++d) dst[2 + d] = o[d];
     } else {
-      T* dst = static_cast<T*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
+      TQ* dst = static_cast<TQ*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
       const Vec inv = set1(row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f);
       for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load(o + d), inv));
     }
@@ -437,17 +438,11 @@ inline int64_t decode_scratch_floats(int32_t rows, int32_t head_size, int32_t bl
 
 inline void run_task(const PagedAttentionArgs& args, const AttentionTask& task, float* scratch) {
   const bool fast = fast_path(args.cache.block_size);
-  switch (args.cache.dtype) {
-    case DType::kFloat32:
-      fast ? run_fast_task_typed<float>(args, task, scratch) : run_task_typed<float>(args, task, scratch);
-      break;
-    case DType::kFloat16:
-      fast ? run_fast_task_typed<F16>(args, task, scratch) : run_task_typed<F16>(args, task, scratch);
-      break;
-    case DType::kBFloat16:
-      fast ? run_fast_task_typed<BF16>(args, task, scratch) : run_task_typed<BF16>(args, task, scratch);
-      break;
-  }
+  dispatch_kv_dtypes(args, [&](auto cache, auto io) {
+    using T = typename decltype(cache)::type;
+    using TQ = typename decltype(io)::type;
+    fast ? run_fast_task_typed<T, TQ>(args, task, scratch) : run_task_typed<T, TQ>(args, task, scratch);
+  });
 }
 
 

@@ -43,6 +43,23 @@ constexpr int kGroupBlocks = 4;       // blocks per softmax/PV group
 constexpr float kNegInf = -INFINITY;
 
 inline int64_t round_up(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+template <typename T>
+struct Elem {
+  using type = T;
+};
+
+// Calls fn(Elem<cache element>, Elem<query/out element>) for the dtypes of `a`, one of the
+// pairs kv_dtypes_supported allows (paged_attention checked them).
+template <typename Fn>
+inline void dispatch_kv_dtypes(const PagedAttentionArgs& a, Fn&& fn) {
+  const bool float_io = a.dtype == DType::kFloat32;
+  switch (a.cache.dtype) {
+    case DType::kFloat32: fn(Elem<float>{}, Elem<float>{}); break;
+    case DType::kFloat16: float_io ? fn(Elem<F16>{}, Elem<float>{}) : fn(Elem<F16>{}, Elem<F16>{}); break;
+    case DType::kBFloat16: float_io ? fn(Elem<BF16>{}, Elem<float>{}) : fn(Elem<BF16>{}, Elem<BF16>{}); break;
+  }
+}
 inline int64_t gcd(int64_t a, int64_t b) {
   while (b != 0) {
     const int64_t t = a % b;
@@ -228,7 +245,8 @@ inline void pv_group(const T* const* vblocks, int nb, const float* ptile, int64_
   }
 }
 
-template <typename T>
+// T: the cache element, TQ: the query and output element (kv_dtypes_supported).
+template <typename T, typename TQ>
 void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, float* scratch) {
   constexpr int x = 16 / static_cast<int>(sizeof(T));
   const int hs = a.cache.head_size;
@@ -253,12 +271,12 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
   const int64_t ptile_row_stride = static_cast<int64_t>(kGroupBlocks) * s.ptile_len;
 
   // Queries, scaled, as repeated x-fragments: qrep[r][c][lane] = q[c*x + lane % x] * scale.
-  const T* query = static_cast<const T*>(a.query);
+  const TQ* query = static_cast<const TQ*>(a.query);
   const Vec scale = set1(a.scale);
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
-    const T* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
+    const TQ* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
     float* scaled = vtmp;  // free until the first value block
     for (int d = 0; d < hs; d += kLanes) store(scaled + d, mul(load(src + d), scale));
     float* dst = qrep + static_cast<int64_t>(r) * num_chunks * kLanes;
@@ -391,7 +409,7 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       dst[1] = row_sum[r];
       for (int d = 0; d < hs; ++d) dst[2 + d] = o[d];
     } else {
-      T* dst = static_cast<T*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
+      TQ* dst = static_cast<TQ*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
       const Vec inv = set1(row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f);
       for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load(o + d), inv));
     }

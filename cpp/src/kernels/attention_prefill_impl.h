@@ -86,7 +86,7 @@ inline void pf_qk_block(const float* kb, const float* qT, float* s, int n, int h
   for (; t0 < n; ++t0) pf_qk<RV, 1>(kb, qT, s, t0, hs, bs, x);
 }
 
-template <int RV, typename T>
+template <int RV, typename T, typename TQ>
 void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, float* scratch) {
   constexpr int x = 16 / static_cast<int>(sizeof(T));
   constexpr int RL = RV * kLanes;
@@ -105,13 +105,13 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
   float* rowbuf = l + RL;  // [RL][hs]: rows in row-major order (query in, output out)
 
   // qT[d][r] = q_r[d] * scale; padding lanes zero and see the whole task context.
-  const T* query = static_cast<const T*>(a.query);
+  const TQ* query = static_cast<const TQ*>(a.query);
   for (int64_t i = 0; i < static_cast<int64_t>(hs) * RL; i += kLanes) store(qT + i, zero());
   // (Converted rows first, padding rows zero, then a transpose by strided loads.)
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
-    const T* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
+    const TQ* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
     for (int d = 0; d < hs; d += kLanes) store(rowbuf + static_cast<int64_t>(r) * hs + d, mul(load(src + d), set1(a.scale)));
   }
   for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs; i += kLanes) store(rowbuf + i, zero());
@@ -192,29 +192,27 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
   for (int r = 0; r < rows; ++r) {
     const int q = r / task.num_heads;
     const int head = task.first_head + r % task.num_heads;
-    T* dst = static_cast<T*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
+    TQ* dst = static_cast<TQ*>(a.out) + ((task.first_query + q) * a.num_heads + head) * static_cast<int64_t>(hs);
     const Vec inv = set1(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
     for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load_strided(oT + static_cast<int64_t>(d) * RL + r, RL), inv));
   }
 }
 
-template <typename T>
+template <typename T, typename TQ>
 void run_prefill_rv(const PagedAttentionArgs& a, const AttentionTask& task, float* scratch) {
   const int rows = task.num_queries * task.num_heads;
   switch ((rows + kLanes - 1) / kLanes) {
-    case 1: run_prefill_typed<1, T>(a, task, scratch); break;
-    case 2: run_prefill_typed<2, T>(a, task, scratch); break;
-    case 3: run_prefill_typed<3, T>(a, task, scratch); break;
-    default: run_prefill_typed<4, T>(a, task, scratch); break;
+    case 1: run_prefill_typed<1, T, TQ>(a, task, scratch); break;
+    case 2: run_prefill_typed<2, T, TQ>(a, task, scratch); break;
+    case 3: run_prefill_typed<3, T, TQ>(a, task, scratch); break;
+    default: run_prefill_typed<4, T, TQ>(a, task, scratch); break;
   }
 }
 
 inline void run_prefill_task(const PagedAttentionArgs& args, const AttentionTask& task, float* scratch) {
-  switch (args.cache.dtype) {
-    case DType::kFloat32: run_prefill_rv<float>(args, task, scratch); break;
-    case DType::kFloat16: run_prefill_rv<F16>(args, task, scratch); break;
-    case DType::kBFloat16: run_prefill_rv<BF16>(args, task, scratch); break;
-  }
+  dispatch_kv_dtypes(args, [&](auto cache, auto io) {
+    run_prefill_rv<typename decltype(cache)::type, typename decltype(io)::type>(args, task, scratch);
+  });
 }
 
 }  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE

@@ -1,5 +1,6 @@
-// reshape_and_cache, copy_blocks, swap_blocks: bit-exact data movement into and between
-// KV cache blocks (no dtype conversion), multi-threaded on the kernel thread pool.
+// reshape_and_cache, copy_blocks, swap_blocks: data movement into and between KV cache
+// blocks, multi-threaded on the kernel thread pool. Bit-exact, except that reshape_and_cache
+// rounds float32 key/value rows to a 16-bit cache's dtype.
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -7,6 +8,7 @@
 
 #include "thread_pool.h"
 #include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/half.h"
 
 namespace vpage::cpu {
 namespace {
@@ -39,17 +41,18 @@ void check_pair(const int64_t* pair, int64_t src_blocks, int64_t dst_blocks, int
             ", destination blocks " + std::to_string(dst_blocks) + ")");
 }
 
-// Elem is a same-size stand-in for the dtype (bytes are copied, never converted).
+// Elem is the cache's element and In the input's: a same-size stand-in for both when the
+// dtypes match (bytes are copied), or float and uint16_t, converted by `convert`.
 // Tokens are taken in runs of consecutive slots within one block (a prompt's tokens), so the
 // writes of a run go to contiguous bytes: `run` key chunks side by side for each of the
 // head_size / x chunk rows, `run` values side by side for each of the head_size value rows.
-template <typename Elem>
-void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end) {
+template <typename In, typename Elem, typename Convert>
+void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end, Convert convert) {
   const CacheShape& c = a.cache;
   const int x = 16 / static_cast<int>(sizeof(Elem));
   const int64_t head_elems = static_cast<int64_t>(c.head_size) * c.block_size;
-  const Elem* key = static_cast<const Elem*>(a.key);
-  const Elem* value = static_cast<const Elem*>(a.value);
+  const In* key = static_cast<const In*>(a.key);
+  const In* value = static_cast<const In*>(a.value);
   Elem* key_cache = static_cast<Elem*>(a.key_cache);
   Elem* value_cache = static_cast<Elem*>(a.value_cache);
   for (int64_t t = begin; t < end;) {
@@ -63,16 +66,18 @@ void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end) {
     int64_t run = 1;
     while (t + run < end && offset + run < c.block_size && a.slot_mapping[t + run] == slot + run) ++run;
     for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-      const Elem* k = key + t * a.key_stride + static_cast<int64_t>(h) * c.head_size;
-      const Elem* v = value + t * a.value_stride + static_cast<int64_t>(h) * c.head_size;
+      const In* k = key + t * a.key_stride + static_cast<int64_t>(h) * c.head_size;
+      const In* v = value + t * a.value_stride + static_cast<int64_t>(h) * c.head_size;
       const int64_t head_base = (block * c.num_kv_heads + h) * head_elems;
       for (int32_t chunk = 0; chunk < c.head_size / x; ++chunk) {
         Elem* k_dst = key_cache + head_base + (static_cast<int64_t>(chunk) * c.block_size + offset) * x;
-        for (int64_t r = 0; r < run; ++r) std::memcpy(k_dst + r * x, k + r * a.key_stride + chunk * x, 16);
+        for (int64_t r = 0; r < run; ++r) {
+          for (int i = 0; i < x; ++i) k_dst[r * x + i] = convert(k[r * a.key_stride + chunk * x + i]);
+        }
       }
       for (int32_t d = 0; d < c.head_size; ++d) {
         Elem* v_dst = value_cache + head_base + static_cast<int64_t>(d) * c.block_size + offset;
-        for (int64_t r = 0; r < run; ++r) v_dst[r] = v[r * a.value_stride + d];
+        for (int64_t r = 0; r < run; ++r) v_dst[r] = convert(v[r * a.value_stride + d]);
       }
     }
     t += run;
@@ -85,6 +90,9 @@ void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
   const char* op = "reshape_and_cache";
   check(num_threads >= 1, op, "num_threads must be >= 1");
   check_cache(a.cache, op);
+  check(kv_dtypes_supported(a.dtype, a.cache.dtype), op,
+        "key/value dtype code " + std::to_string(static_cast<int>(a.dtype)) + " cannot be written to a cache of dtype code " +
+            std::to_string(static_cast<int>(a.cache.dtype)) + " (same dtype, or float32 into a 16-bit cache)");
   check(a.num_tokens >= 0, op, "num_tokens must be >= 0");
   if (a.num_tokens == 0) return;
   const int64_t row = static_cast<int64_t>(a.cache.num_kv_heads) * a.cache.head_size;
@@ -100,10 +108,15 @@ void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
   ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t task, int) {
     const int64_t begin = task * kTokensPerTask;
     const int64_t end = std::min(a.num_tokens, begin + kTokensPerTask);
-    if (dtype_size(a.cache.dtype) == 4) {
-      cache_tokens<uint32_t>(a, begin, end);
+    const auto copy = [](auto bits) { return bits; };
+    if (a.dtype != a.cache.dtype && a.cache.dtype == DType::kFloat16) {
+      cache_tokens<float, uint16_t>(a, begin, end, float_to_half);
+    } else if (a.dtype != a.cache.dtype) {
+      cache_tokens<float, uint16_t>(a, begin, end, float_to_bfloat16);
+    } else if (dtype_size(a.cache.dtype) == 4) {
+      cache_tokens<uint32_t, uint32_t>(a, begin, end, copy);
     } else {
-      cache_tokens<uint16_t>(a, begin, end);
+      cache_tokens<uint16_t, uint16_t>(a, begin, end, copy);
     }
   });
 }

@@ -34,12 +34,12 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
   const bool sizes_ok = s.hidden_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 && s.head_size > 0 &&
                         s.intermediate_size > 0 && s.num_heads % s.num_kv_heads == 0 &&
                         s.cache.num_kv_heads == s.num_kv_heads && s.cache.head_size == s.head_size &&
-                        s.cache.dtype == DType::kFloat32 && num_layers > 0 && b.num_tokens >= 0 && b.num_seqs >= 0;
+                        kv_dtypes_supported(DType::kFloat32, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 && b.num_seqs >= 0;
   if (!sizes_ok) {
     throw std::invalid_argument("decoder_forward: inconsistent sizes (hidden " + std::to_string(s.hidden_size) +
                                 ", heads " + std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) +
                                 ", head_size " + std::to_string(s.head_size) + ", layers " +
-                                std::to_string(num_layers) + "; the cache must be float32 with the model's KV heads)");
+                                std::to_string(num_layers) + "; the cache must have the model's KV heads)");
   }
   if (b.query_start_loc == nullptr && b.num_tokens != b.num_seqs) {
     throw std::invalid_argument("decoder_forward: a decode batch has one token per sequence, got " +
@@ -127,6 +127,7 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   cache.num_tokens = n;
   cache.key_stride = width;
   cache.value_stride = width;
+  cache.dtype = DType::kFloat32;
   cache.cache = s.cache;
   reshape_and_cache(cache, num_threads);
 
@@ -145,6 +146,7 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   attention.max_context_len = b.max_context_len;
   attention.query_stride = width;
   attention.scale = s.attention_scale;
+  attention.dtype = DType::kFloat32;
   attention.cache = s.cache;
   paged_attention(attention, num_threads);
 }

@@ -30,6 +30,9 @@ int32_t validate(const PagedAttentionArgs& a, int num_threads) {
   check(num_threads >= 1, "num_threads must be >= 1, got " + std::to_string(num_threads));
   check(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16,
         "unknown dtype code " + std::to_string(static_cast<int>(c.dtype)));
+  check(kv_dtypes_supported(a.dtype, c.dtype),
+        "query dtype code " + std::to_string(static_cast<int>(a.dtype)) + " cannot read a cache of dtype code " +
+            std::to_string(static_cast<int>(c.dtype)) + " (same dtype, or a float32 query with a 16-bit cache)");
   check(c.head_size > 0 && c.head_size % 16 == 0,
         "head_size must be a positive multiple of 16, got " + std::to_string(c.head_size));
   check(c.block_size > 0, "block_size must be positive, got " + std::to_string(c.block_size));
@@ -102,13 +105,13 @@ void for_each_head_part(const PagedAttentionArgs& a, int32_t per_task, Fn&& fn) 
 // Writes one output row (query token x head) of head_size values in the output dtype.
 void store_row(const PagedAttentionArgs& a, int64_t row, const float* values) {
   const int32_t hs = a.cache.head_size;
-  if (a.cache.dtype == DType::kFloat32) {
+  if (a.dtype == DType::kFloat32) {
     std::copy(values, values + hs, static_cast<float*>(a.out) + row * hs);
     return;
   }
   uint16_t* dst = static_cast<uint16_t*>(a.out) + row * hs;
   for (int32_t d = 0; d < hs; ++d) {
-    dst[d] = a.cache.dtype == DType::kFloat16 ? float_to_half(values[d]) : float_to_bfloat16(values[d]);
+    dst[d] = a.dtype == DType::kFloat16 ? float_to_half(values[d]) : float_to_bfloat16(values[d]);
   }
 }
 

@@ -103,7 +103,7 @@ void bind_cpu_kernels(py::module_& m) {
       "_cpu_reshape_and_cache",
       [](uintptr_t key, uintptr_t value, uintptr_t key_cache, uintptr_t value_cache, uintptr_t slot_mapping,
          int64_t num_tokens, int64_t key_stride, int64_t value_stride, int64_t num_blocks, int32_t num_kv_heads,
-         int32_t head_size, int32_t block_size, int32_t dtype, int num_threads) {
+         int32_t head_size, int32_t block_size, int32_t dtype, int32_t cache_dtype, int num_threads) {
         ReshapeAndCacheArgs args;
         args.key = ptr<const void>(key);
         args.value = ptr<const void>(value);
@@ -113,17 +113,19 @@ void bind_cpu_kernels(py::module_& m) {
         args.num_tokens = num_tokens;
         args.key_stride = key_stride;
         args.value_stride = value_stride;
-        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        args.dtype = static_cast<DType>(dtype);
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, cache_dtype);
         py::gil_scoped_release release;
         cpu::reshape_and_cache(args, num_threads);
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
       py::arg("num_tokens"), py::arg("key_stride"), py::arg("value_stride"), py::arg("num_blocks"),
       py::arg("num_kv_heads"), py::arg("head_size"), py::arg("block_size"), py::arg("dtype"),
-      py::arg("num_threads"),
+      py::arg("cache_dtype"), py::arg("num_threads"),
       "Writes key/value rows [num_tokens, num_kv_heads, head_size] (row strides in elements) into\n"
       "their cache slots (int64 slot_mapping, slot < 0 skipped). Pointers are data_ptr() ints;\n"
-      "dtype: 0 float32, 1 float16, 2 bfloat16.");
+      "dtype (of key/value) and cache_dtype: 0 float32, 1 float16, 2 bfloat16; float32 rows are\n"
+      "rounded into a 16-bit cache.");
 
   m.def(
       "_cpu_paged_attention",
@@ -131,7 +133,7 @@ void bind_cpu_kernels(py::module_& m) {
          uintptr_t context_lens, uintptr_t query_start_loc, int32_t num_seqs, int64_t num_query_tokens,
          int32_t num_heads, int32_t max_blocks_per_seq, int32_t max_context_len, int64_t query_stride, float scale,
          int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size, int32_t dtype,
-         int num_threads) {
+         int32_t cache_dtype, int num_threads) {
         PagedAttentionArgs args;
         args.out = ptr<void>(out);
         args.query = ptr<const void>(query);
@@ -147,7 +149,8 @@ void bind_cpu_kernels(py::module_& m) {
         args.max_context_len = max_context_len;
         args.query_stride = query_stride;
         args.scale = scale;
-        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        args.dtype = static_cast<DType>(dtype);
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, cache_dtype);
         py::gil_scoped_release release;
         cpu::paged_attention(args, num_threads);
       },
@@ -155,8 +158,9 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_seqs"), py::arg("num_query_tokens"),
       py::arg("num_heads"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("query_stride"),
       py::arg("scale"), py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"),
-      py::arg("block_size"), py::arg("dtype"), py::arg("num_threads"),
-      "Paged attention into out [num_query_tokens, num_heads, head_size] (contiguous). query_start_loc\n"
+      py::arg("block_size"), py::arg("dtype"), py::arg("cache_dtype"), py::arg("num_threads"),
+      "Paged attention into out [num_query_tokens, num_heads, head_size] (contiguous; dtype: of query\n"
+      "and out, cache_dtype: of the caches). query_start_loc\n"
       "= 0 means decode (one query per sequence); else int32 [num_seqs + 1] for causal prefill.\n"
       "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].");
 
@@ -164,7 +168,7 @@ void bind_cpu_kernels(py::module_& m) {
       "_cpu_copy_blocks",
       [](const std::vector<uintptr_t>& key_caches, const std::vector<uintptr_t>& value_caches,
          uintptr_t block_mapping, int64_t num_pairs, int64_t num_blocks, int32_t num_kv_heads, int32_t head_size,
-         int32_t block_size, int32_t dtype, int num_threads) {
+         int32_t block_size, int32_t cache_dtype, int num_threads) {
         if (key_caches.size() != value_caches.size()) {
           throw py::value_error("_cpu_copy_blocks: key_caches and value_caches differ in length");
         }
@@ -177,13 +181,13 @@ void bind_cpu_kernels(py::module_& m) {
         args.num_layers = static_cast<int32_t>(keys.size());
         args.block_mapping = ptr<const int64_t>(block_mapping);
         args.num_pairs = num_pairs;
-        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, dtype);
+        args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, cache_dtype);
         py::gil_scoped_release release;
         cpu::copy_blocks(args, num_threads);
       },
       py::arg("key_caches"), py::arg("value_caches"), py::arg("block_mapping"), py::arg("num_pairs"),
       py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("block_size"),
-      py::arg("dtype"), py::arg("num_threads"),
+      py::arg("cache_dtype"), py::arg("num_threads"),
       "Copies blocks (int64 block_mapping [num_pairs, 2] of (src, dst)) within every layer's key and\n"
       "value cache; key_caches/value_caches are lists of data_ptr() ints of one cache shape.");
 

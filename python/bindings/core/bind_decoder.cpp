@@ -65,7 +65,7 @@ void bind_decoder(py::module_& m) {
       .def(py::init([](int32_t hidden_size, int32_t num_heads, int32_t num_kv_heads, int32_t head_size,
                        int32_t intermediate_size, float rms_norm_eps, float attention_scale, uintptr_t cos_sin,
                        int64_t max_position, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
-                       const std::vector<py::dict>& layers) {
+                       int32_t cache_dtype, const std::vector<py::dict>& layers) {
              DecoderShape s;
              s.hidden_size = hidden_size;
              s.num_heads = num_heads;
@@ -77,16 +77,16 @@ void bind_decoder(py::module_& m) {
              s.cos_sin = ptr<const float>(cos_sin);
              s.max_position = max_position;
              s.final_norm = ptr<const float>(final_norm);
-             s.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, DType::kFloat32};
+             s.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, static_cast<DType>(cache_dtype)};
              return CpuDecoder(s, layers);
            }),
            py::arg("hidden_size"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
            py::arg("intermediate_size"), py::arg("rms_norm_eps"), py::arg("attention_scale"), py::arg("cos_sin"),
            py::arg("max_position"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("layers"),
+           py::arg("cache_dtype"), py::arg("layers"),
            "layers: one dict per layer of pointers (ints): input_norm, post_attention_norm, key_cache,\n"
            "value_cache, and for each of qkv, o, gate_up, down: <name>_weight, <name>_type (ggml type id),\n"
-           "<name>_bias (0 = none). float32 activations and caches.")
+           "<name>_bias (0 = none). float32 activations; cache_dtype: 0 float32, 1 float16, 2 bfloat16.")
       .def(
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,

@@ -25,6 +25,7 @@ PagedAttentionArgs make_args(int32_t num_seqs, int64_t num_query_tokens, int32_t
   a.num_heads = num_heads;
   a.max_context_len = max_context_len;
   a.cache = CacheShape{g.num_blocks, g.num_kv_heads, g.head_size, g.block_size, to_dtype(g.dtype)};
+  a.dtype = a.cache.dtype;  // the CUDA kernels take query and out in the cache's dtype
   return a;
 }
 

@@ -22,6 +22,7 @@ void reshape_and_cache(std::uintptr_t key, std::uintptr_t value, std::uintptr_t 
   a.key_stride = key_stride;
   a.value_stride = value_stride;
   a.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, to_dtype(dtype)};
+  a.dtype = a.cache.dtype;  // the CUDA kernel writes key/value of the cache's dtype
   py::gil_scoped_release release;
   check(cuda::reshape_and_cache(a, as_ptr<cudaStream_t>(stream)), "reshape_and_cache");
 }

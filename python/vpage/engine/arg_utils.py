@@ -7,6 +7,7 @@ from typing import Optional
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -18,11 +19,13 @@ class EngineArgs:
     ``gpu_memory_utilization`` (the fraction of the GPU's memory this engine may use: weights,
     activations and KV cache). swap_space: GiB of CPU memory for swapped-out blocks (pinned
     on CUDA). enforce_eager: never capture CUDA graphs (decode steps replay captured graphs
-    on CUDA otherwise; nothing changes on CPU).
+    on CUDA otherwise; nothing changes on CPU). kv_cache_dtype: "auto" (the model's dtype) or
+    a dtype name; on CPU float16 or bfloat16 may hold the cache of float32 activations.
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     quantization: str = "auto"  # auto: GGUF weights stay quantized on CPU; none: dequantize to dtype
     device: str = "auto"
     block_size: int = 16
@@ -46,6 +49,8 @@ class EngineArgs:
             if not ok:
                 raise ValueError(message)
 
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.quantization in ("auto", "none"),
               f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         check(self.block_size in (8, 16, 32), f"block_size must be 8, 16 or 32, got {self.block_size}")

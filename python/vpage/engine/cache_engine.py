@@ -19,8 +19,20 @@ _DEFAULT_CPU_KV_GIB = 4.0
 
 def bytes_per_block(config: ModelConfig, block_size: int) -> int:
     """Bytes of one block of K and V over all layers."""
-    elem = torch.tensor([], dtype=config.dtype).element_size()
-    return 2 * config.num_layers * config.num_kv_heads * config.head_size * block_size * elem
+    return config.cache_block_bytes(block_size)
+
+
+def resolve_kv_cache_dtype(name: str, activation: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache dtype that ``name`` ("auto": the activations' dtype, or a dtype name) stands
+    for; ValueError when the kernels cannot pair it with ``activation`` on ``device``."""
+    if name == "auto":
+        return activation
+    dtype = getattr(torch, name)
+    if not ops.kv_dtypes_supported(activation, dtype, device):
+        raise ValueError(
+            f"kv_cache_dtype {name} cannot hold the KV cache of {activation} activations on {device.type}: the "
+            "cache has the activations' dtype, or on CPU float16 or bfloat16 with float32 activations")
+    return dtype
 
 
 def default_cpu_kv_gib() -> float:
@@ -65,11 +77,12 @@ class CacheEngine:
 
     def _allocate(self, num_blocks: int, device: torch.device, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
-        key_shape = ops.key_cache_shape(num_blocks, c.num_kv_heads, c.head_size, self.block_size, c.dtype)
-        value_shape = ops.value_cache_shape(num_blocks, c.num_kv_heads, c.head_size, self.block_size, c.dtype)
+        dtype = c.cache_dtype
+        key_shape = ops.key_cache_shape(num_blocks, c.num_kv_heads, c.head_size, self.block_size, dtype)
+        value_shape = ops.value_cache_shape(num_blocks, c.num_kv_heads, c.head_size, self.block_size, dtype)
         return [
-            (torch.empty(key_shape, dtype=c.dtype, device=device, pin_memory=pin),
-             torch.empty(value_shape, dtype=c.dtype, device=device, pin_memory=pin))
+            (torch.empty(key_shape, dtype=dtype, device=device, pin_memory=pin),
+             torch.empty(value_shape, dtype=dtype, device=device, pin_memory=pin))
             for _ in range(c.num_layers)
         ]
 

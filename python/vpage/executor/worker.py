@@ -21,7 +21,7 @@ from vpage import ops
 from vpage.distributed import parallel_state as ps
 from vpage.distributed.step_message import receive_step
 from vpage.engine.arg_utils import EngineArgs
-from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib
+from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
 from vpage.engine.cuda_graphs import DecodeGraphs
 from vpage.engine.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.engine.input_staging import StepInputs
@@ -54,6 +54,7 @@ class Worker:
         self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
         self.loaded: LoadedModel = load_model(args.model, args.dtype, args.device, args.quantization)
         self.device = self.loaded.device
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.loaded.config.dtype, self.device)
         self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -67,7 +68,8 @@ class Worker:
         """The model config with this rank's head counts (what its KV cache holds)."""
         c = self.loaded.config
         size = self.tp_size
-        return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size))
+        return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size),
+                                   kv_cache_dtype=self.kv_cache_dtype)
 
     def num_blocks(self, max_model_len: int) -> tuple[int, int]:
         """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""

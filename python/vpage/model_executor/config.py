@@ -19,11 +19,17 @@ class ModelConfig:
     hidden_size: int
     vocab_size: int
     max_model_len: int  # longest context the model supports
-    dtype: torch.dtype  # dtype of weights, activations and the KV cache
+    dtype: torch.dtype  # dtype of weights and activations (and of the KV cache by default)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    kv_cache_dtype: torch.dtype | None = None  # None: dtype
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """dtype of the KV cache."""
+        return self.kv_cache_dtype or self.dtype
 
     def cache_block_bytes(self, block_size: int) -> int:
         """Bytes one KV cache block takes over all layers (keys and values)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.cache_dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * block_size * element

@@ -45,7 +45,7 @@ struct DecoderShape {
   const float* cos_sin = nullptr;  // [max_position, head_size]: cos half, then sin half (RotaryArgs)
   int64_t max_position = 0;
   const float* final_norm = nullptr;  // [hidden_size]
-  CacheShape cache;                   // every layer's KV cache; dtype float32
+  CacheShape cache;                   // every layer's KV cache: float32, float16 or bfloat16
 };
 
 /// The step's flattened batch (see ForwardBatch in Python) and where its result goes.

@@ -10,6 +10,13 @@ namespace vpage {
 /// Element type of activations and KV caches.
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+/// Whether activations of dtype `activation` may meet a KV cache of dtype `cache`: the same
+/// dtype, or (CPU kernels only) float32 activations with a 16-bit cache, converted to the
+/// cache's dtype when written (reshape_and_cache) and to float32 when read (attention).
+inline bool kv_dtypes_supported(DType activation, DType cache) {
+  return activation == cache || activation == DType::kFloat32;
+}
+
 /// Size of one element of `dtype` in bytes.
 inline int dtype_size(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
@@ -38,6 +45,7 @@ struct ReshapeAndCacheArgs {
   int64_t num_tokens = 0;
   int64_t key_stride = 0;    // elements between consecutive tokens of `key`
   int64_t value_stride = 0;  // elements between consecutive tokens of `value`
+  DType dtype = DType::kFloat32;  // of key and value (kv_dtypes_supported with cache.dtype)
   CacheShape cache;
 };
 
@@ -61,6 +69,7 @@ struct PagedAttentionArgs {
   int32_t max_context_len = 0;              // upper bound of context_lens (used for partitioning)
   int64_t query_stride = 0;                 // elements between consecutive query tokens
   float scale = 1.0f;                       // softmax scale, usually 1/sqrt(head_size)
+  DType dtype = DType::kFloat32;            // of query and out (kv_dtypes_supported with cache.dtype)
   CacheShape cache;
 };
 

@@ -1,8 +1,8 @@
 """The C++ layer loop (``vpage._core._CpuDecoder``) for a Llama-family model on the CPU.
 
 It applies when every projection is kept in a GGUF block format (``QuantizedLinear``), the
-activations and KV caches are float32 on the CPU and there is no tensor parallelism: the
-default model's case. It calls the kernels the Python layers call, in the same order, so the
+activations are float32 (KV caches float32, float16 or bfloat16) on the CPU and there is no
+tensor parallelism: the default model's case. It calls the kernels the Python layers call, in the same order, so the
 hidden states are bitwise the Python path's; what it saves is the interpreter's time
 between ~10 kernels per layer, most of a single-stream decode step (see bench/RESULTS-llamacpp.md).
 """
@@ -19,6 +19,7 @@ from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+_CACHE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
@@ -32,7 +33,7 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
     if model.dtype != torch.float32 or tp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]
-    if key.device.type != "cpu" or key.dtype != torch.float32 or value.dtype != torch.float32:
+    if key.device.type != "cpu" or key.dtype not in _CACHE_DTYPE_CODES or value.dtype != key.dtype:
         return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -69,7 +70,7 @@ class CpuDecoder:
             head_size=attn0.head_size, intermediate_size=layers[0].mlp.intermediate_size,
             rms_norm_eps=norm.eps, attention_scale=attn0.attn.scale, cos_sin=cos_sin.data_ptr(),
             max_position=cos_sin.shape[0], final_norm=norm.weight.data_ptr(), num_blocks=num_blocks,
-            block_size=block_size, layers=entries)
+            block_size=block_size, cache_dtype=_CACHE_DTYPE_CODES[kv_caches[0][0].dtype], layers=entries)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token
