@@ -24,8 +24,8 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="'smollm2' (default), a Hugging Face folder, or a .gguf file")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="activations (and KV cache, see --kv-cache-dtype) dtype, and weights unless kept quantized "
-                             "(default: auto)")
+                        help="activations (and KV cache, see --kv-cache-dtype) dtype, and weights unless kept "
+                             "quantized (default: auto)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="KV cache dtype (default auto: --dtype's); CPU: float16 or bfloat16 with float32 "
                              "activations halves the cache's memory and the bytes attention reads")

@@ -177,10 +177,10 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
     }
   }
   char what[256];
-  std::snprintf(what, sizeof(what), "%s %s dtype=%d%s heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)",
-                isa.c_str(), decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.float_io ? " (float32 io)" : "",
-                c.num_heads, nkv, hs, bs,
-                num_seqs, max_len, worst, tol);
+  std::snprintf(what, sizeof(what),
+                "%s %s dtype=%d%s heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)", isa.c_str(),
+                decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.float_io ? " (float32 io)" : "", c.num_heads,
+                nkv, hs, bs, num_seqs, max_len, worst, tol);
   expect(worst <= tol, what);
   std::printf("%s %s\n", worst <= tol ? "ok  " : "FAIL", what);
 }

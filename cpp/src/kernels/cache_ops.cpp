@@ -91,8 +91,9 @@ void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
   check(num_threads >= 1, op, "num_threads must be >= 1");
   check_cache(a.cache, op);
   check(kv_dtypes_supported(a.dtype, a.cache.dtype), op,
-        "key/value dtype code " + std::to_string(static_cast<int>(a.dtype)) + " cannot be written to a cache of dtype code " +
-            std::to_string(static_cast<int>(a.cache.dtype)) + " (same dtype, or float32 into a 16-bit cache)");
+        "key/value dtype code " + std::to_string(static_cast<int>(a.dtype)) +
+            " cannot be written to a cache of dtype code " + std::to_string(static_cast<int>(a.cache.dtype)) +
+            " (same dtype, or float32 into a 16-bit cache)");
   check(a.num_tokens >= 0, op, "num_tokens must be >= 0");
   if (a.num_tokens == 0) return;
   const int64_t row = static_cast<int64_t>(a.cache.num_kv_heads) * a.cache.head_size;

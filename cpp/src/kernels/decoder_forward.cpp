@@ -34,7 +34,8 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
   const bool sizes_ok = s.hidden_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 && s.head_size > 0 &&
                         s.intermediate_size > 0 && s.num_heads % s.num_kv_heads == 0 &&
                         s.cache.num_kv_heads == s.num_kv_heads && s.cache.head_size == s.head_size &&
-                        kv_dtypes_supported(DType::kFloat32, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 && b.num_seqs >= 0;
+                        kv_dtypes_supported(DType::kFloat32, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 &&
+                        b.num_seqs >= 0;
   if (!sizes_ok) {
     throw std::invalid_argument("decoder_forward: inconsistent sizes (hidden " + std::to_string(s.hidden_size) +
                                 ", heads " + std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) +
