@@ -127,3 +127,21 @@ def test_kv_cache_dtype_is_validated():
         EngineArgs(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="cannot hold the KV cache of torch.bfloat16 activations"):
         LLM(dtype="bfloat16", kv_cache_dtype="float16", device="cpu", kv_cache_memory=0.25, max_model_len=512)
+
+
+def test_cli_flag(capsys):
+    from vpage.cli import main as cli_main
+
+    engine = ["--kv-cache-memory", "0.25", "--device", "cpu", "--dtype", "float32"]
+    assert cli_main(["generate", "The capital of France is", "--max-tokens", "6", "--kv-cache-dtype", "float16",
+                     *engine]) == 0
+    streamed = capsys.readouterr().out
+    llm = LLM(kv_cache_dtype="float16", kv_cache_memory=0.25, device="cpu", dtype="float32")
+    try:
+        expected = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=6),
+                                use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    assert expected.strip() and streamed.rstrip("\n") == expected
+    assert cli_main(["generate", "x", "--kv-cache-dtype", "float16", "--dtype", "bfloat16", "--device", "cpu"]) == 2
+    assert "cannot hold the KV cache" in capsys.readouterr().err
