@@ -23,7 +23,7 @@ import torch
 
 from vpage import _core
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _num_threads: Optional[int] = None
 # torch is loaded, so is its OpenMP runtime: run the kernels on its threads (see set_thread_source).
 _core.set_thread_source("openmp")
@@ -50,7 +50,7 @@ def get_num_threads() -> int:
 def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> dict:
     num_blocks, num_kv_heads, head_size, block_size = value_cache.shape
     return dict(num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_size=head_size,
-                block_size=block_size, cache_dtype=_DTYPE_CODES[key_cache.dtype])
+                block_size=block_size, cache_dtype=DTYPE_CODES[key_cache.dtype])
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -58,7 +58,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     _core._cpu_reshape_and_cache(
         key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         slot_mapping.data_ptr(), num_tokens=key.shape[0], key_stride=key.stride(0),
-        value_stride=value.stride(0), dtype=_DTYPE_CODES[key.dtype], num_threads=get_num_threads(),
+        value_stride=value.stride(0), dtype=DTYPE_CODES[key.dtype], num_threads=get_num_threads(),
         **_cache_geometry(key_cache, value_cache))
 
 
@@ -73,7 +73,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         num_seqs=context_lens.shape[0], num_query_tokens=query.shape[0],
         num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
         max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
-        dtype=_DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
+        dtype=DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
         **_cache_geometry(key_cache, value_cache))
 
 
@@ -99,7 +99,7 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                      head_size: int) -> None:
     """In place; CPU only (other devices use the torch version in vpage.ops)."""
     _core._cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
-                               cos_sin.shape[0], x.shape[0], num_heads, head_size, _DTYPE_CODES[x.dtype],
+                               cos_sin.shape[0], x.shape[0], num_heads, head_size, DTYPE_CODES[x.dtype],
                                get_num_threads())
 
 
@@ -107,19 +107,19 @@ def rms_norm(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor
              eps: float) -> None:
     """CPU only; see vpage.ops.rms_norm / fused_add_rms_norm."""
     _core._cpu_rms_norm(out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                       weight.data_ptr(), x.shape[0], x.shape[1], eps, _DTYPE_CODES[x.dtype], get_num_threads())
+                       weight.data_ptr(), x.shape[0], x.shape[1], eps, DTYPE_CODES[x.dtype], get_num_threads())
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """CPU only; see vpage.ops.silu_and_mul."""
-    _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], _DTYPE_CODES[x.dtype],
+    _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], DTYPE_CODES[x.dtype],
                            get_num_threads())
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int, n: int, k: int) -> None:
     """CPU only; see vpage.ops.quant_matmul."""
     _core._cpu_quant_matmul(out.data_ptr(), x.data_ptr(), qweight.data_ptr(), x.shape[0], n, k,
-                            max(x.stride(0), k), max(out.stride(0), n), type_id, _DTYPE_CODES[x.dtype],
+                            max(x.stride(0), k), max(out.stride(0), n), type_id, DTYPE_CODES[x.dtype],
                             get_num_threads())
 
 

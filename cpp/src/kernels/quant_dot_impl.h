@@ -106,10 +106,9 @@ constexpr int32_t block_bytes() {
 //   scaled = fma(d_w * d_x, I, scaled); offset = fma(o_w, o_x, offset)   (o: header offsets)
 // block by block in order, even blocks in lanes 0-3 and odd ones in lanes 4-7, and the result
 // is (scaled + offset) in lane j plus the same in lane j + 4. So a (weight row, x row) result
-// is bitwise the same whatever kernel, tile, task or thread count it falls in. Per block pair and combination this costs about 4
-// multiply-class uops (2 maddubs, madd, a quarter of cvt, mul and two FMAs), against 7 when
-// each combination was scaled on its own: on Zen 3 those uops share two pipes and bound the
-// kernel.
+// is bitwise the same whatever kernel, tile, task or thread count it falls in. Per block pair
+// and combination this costs 2 maddubs and a quarter each of madd, cvt, mul and the two FMAs,
+// against 7 multiply-class uops when each combination was scaled on its own.
 //
 // Software prefetch: each step touches the weights kPrefetchTiles tiles ahead (the rows NW *
 // kPrefetchTiles further on, possibly past the matrix: a prefetch never faults). The hardware

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from vpage import _core, ops
+from vpage._ops_cpu import DTYPE_CODES
 from vpage.distributed.parallel_state import tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-_CACHE_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
@@ -33,7 +33,7 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
     if model.dtype != torch.float32 or tp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]
-    if key.device.type != "cpu" or key.dtype not in _CACHE_DTYPE_CODES or value.dtype != key.dtype:
+    if key.device.type != "cpu" or key.dtype not in DTYPE_CODES or value.dtype != key.dtype:
         return False
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -70,7 +70,7 @@ class CpuDecoder:
             head_size=attn0.head_size, intermediate_size=layers[0].mlp.intermediate_size,
             rms_norm_eps=norm.eps, attention_scale=attn0.attn.scale, cos_sin=cos_sin.data_ptr(),
             max_position=cos_sin.shape[0], final_norm=norm.weight.data_ptr(), num_blocks=num_blocks,
-            block_size=block_size, cache_dtype=_CACHE_DTYPE_CODES[kv_caches[0][0].dtype], layers=entries)
+            block_size=block_size, cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype], layers=entries)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token
