@@ -52,6 +52,9 @@ extern const AttentionKernels kKernels;
 namespace avx512 {
 extern const AttentionKernels kKernels;
 }
+namespace avx512vnni {  // the AVX-512 attention build under the avx512vnni level's name
+extern const AttentionKernels kKernels;
+}
 
 /// The build paged_attention uses: the best one the CPU supports, or set_cpu_isa's choice.
 const AttentionKernels& selected_kernels();

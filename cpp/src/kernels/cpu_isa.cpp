@@ -11,6 +11,7 @@ namespace {
 
 bool cpu_has(const std::string& isa) {
 #if defined(VPAGE_X86_KERNELS)
+  if (isa == "avx512vnni") return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (isa == "avx512") {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -25,6 +26,7 @@ bool cpu_has(const std::string& isa) {
 
 const AttentionKernels* best_kernels() {
 #if defined(VPAGE_X86_KERNELS)
+  if (cpu_has("avx512vnni")) return &avx512vnni::kKernels;
   if (cpu_has("avx512")) return &avx512::kKernels;
   if (cpu_has("avx2")) return &avx2::kKernels;
 #endif
@@ -49,13 +51,13 @@ void set_cpu_isa(const std::string& isa) {
   } else if (isa == "generic") {
     kernels = &generic::kKernels;
 #if defined(VPAGE_X86_KERNELS)
-  } else if (isa == "avx2" || isa == "avx512") {
+  } else if (isa == "avx2" || isa == "avx512" || isa == "avx512vnni") {
     if (!cpu_has(isa)) throw std::invalid_argument("set_cpu_isa: this CPU does not support " + isa);
-    kernels = isa == "avx2" ? &avx2::kKernels : &avx512::kKernels;
+    kernels = isa == "avx2" ? &avx2::kKernels : isa == "avx512" ? &avx512::kKernels : &avx512vnni::kKernels;
 #endif
   } else {
     throw std::invalid_argument("set_cpu_isa: unknown or unavailable instruction set '" + isa +
-                                "' (expected auto, generic, avx2 or avx512)");
+                                "' (expected auto, generic, avx2, avx512 or avx512vnni)");
   }
   current().store(kernels, std::memory_order_release);
 }

@@ -2,7 +2,8 @@
 # matmul task (quant_matmul_impl.h) are compiled once per instruction set, each build in its
 # own namespace with its own -m flags; cpu_isa.cpp picks one at run time with
 # __builtin_cpu_supports (quant_matmul.cpp follows its choice). Everything else uses
-# baseline flags.
+# baseline flags. Levels: generic, avx2, avx512, avx512vnni (the last differs only in the
+# quantized matmul).
 set(_vpage_kernels_dir ${CMAKE_CURRENT_LIST_DIR})
 target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/thread_pool.cpp
@@ -34,13 +35,17 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
     ${_vpage_kernels_dir}/attention_avx2.cpp
     ${_vpage_kernels_dir}/attention_avx512.cpp
     ${_vpage_kernels_dir}/quant_avx2.cpp
-    ${_vpage_kernels_dir}/quant_avx512.cpp)
+    ${_vpage_kernels_dir}/quant_avx512.cpp
+    ${_vpage_kernels_dir}/quant_avx512vnni.cpp)
   set_source_files_properties(${_vpage_kernels_dir}/attention_avx2.cpp ${_vpage_kernels_dir}/quant_avx2.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
   # -Wno-(maybe-)uninitialized: GCC 12 false positives inside its own AVX-512 headers.
+  set(_vpage_avx512_flags "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized;-Wno-uninitialized")
   set_source_files_properties(${_vpage_kernels_dir}/attention_avx512.cpp ${_vpage_kernels_dir}/quant_avx512.cpp
-    TARGET_DIRECTORY vpage_core PROPERTIES
-    COMPILE_OPTIONS "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized;-Wno-uninitialized")
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags}")
+  # The avx512vnni level: AVX-512 attention (VNNI changes nothing there), VNNI quantized matmul.
+  set_source_files_properties(${_vpage_kernels_dir}/quant_avx512vnni.cpp
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags};-mavx512vnni")
   set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS VPAGE_X86_KERNELS=1)
 endif()

@@ -117,6 +117,30 @@ constexpr int32_t block_bytes() {
 constexpr int kPrefetchTiles = 1;
 constexpr int kCombos = 4;  // (weight row, x row) combinations per vector
 
+// The byte dot product: sums of 4 adjacent unsigned x signed byte products added to int32
+// lanes. With AVX-512 VNNI (the avx512vnni build) one vpdpbusd; VPAGE_EMULATE_VNNI gives the
+// same arithmetic on AVX2 (tests/cpp/test_quant_vnni.cpp runs that build's code on any x86
+// CPU). Without VNNI the kernels use maddubs (int16 pair sums) instead and widen later.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(VPAGE_EMULATE_VNNI)
+constexpr bool kVnni = true;
+inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) {
+  // Even and odd bytes widened to int16 (u8 zero-, s8 sign-extended); each madd sums 2 of the 4.
+  const __m256i u_even = _mm256_and_si256(u8, _mm256_set1_epi16(0xff)), u_odd = _mm256_srli_epi16(u8, 8);
+  const __m256i s_even = _mm256_srai_epi16(_mm256_slli_epi16(s8, 8), 8), s_odd = _mm256_srai_epi16(s8, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(u_even, s_even), _mm256_madd_epi16(u_odd, s_odd)));
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
+// Whether pair_products' lanes are int32 (Q8_0, and every format with VNNI) or int16 pair
+// sums (Q4 with maddubs). Either way the reductions below give the same exact block sums.
+template <QuantType T>
+constexpr bool kInt32Products = T == QuantType::kQ8_0 || kVnni;
+
 template <QuantType T>
 constexpr int32_t weight_offset() {
   return T == QuantType::kQ4_1 ? 4 : 2;
@@ -177,12 +201,21 @@ inline __m256 pair_header(const uint8_t* blk) {
 }
 
 // The integer products of a weight pair and one x row's pair (x: its 64 bytes), not yet
-// summed per block: Q4 int16 (each a sum of 4 products of at most 15 * 127), Q8_0 int32.
+// summed per block: int32 sums of 8 products (kInt32Products), or Q4's int16 sums of 4
+// products of at most 15 * 127.
 template <QuantType T>
 inline __m256i pair_products(const PairBytes<T>& w, const int8_t* x) {
   const __m256i x_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   const __m256i x_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-  if constexpr (T == QuantType::kQ8_0) {
+  if constexpr (kVnni) {
+    // The unsigned operand: Q4 nibbles, or |w| with w's sign moved onto x (Q8_0).
+    if constexpr (T == QuantType::kQ8_0) {
+      return add_dot4(add_dot4(_mm256_setzero_si256(), w.abs_lo, _mm256_sign_epi8(x_lo, w.lo)), w.abs_hi,
+                      _mm256_sign_epi8(x_hi, w.hi));
+    } else {
+      return add_dot4(add_dot4(_mm256_setzero_si256(), w.lo, x_lo), w.hi, x_hi);
+    }
+  } else if constexpr (T == QuantType::kQ8_0) {
     // maddubs multiplies unsigned by signed bytes: |w| by x with w's sign (|sums| <= 2 * 128 * 127).
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i p_lo = _mm256_maddubs_epi16(w.abs_lo, _mm256_sign_epi8(x_lo, w.lo));
@@ -197,11 +230,12 @@ inline __m256i pair_products(const PairBytes<T>& w, const int8_t* x) {
 // (hadd did the same, but a vphaddw/vphaddd takes 2 cycles on Zen 3 against half a cycle
 // for a shuffle: the GEMM runs 1.05-1.16x faster without it, with the same results).
 // Step 1, two combinations -> 32-bit slot j of each lane holds combination j % 2's partial
-// sums: Q4 two int16 of 8 products each (at most 8 * 15 * 127: no overflow), Q8_0 one int32.
+// sums: one int32, or (Q4 with maddubs) two int16 of 8 products each (at most 8 * 15 * 127:
+// no overflow).
 template <QuantType T>
 inline __m256i interleave_two(__m256i p0, __m256i p1) {
   const __m256i lo = _mm256_unpacklo_epi32(p0, p1), hi = _mm256_unpackhi_epi32(p0, p1);
-  return T == QuantType::kQ8_0 ? _mm256_add_epi32(lo, hi) : _mm256_add_epi16(lo, hi);
+  return kInt32Products<T> ? _mm256_add_epi32(lo, hi) : _mm256_add_epi16(lo, hi);
 }
 
 // Step 2, combinations 0, 1 and 2, 3 -> [I_0, I_1, I_2, I_3 | the same for block b + 1],
@@ -209,7 +243,7 @@ inline __m256i interleave_two(__m256i p0, __m256i p1) {
 template <QuantType T>
 inline __m256i combine_halves(__m256i s01, __m256i s23) {
   const __m256i lo = _mm256_unpacklo_epi64(s01, s23), hi = _mm256_unpackhi_epi64(s01, s23);
-  if constexpr (T == QuantType::kQ8_0) {
+  if constexpr (kInt32Products<T>) {
     return _mm256_add_epi32(lo, hi);
   } else {
     return _mm256_madd_epi16(_mm256_add_epi16(lo, hi), _mm256_set1_epi16(1));

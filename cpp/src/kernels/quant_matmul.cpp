@@ -124,6 +124,7 @@ QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, con
 const QuantKernels& selected_quant_kernels() {
   const char* name = selected_kernels().name;
 #if defined(VPAGE_X86_KERNELS)
+  if (std::strcmp(name, "avx512vnni") == 0) return avx512vnni::kQuantKernels;
   if (std::strcmp(name, "avx512") == 0) return avx512::kQuantKernels;
   if (std::strcmp(name, "avx2") == 0) return avx2::kQuantKernels;
 #endif

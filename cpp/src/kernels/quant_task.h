@@ -88,5 +88,8 @@ extern const QuantKernels kQuantKernels;
 namespace avx512 {
 extern const QuantKernels kQuantKernels;
 }
+namespace avx512vnni {
+extern const QuantKernels kQuantKernels;
+}
 
 }  // namespace vpage::cpu

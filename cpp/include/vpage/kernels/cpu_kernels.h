@@ -31,10 +31,14 @@ void copy_blocks(const CopyBlocksArgs& args, int num_threads);
 /// Threads: one task per pair.
 void swap_blocks(const SwapBlocksArgs& args, int num_threads);
 
-/// Instruction set used by paged_attention: "avx512", "avx2" or "generic".
+/// Instruction set level of the CPU kernels (paged_attention, quant_matmul): "avx512vnni",
+/// "avx512", "avx2" or "generic". avx512vnni runs the avx512 attention build and a quantized
+/// matmul whose integer paths use VNNI's vpdpbusd (the same exact integer sums, so the same
+/// outputs as avx512).
 std::string cpu_isa();
 
-/// Restricts paged_attention to `isa` ("avx512", "avx2", "generic" or "auto" = best).
+/// Restricts the CPU kernels to `isa` ("avx512vnni", "avx512", "avx2", "generic" or "auto" =
+/// best).
 /// Throws std::invalid_argument when the name is unknown or the CPU lacks the set.
 /// Meant for tests and benchmarks; not thread-safe against running kernels.
 void set_cpu_isa(const std::string& isa);

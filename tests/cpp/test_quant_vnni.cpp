@@ -1,0 +1,141 @@
+// The VNNI form of the quantized matmul's integer paths (vpdpbusd: int32 products and
+// reductions) against the AVX2 form (maddubs: int16 pair sums): both compute the same exact
+// integer block sums, so every output must be bitwise equal, for Q4_0, Q4_1 and Q8_0, the
+// decode and GEMM paths, awkward shapes. Checked on any AVX2 CPU through the emulated VNNI
+// build (quant_vnni_emulated.cpp, whose add_dot4 is first checked against vpdpbusd's
+// definition), and on a CPU with AVX-512 VNNI through the real avx512vnni build too.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "quant_task.h"
+#include "vpage/kernels/cpu_kernels.h"
+#include "vpage/kernels/half.h"
+
+namespace vpage::cpu::vnni_emulated {
+extern const QuantKernels kQuantKernels;
+void add_dot4_bytes(const uint8_t* u8, const int8_t* s8, int32_t* acc);  // 32 bytes, 8 int32
+}  // namespace vpage::cpu::vnni_emulated
+
+namespace {
+
+using vpage::QuantType;
+using vpage::cpu::QuantKernels;
+
+bool has_isa(const char* isa) {
+  try {
+    vpage::cpu::set_cpu_isa(isa);
+  } catch (const std::invalid_argument&) {
+    return false;
+  }
+  vpage::cpu::set_cpu_isa("auto");
+  return true;
+}
+
+// Random blocks: every byte random, then moderate f16 scales (and Q4_1 offsets) in the header.
+std::vector<uint8_t> random_rows(QuantType type, int n, int k, std::mt19937& rng) {
+  const int size = vpage::quant_block_bytes(type);
+  std::vector<uint8_t> w(static_cast<size_t>(n) * (k / 32) * size);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(1e-3f, 1e-2f);
+  for (auto& b : w) b = static_cast<uint8_t>(byte(rng));
+  for (size_t b = 0; b < w.size() / size; ++b) {
+    for (int h = 0; h < (type == QuantType::kQ4_1 ? 2 : 1); ++h) {
+      const uint16_t f = vpage::float_to_half(scale(rng));
+      std::memcpy(w.data() + b * size + 2 * h, &f, 2);
+    }
+  }
+  return w;
+}
+
+// out [m, n] of one integer path (`gemm` or the decode path) of `kernels`, all tasks on this
+// thread; x quantized by the AVX2 build (quantization does not involve VNNI).
+std::vector<float> integer_path(const QuantKernels& kernels, bool gemm, QuantType type, const std::vector<uint8_t>& w,
+                                const std::vector<float>& x, int64_t m, int32_t n, int32_t k) {
+  const int32_t blocks = k / 32;
+  std::vector<int8_t> q(static_cast<size_t>(m) * vpage::cpu::quant_x_row_bytes(k));
+  std::vector<float> d(static_cast<size_t>(m) * blocks), s(d.size());
+  std::vector<float> pairs(static_cast<size_t>((m + 3) / 4 * vpage::cpu::quant_x_group_floats(blocks)));
+  vpage::cpu::avx2::kQuantKernels.quantize_x(x.data(), k, m, k, q.data(), d.data(), s.data());
+  vpage::cpu::quant_x_pairs(type, d.data(), s.data(), m, blocks, pairs.data());
+  const vpage::cpu::QuantizedX qx{q.data(), vpage::cpu::quant_x_row_bytes(k), d.data(), s.data(), pairs.data()};
+  std::vector<float> out(static_cast<size_t>(m) * n, std::nanf(""));  // poisoned
+  vpage::QuantMatmulArgs a;
+  a.out = out.data();
+  a.x = x.data();
+  a.weight = w.data();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.x_stride = k;
+  a.out_stride = n;
+  a.type = type;
+  const int32_t rows_per_task = 32;  // several tasks for n = 67
+  const auto run = gemm ? kernels.run_gemm_task : kernels.run_dot_task;
+  for (int64_t task = 0; task * rows_per_task < n; ++task) run(a, qx, rows_per_task, task);
+  return out;
+}
+
+TEST_CASE("emulated add_dot4 is vpdpbusd: acc + sums of 4 unsigned x signed byte products") {
+  if (!has_isa("avx2")) return;
+  std::mt19937 rng(3);
+  std::uniform_int_distribution<int> byte(0, 255), acc_value(-1 << 20, 1 << 20);
+  for (int trial = 0; trial < 200; ++trial) {
+    uint8_t u[32];
+    int8_t s[32];
+    int32_t acc[8], expected[8];
+    for (int i = 0; i < 32; ++i) {
+      // Extremes included: u 255 with s -128 is the widest product (-32640).
+      u[i] = static_cast<uint8_t>(trial < 4 ? (trial % 2 ? 255 : 0) : byte(rng));
+      s[i] = static_cast<int8_t>(trial < 4 ? (trial < 2 ? -128 : 127) : byte(rng) - 128);
+    }
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = acc_value(rng);
+      expected[j] = acc[j];
+      for (int i = 4 * j; i < 4 * j + 4; ++i) expected[j] += static_cast<int32_t>(u[i]) * s[i];
+    }
+    vpage::cpu::vnni_emulated::add_dot4_bytes(u, s, acc);
+    EXPECT(std::memcmp(acc, expected, sizeof(acc)) == 0);
+  }
+}
+
+TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and real where the CPU has VNNI)") {
+  if (!has_isa("avx2")) return;
+  std::vector<const QuantKernels*> vnni = {&vpage::cpu::vnni_emulated::kQuantKernels};
+  if (has_isa("avx512vnni")) vnni.push_back(&vpage::cpu::avx512vnni::kQuantKernels);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (QuantType type : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {
+    // k: one block (no pair), an odd block count, the default model's widths.
+    for (int32_t k : {32, 96, 576, 1536}) {
+      for (int32_t n : {1, 3, 17, 67}) {
+        const std::vector<uint8_t> w = random_rows(type, n, k, rng);
+        for (int64_t m : {1, 3, 4, 5, 16, 17, 40}) {
+          std::vector<float> x(static_cast<size_t>(m) * k);
+          for (auto& v : x) v = normal(rng);
+          for (bool gemm : {false, true}) {
+            const std::vector<float> want = integer_path(vpage::cpu::avx2::kQuantKernels, gemm, type, w, x, m, n, k);
+            for (const QuantKernels* kernels : vnni) {
+              const std::vector<float> got = integer_path(*kernels, gemm, type, w, x, m, n, k);
+              if (std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) != 0) {
+                throw vpage_test::Failure(std::string(kernels->name) + (gemm ? " gemm" : " decode") + " type " +
+                                          std::to_string(static_cast<int>(type)) + " m " + std::to_string(m) +
+                                          " n " + std::to_string(n) + " k " + std::to_string(k) +
+                                          ": not bitwise the avx2 result");
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_MAIN()
