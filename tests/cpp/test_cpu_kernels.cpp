@@ -420,7 +420,7 @@ void test_fork() {
 int main() {
   std::mt19937 rng(1234);
   std::vector<std::string> isas = {"generic"};
-  for (const char* isa : {"avx2", "avx512", "avx512vnni"}) {
+  for (const char* isa : {"avx2", "avx2vnni", "avx512", "avx512vnni"}) {
     try {
       vpage::cpu::set_cpu_isa(isa);
       isas.push_back(isa);

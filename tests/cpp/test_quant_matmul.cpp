@@ -26,7 +26,7 @@ using vpage::QuantType;
 
 std::vector<std::string> isas() {
   std::vector<std::string> out = {"generic"};
-  for (const char* isa : {"avx2", "avx512", "avx512vnni"}) {
+  for (const char* isa : {"avx2", "avx2vnni", "avx512", "avx512vnni"}) {
     try {
       vpage::cpu::set_cpu_isa(isa);
       out.push_back(isa);

@@ -3,7 +3,7 @@
 // integer block sums, so every output must be bitwise equal, for Q4_0, Q4_1 and Q8_0, the
 // decode and GEMM paths, awkward shapes. Checked on any AVX2 CPU through the emulated VNNI
 // build (quant_vnni_emulated.cpp, whose add_dot4 is first checked against vpdpbusd's
-// definition), and on a CPU with AVX-512 VNNI through the real avx512vnni build too.
+// definition), and on a CPU with VNNI through the real avx512vnni / avx2vnni builds too.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -81,6 +81,23 @@ std::vector<float> integer_path(const QuantKernels& kernels, bool gemm, QuantTyp
   return out;
 }
 
+TEST_CASE("set_cpu_isa: levels by name, auto = the best supported, unknown names refused") {
+  vpage::cpu::set_cpu_isa("auto");
+  const std::string best = vpage::cpu::cpu_isa();
+  EXPECT(std::string(vpage::cpu::quant_matmul_isa()) == best);
+  for (const char* isa : {"avx512vnni", "avx512", "avx2vnni", "avx2"}) {
+    if (isa == best) break;  // levels above the best one are unsupported here
+    EXPECT(!has_isa(isa));
+  }
+  EXPECT_THROWS(vpage::cpu::set_cpu_isa("avx1024"));
+  try {
+    vpage::cpu::set_cpu_isa("avx1024");
+  } catch (const std::invalid_argument& e) {
+    EXPECT(std::string(e.what()).find("generic") != std::string::npos);
+  }
+  EXPECT(vpage::cpu::cpu_isa() == best);  // unchanged by the refusal
+}
+
 TEST_CASE("emulated add_dot4 is vpdpbusd: acc + sums of 4 unsigned x signed byte products") {
   if (!has_isa("avx2")) return;
   std::mt19937 rng(3);
@@ -108,6 +125,7 @@ TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and 
   if (!has_isa("avx2")) return;
   std::vector<const QuantKernels*> vnni = {&vpage::cpu::vnni_emulated::kQuantKernels};
   if (has_isa("avx512vnni")) vnni.push_back(&vpage::cpu::avx512vnni::kQuantKernels);
+  if (has_isa("avx2vnni")) vnni.push_back(&vpage::cpu::avx2vnni::kQuantKernels);
   std::mt19937 rng(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (QuantType type : {QuantType::kQ4_0, QuantType::kQ4_1, QuantType::kQ8_0}) {

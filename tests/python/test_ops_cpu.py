@@ -17,7 +17,7 @@ CONTEXTS = [1, 17, 54, 97, 1030]
 
 def available_isas():
     isas = []
-    for isa in ("generic", "avx2", "avx512", "avx512vnni"):
+    for isa in ("generic", "avx2", "avx2vnni", "avx512", "avx512vnni"):
         try:
             _core.set_cpu_isa(isa)
             isas.append(isa)

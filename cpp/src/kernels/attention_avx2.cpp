@@ -8,3 +8,10 @@ namespace vpage::cpu::avx2 {
 extern const AttentionKernels kKernels = {"avx2", &run_task, &decode_scratch_floats, &run_prefill_task, &prefill_scratch_floats, kLanes};
 
 }  // namespace vpage::cpu::avx2
+
+namespace vpage::cpu::avx2vnni {
+
+extern const AttentionKernels kKernels = {"avx2vnni", &avx2::run_task, &avx2::decode_scratch_floats,
+                                          &avx2::run_prefill_task, &avx2::prefill_scratch_floats, avx2::kLanes};
+
+}  // namespace vpage::cpu::avx2vnni

@@ -49,6 +49,9 @@ extern const AttentionKernels kKernels;
 namespace avx2 {
 extern const AttentionKernels kKernels;
 }
+namespace avx2vnni {  // the AVX2 attention build under the avx2vnni level's name
+extern const AttentionKernels kKernels;
+}
 namespace avx512 {
 extern const AttentionKernels kKernels;
 }

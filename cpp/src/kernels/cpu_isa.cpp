@@ -1,7 +1,9 @@
-// Run-time choice of the attention kernel build (cpu_isa / set_cpu_isa).
+// Run-time choice of the CPU kernels' instruction set level (cpu_isa / set_cpu_isa): the
+// attention build, which quant_matmul.cpp's choice follows by name.
 #include <atomic>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "attention_task.h"
 #include "vpage/kernels/cpu_kernels.h"
@@ -9,27 +11,43 @@
 namespace vpage::cpu {
 namespace {
 
-bool cpu_has(const std::string& isa) {
 #if defined(VPAGE_X86_KERNELS)
-  if (isa == "avx512vnni") return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
-  if (isa == "avx512") {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  }
-  if (isa == "avx2") {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 #endif
-  return isa == "generic";
+
+struct Level {
+  const char* name;
+  const AttentionKernels* kernels;
+  bool (*supported)();
+};
+
+// Best first. A VNNI level is its base level plus VNNI's vpdpbusd in the quantized matmul.
+const std::vector<Level>& levels() {
+  static const std::vector<Level> all = {
+#if defined(VPAGE_X86_KERNELS)
+      {"avx512vnni", &avx512vnni::kKernels,
+       [] { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }},
+      {"avx512", &avx512::kKernels, [] { return has_avx512(); }},
+#if defined(VPAGE_AVX2VNNI_KERNELS)
+      {"avx2vnni", &avx2vnni::kKernels, [] { return has_avx2() && __builtin_cpu_supports("avxvnni"); }},
+#endif
+      {"avx2", &avx2::kKernels, [] { return has_avx2(); }},
+#endif
+      {"generic", &generic::kKernels, [] { return true; }},
+  };
+  return all;
 }
 
 const AttentionKernels* best_kernels() {
-#if defined(VPAGE_X86_KERNELS)
-  if (cpu_has("avx512vnni")) return &avx512vnni::kKernels;
-  if (cpu_has("avx512")) return &avx512::kKernels;
-  if (cpu_has("avx2")) return &avx2::kKernels;
-#endif
+  for (const Level& level : levels()) {
+    if (level.supported()) return level.kernels;
+  }
   return &generic::kKernels;
 }
 
@@ -45,19 +63,16 @@ const AttentionKernels& selected_kernels() { return *current().load(std::memory_
 std::string cpu_isa() { return selected_kernels().name; }
 
 void set_cpu_isa(const std::string& isa) {
-  const AttentionKernels* kernels = nullptr;
-  if (isa == "auto") {
-    kernels = best_kernels();
-  } else if (isa == "generic") {
-    kernels = &generic::kKernels;
-#if defined(VPAGE_X86_KERNELS)
-  } else if (isa == "avx2" || isa == "avx512" || isa == "avx512vnni") {
-    if (!cpu_has(isa)) throw std::invalid_argument("set_cpu_isa: this CPU does not support " + isa);
-    kernels = isa == "avx2" ? &avx2::kKernels : isa == "avx512" ? &avx512::kKernels : &avx512vnni::kKernels;
-#endif
-  } else {
-    throw std::invalid_argument("set_cpu_isa: unknown or unavailable instruction set '" + isa +
-                                "' (expected auto, generic, avx2, avx512 or avx512vnni)");
+  const AttentionKernels* kernels = isa == "auto" ? best_kernels() : nullptr;
+  std::string names = "auto";
+  for (const Level& level : levels()) {
+    names += std::string(", ") + level.name;
+    if (isa != level.name) continue;
+    if (!level.supported()) throw std::invalid_argument("set_cpu_isa: this CPU does not support " + isa);
+    kernels = level.kernels;
+  }
+  if (kernels == nullptr) {
+    throw std::invalid_argument("set_cpu_isa: unknown instruction set '" + isa + "' (expected " + names + ")");
   }
   current().store(kernels, std::memory_order_release);
 }

@@ -2,8 +2,9 @@
 # matmul task (quant_matmul_impl.h) are compiled once per instruction set, each build in its
 # own namespace with its own -m flags; cpu_isa.cpp picks one at run time with
 # __builtin_cpu_supports (quant_matmul.cpp follows its choice). Everything else uses
-# baseline flags. Levels: generic, avx2, avx512, avx512vnni (the last differs only in the
-# quantized matmul).
+# baseline flags. Levels: generic, avx2, avx2vnni, avx512, avx512vnni (the VNNI levels differ
+# from the level below them only in the quantized matmul; avx2vnni needs a compiler that knows
+# -mavxvnni, GCC 11 or Clang 12).
 set(_vpage_kernels_dir ${CMAKE_CURRENT_LIST_DIR})
 target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/thread_pool.cpp
@@ -46,6 +47,15 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
   # The avx512vnni level: AVX-512 attention (VNNI changes nothing there), VNNI quantized matmul.
   set_source_files_properties(${_vpage_kernels_dir}/quant_avx512vnni.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags};-mavx512vnni")
+  set(_vpage_x86_definitions VPAGE_X86_KERNELS=1)
+  include(CheckCXXCompilerFlag)
+  check_cxx_compiler_flag(-mavxvnni VPAGE_COMPILER_HAS_AVXVNNI)
+  if(VPAGE_COMPILER_HAS_AVXVNNI)
+    target_sources(vpage_core PRIVATE ${_vpage_kernels_dir}/quant_avx2vnni.cpp)
+    set_source_files_properties(${_vpage_kernels_dir}/quant_avx2vnni.cpp
+      TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-mavxvnni")
+    list(APPEND _vpage_x86_definitions VPAGE_AVX2VNNI_KERNELS=1)
+  endif()
   set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
-    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS VPAGE_X86_KERNELS=1)
+    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS "${_vpage_x86_definitions}")
 endif()

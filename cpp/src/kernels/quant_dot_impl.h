@@ -118,12 +118,15 @@ constexpr int kPrefetchTiles = 1;
 constexpr int kCombos = 4;  // (weight row, x row) combinations per vector
 
 // The byte dot product: sums of 4 adjacent unsigned x signed byte products added to int32
-// lanes. With AVX-512 VNNI (the avx512vnni build) one vpdpbusd; VPAGE_EMULATE_VNNI gives the
-// same arithmetic on AVX2 (tests/cpp/test_quant_vnni.cpp runs that build's code on any x86
+// lanes. With VNNI (the avx512vnni and avx2vnni builds) one vpdpbusd; VPAGE_EMULATE_VNNI gives
+// the same arithmetic on AVX2 (tests/cpp/test_quant_vnni.cpp runs that build's code on any x86
 // CPU). Without VNNI the kernels use maddubs (int16 pair sums) instead and widen later.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kVnni = true;
 inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
+#elif defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #elif defined(VPAGE_EMULATE_VNNI)
 constexpr bool kVnni = true;
 inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) {

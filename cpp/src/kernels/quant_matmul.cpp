@@ -126,6 +126,9 @@ const QuantKernels& selected_quant_kernels() {
 #if defined(VPAGE_X86_KERNELS)
   if (std::strcmp(name, "avx512vnni") == 0) return avx512vnni::kQuantKernels;
   if (std::strcmp(name, "avx512") == 0) return avx512::kQuantKernels;
+#if defined(VPAGE_AVX2VNNI_KERNELS)
+  if (std::strcmp(name, "avx2vnni") == 0) return avx2vnni::kQuantKernels;
+#endif
   if (std::strcmp(name, "avx2") == 0) return avx2::kQuantKernels;
 #endif
   (void)name;

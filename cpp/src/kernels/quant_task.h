@@ -85,6 +85,9 @@ extern const QuantKernels kQuantKernels;
 namespace avx2 {
 extern const QuantKernels kQuantKernels;
 }
+namespace avx2vnni {
+extern const QuantKernels kQuantKernels;
+}
 namespace avx512 {
 extern const QuantKernels kQuantKernels;
 }

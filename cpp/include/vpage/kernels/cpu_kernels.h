@@ -32,13 +32,12 @@ void copy_blocks(const CopyBlocksArgs& args, int num_threads);
 void swap_blocks(const SwapBlocksArgs& args, int num_threads);
 
 /// Instruction set level of the CPU kernels (paged_attention, quant_matmul): "avx512vnni",
-/// "avx512", "avx2" or "generic". avx512vnni runs the avx512 attention build and a quantized
-/// matmul whose integer paths use VNNI's vpdpbusd (the same exact integer sums, so the same
-/// outputs as avx512).
+/// "avx512", "avx2vnni" (AVX-VNNI without AVX-512), "avx2" or "generic". A VNNI level runs its
+/// base level's attention build and a quantized matmul whose integer paths use vpdpbusd (the
+/// same exact integer sums, so the same outputs as the base level).
 std::string cpu_isa();
 
-/// Restricts the CPU kernels to `isa` ("avx512vnni", "avx512", "avx2", "generic" or "auto" =
-/// best).
+/// Restricts the CPU kernels to `isa` (one of cpu_isa's names, or "auto" = best).
 /// Throws std::invalid_argument when the name is unknown or the CPU lacks the set.
 /// Meant for tests and benchmarks; not thread-safe against running kernels.
 void set_cpu_isa(const std::string& isa);
