@@ -177,7 +177,7 @@ def main():
     parser.add_argument("--m", type=ints, default=[1, 8, 64, 512])
     parser.add_argument("--copies", type=int, default=64, help="weight matrices cycled for m <= 16")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--isa", default="auto", help="auto, avx512, avx2 or generic")
+    parser.add_argument("--isa", default="auto", help="auto, avx512vnni, avx512, avx2vnni, avx2 or generic")
     parser.add_argument("--decode-model", action="store_true", help="the default model's decode shapes (see above)")
     parser.add_argument("--thread-list", type=ints, default=[1, 2], help="with --decode-model: thread counts")
     parser.add_argument("--ghz", type=float, default=3.0, help="with --decode-model: assumed core clock")

@@ -213,9 +213,10 @@ void bind_cpu_kernels(py::module_& m) {
   m.def("set_thread_source", &cpu::set_thread_source, py::arg("source"),
         "Threads of the CPU kernels: 'own' pool or the loaded 'openmp' runtime (torch's); returns the "
         "runtime's file name in use, '' for the own pool.");
-  m.def("cpu_isa", &cpu::cpu_isa, "Instruction set the CPU attention kernel uses: avx512, avx2 or generic.");
+  m.def("cpu_isa", &cpu::cpu_isa,
+        "Instruction set level of the CPU kernels: avx512vnni, avx512, avx2vnni, avx2 or generic.");
   m.def("set_cpu_isa", &cpu::set_cpu_isa, py::arg("isa"),
-        "Restricts the CPU attention kernel to 'avx512', 'avx2', 'generic' or 'auto' (tests, benchmarks).");
+        "Restricts the CPU kernels to one of cpu_isa's levels or 'auto' (tests, benchmarks).");
 }
 
 }  // namespace vpage::bindings

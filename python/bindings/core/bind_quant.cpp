@@ -48,7 +48,7 @@ void bind_quant(py::module_& m) {
         "Most rows the integer GEMM path (Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows) takes\n"
         "(default QUANT_INTEGER_GEMM_MAX_ROWS; 0: none, the float path): for benchmarks and tests.");
   m.def("quant_matmul_isa", &cpu::quant_matmul_isa,
-        "Instruction set of the quantized matmul (follows set_cpu_isa): avx512, avx2 or generic.");
+        "Instruction set level of the quantized matmul (follows set_cpu_isa, same names).");
 }
 
 }  // namespace vpage::bindings
