@@ -8,6 +8,10 @@
 #include "attention_task.h"
 #include "vpage/kernels/cpu_kernels.h"
 
+#if defined(VPAGE_X86_KERNELS)
+#include <cpuid.h>
+#endif
+
 namespace vpage::cpu {
 namespace {
 
@@ -18,6 +22,12 @@ bool has_avx512() {
 }
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+// AVX-VNNI (CPUID leaf 7 subleaf 1, EAX bit 4), read directly: not every compiler's
+// __builtin_cpu_supports knows "avxvnni". The OS's AVX state support is part of has_avx2.
+bool has_avx_vnni() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 4)) != 0;
 }
 #endif
 
@@ -35,7 +45,7 @@ const std::vector<Level>& levels() {
        [] { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }},
       {"avx512", &avx512::kKernels, [] { return has_avx512(); }},
 #if defined(VPAGE_AVX2VNNI_KERNELS)
-      {"avx2vnni", &avx2vnni::kKernels, [] { return has_avx2() && __builtin_cpu_supports("avxvnni"); }},
+      {"avx2vnni", &avx2vnni::kKernels, [] { return has_avx2() && has_avx_vnni(); }},
 #endif
       {"avx2", &avx2::kKernels, [] { return has_avx2(); }},
 #endif
