@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -18,18 +19,31 @@ namespace {
 
 constexpr int kLanes = 16;
 
-// The largest value of x[0, n) (NaNs ignored; -inf for none).
+// Eight float lanes as a GNU vector (GCC, Clang). The select `a > b ? a : b` on it compiles to
+// maxps in every clone; written over an array of lanes GCC 12 left it scalar, one maxss per
+// value (logsumexp_argmax over [256, 49152] logits, 2 threads, Zen 3: 8.5 -> 7.7 ms median of
+// 6 alternating runs; one row 75 -> 62 us).
+typedef float Lanes8 __attribute__((vector_size(32)));
+
+// The largest value of x[0, n) (NaNs ignored: a comparison with NaN is false; -inf for none).
 VPAGE_TARGET_CLONES
 float row_max(const float* x, int64_t n) {
-  float acc[kLanes];
-  for (int l = 0; l < kLanes; ++l) acc[l] = -std::numeric_limits<float>::infinity();
+  const float low = -std::numeric_limits<float>::infinity();
+  Lanes8 acc0 = {low, low, low, low, low, low, low, low}, acc1 = acc0;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) acc[l] = x[i + l] > acc[l] ? x[i + l] : acc[l];
+  for (; i + 16 <= n; i += 16) {
+    Lanes8 a, b;
+    std::memcpy(&a, x + i, sizeof(a));
+    std::memcpy(&b, x + i + 8, sizeof(b));
+    acc0 = a > acc0 ? a : acc0;
+    acc1 = b > acc1 ? b : acc1;
   }
-  float best = -std::numeric_limits<float>::infinity();
+  float best = low;
   for (; i < n; ++i) best = x[i] > best ? x[i] : best;
-  for (int l = 0; l < kLanes; ++l) best = acc[l] > best ? acc[l] : best;
+  for (int l = 0; l < 8; ++l) {
+    best = acc0[l] > best ? acc0[l] : best;
+    best = acc1[l] > best ? acc1[l] : best;
+  }
   return best;
 }
 
