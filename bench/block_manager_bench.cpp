@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "block_pool.h"  // private header (cpp/src): the pool alone
 #include "vpage/scheduler.h"
 
 namespace {

@@ -1,4 +1,4 @@
-#include "vpage/block_manager.h"
+#include "block_manager.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "vpage/block_pool.h"
+#include "block_pool.h"
 
 #include <algorithm>
 

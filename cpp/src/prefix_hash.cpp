@@ -1,4 +1,4 @@
-#include "vpage/prefix_hash.h"
+#include "prefix_hash.h"
 
 #include <cstring>
 #include <random>

@@ -1,8 +1,9 @@
-#include "vpage/scheduler.h"
+#include "scheduler_impl.h"
 
 #include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "step_builder.h"
 
@@ -20,7 +21,7 @@ void insert_by_arrival(Queue& queue, SequenceGroup* group) {
 
 }  // namespace
 
-Scheduler::Scheduler(const SchedulerConfig& config, const BlockManagerConfig& block_config)
+SchedulerImpl::SchedulerImpl(const SchedulerConfig& config, const BlockManagerConfig& block_config)
     : config_(config), blocks_(block_config), plan_(std::make_shared<SchedulePlan>()) {
   VPAGE_CHECK(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0");
   VPAGE_CHECK(config.max_num_seqs > 0, "max_num_seqs must be > 0");
@@ -28,10 +29,10 @@ Scheduler::Scheduler(const SchedulerConfig& config, const BlockManagerConfig& bl
   plan_->step_id = -1;
 }
 
-std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id,
-                                                 std::vector<TokenId> prompt, int32_t num_seqs,
-                                                 const StopConditions& stop, double arrival_time,
-                                                 const std::string& cache_salt) {
+std::vector<SeqId> SchedulerImpl::add_sequence_group(const std::string& request_id,
+                                                     std::vector<TokenId> prompt, int32_t num_seqs,
+                                                     const StopConditions& stop, double arrival_time,
+                                                     const std::string& cache_salt) {
   VPAGE_CHECK(!prompt.empty(), "request '" << request_id << "' has an empty prompt");
   VPAGE_CHECK(num_seqs >= 1, "request '" << request_id << "' needs at least one sequence");
   VPAGE_CHECK(stop.max_tokens >= 1, "max_tokens must be >= 1, got " << stop.max_tokens);
@@ -51,27 +52,30 @@ std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id,
   return ids;
 }
 
-SequenceGroup* Scheduler::group_of(const std::string& request_id) const {
+SequenceGroup* SchedulerImpl::group_of(const std::string& request_id) const {
   const auto it = groups_.find(request_id);
   return it == groups_.end() ? nullptr : it->second.get();
 }
 
-const SequenceGroup* Scheduler::find_group(const std::string& request_id) const {
-  return group_of(request_id);
+std::optional<SequenceGroupSnapshot> SchedulerImpl::find_group(const std::string& request_id) const {
+  const SequenceGroup* group = group_of(request_id);
+  if (!group) return std::nullopt;
+  return group->snapshot();
 }
 
-const Sequence* Scheduler::find_sequence(SeqId seq_id) const {
+std::optional<SequenceSnapshot> SchedulerImpl::find_sequence(SeqId seq_id) const {
   const auto it = seqs_.find(seq_id);
-  return it == seqs_.end() ? nullptr : it->second.seq;
+  if (it == seqs_.end()) return std::nullopt;
+  return it->second.seq->snapshot();
 }
 
-void Scheduler::set_status(SequenceGroup& group, SequenceStatus status) {
+void SchedulerImpl::set_status(SequenceGroup& group, SequenceStatus status) {
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) s->status_ = status;
   }
 }
 
-void Scheduler::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status) {
+void SchedulerImpl::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status) {
   blocks_.free(seq);
   seq.status_ = status;
   if (group.shared_len_ == 0 || seq.num_computed_ >= group.shared_len_) return;
@@ -85,7 +89,7 @@ void Scheduler::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus s
   group.shared_len_ = 0;
 }
 
-void Scheduler::remove_group(SequenceGroup& group) {
+void SchedulerImpl::remove_group(SequenceGroup& group) {
   SequenceGroup* g = &group;
   running_.erase(std::remove(running_.begin(), running_.end(), g), running_.end());
   waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), g), waiting_.end());
@@ -94,7 +98,7 @@ void Scheduler::remove_group(SequenceGroup& group) {
   groups_.erase(group.request_id());  // destroys the group
 }
 
-bool Scheduler::abort(const std::string& request_id) {
+bool SchedulerImpl::abort(const std::string& request_id) {
   SequenceGroup* group = group_of(request_id);
   if (!group) return false;
   for (auto& s : group->seqs_) {
@@ -104,7 +108,7 @@ bool Scheduler::abort(const std::string& request_id) {
   return true;
 }
 
-void Scheduler::ignore(SequenceGroup& group, const std::string& reason, SchedulePlan& plan) {
+void SchedulerImpl::ignore(SequenceGroup& group, const std::string& reason, SchedulePlan& plan) {
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) finish_seq(group, *s, SequenceStatus::kFinishedIgnored);
   }
@@ -112,7 +116,7 @@ void Scheduler::ignore(SequenceGroup& group, const std::string& reason, Schedule
   remove_group(group);
 }
 
-void Scheduler::preempt(SequenceGroup& group, SchedulePlan& plan) {
+void SchedulerImpl::preempt(SequenceGroup& group, SchedulePlan& plan) {
   const PreemptionMode mode = config_.preemption_mode;
   bool swap = mode == PreemptionMode::kSwap ||
               (mode == PreemptionMode::kAuto && group.num_unfinished() > 1);
@@ -139,7 +143,7 @@ void Scheduler::preempt(SequenceGroup& group, SchedulePlan& plan) {
   ++group.num_preemptions_;
 }
 
-bool Scheduler::is_decode(const SequenceGroup& group) {
+bool SchedulerImpl::is_decode(const SequenceGroup& group) {
   if (group.identical_) return false;
   for (const auto& s : group.seqs_) {
     if (!is_finished(s->status_) && s->num_uncomputed_tokens() != 1) return false;
@@ -147,7 +151,7 @@ bool Scheduler::is_decode(const SequenceGroup& group) {
   return true;
 }
 
-void Scheduler::schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step) {
+void SchedulerImpl::schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step) {
   std::vector<Sequence*> live;
   for (auto& s : group.seqs_) {
     if (!is_finished(s->status_)) live.push_back(s.get());
@@ -173,13 +177,13 @@ void Scheduler::schedule_group(SequenceGroup& group, StepBudget& budget, StepBui
   group.last_step_ = plan_->step_id;
 }
 
-void Scheduler::make_running(SequenceGroup& group, StepBudget& budget) {
+void SchedulerImpl::make_running(SequenceGroup& group, StepBudget& budget) {
   set_status(group, SequenceStatus::kRunning);
   insert_by_arrival(running_, &group);
   budget.num_seqs += group.num_unfinished();
 }
 
-void Scheduler::preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan) {
+void SchedulerImpl::preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan) {
   SequenceGroup* group = running_[index];
   running_.erase(running_.begin() + static_cast<std::ptrdiff_t>(index));
   budget.num_seqs -= group->num_unfinished();
@@ -187,7 +191,7 @@ void Scheduler::preempt_running(size_t index, StepBudget& budget, SchedulePlan& 
   preempt(*group, plan);
 }
 
-void Scheduler::schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+void SchedulerImpl::schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
   for (size_t i = 0; i < running_.size(); ++i) {
     SequenceGroup& group = *running_[i];
     const bool decode = is_decode(group);
@@ -218,7 +222,7 @@ void Scheduler::schedule_running(StepBudget& budget, StepBuilder& step, Schedule
   }
 }
 
-void Scheduler::schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+void SchedulerImpl::schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
   while (!budget.preempted && !swapped_.empty()) {
     SequenceGroup& group = *swapped_.front();
     const AllocStatus status = blocks_.can_swap_in(group);
@@ -241,7 +245,7 @@ void Scheduler::schedule_swapped(StepBudget& budget, StepBuilder& step, Schedule
   }
 }
 
-void Scheduler::schedule_prefills(StepBudget& budget, StepBuilder& step) {
+void SchedulerImpl::schedule_prefills(StepBudget& budget, StepBuilder& step) {
   for (SequenceGroup* g : running_) {
     if (budget.tokens == 0) break;
     if (scheduled_now(*g) || is_decode(*g)) continue;
@@ -257,7 +261,7 @@ void Scheduler::schedule_prefills(StepBudget& budget, StepBuilder& step) {
   }
 }
 
-AllocStatus Scheduler::admission_status(SequenceGroup& group, int32_t len, std::string& reason) {
+AllocStatus SchedulerImpl::admission_status(SequenceGroup& group, int32_t len, std::string& reason) {
   if (len > config_.max_model_len) {
     reason = "prompt of " + std::to_string(len) + " tokens exceeds max_model_len " +
              std::to_string(config_.max_model_len);
@@ -277,7 +281,7 @@ AllocStatus Scheduler::admission_status(SequenceGroup& group, int32_t len, std::
   return status;
 }
 
-void Scheduler::schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
+void SchedulerImpl::schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
   while (!budget.preempted && swapped_.empty() && !waiting_.empty() && budget.tokens > 0) {
     SequenceGroup& group = *waiting_.front();
     int32_t len = 0, total = 0;
@@ -304,7 +308,7 @@ void Scheduler::schedule_waiting(StepBudget& budget, StepBuilder& step, Schedule
   }
 }
 
-std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
+std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   if (plan_.use_count() > 1) {
     plan_ = std::make_shared<SchedulePlan>();
   } else {
@@ -335,7 +339,7 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() {
   return plan_;
 }
 
-int64_t Scheduler::num_kv_tokens() const {
+int64_t SchedulerImpl::num_kv_tokens() const {
   int64_t tokens = 0;
   for (const SequenceGroup* g : running_) {
     for (const auto& s : g->seqs_) {
@@ -347,8 +351,8 @@ int64_t Scheduler::num_kv_tokens() const {
   return tokens;
 }
 
-SequenceStatus Scheduler::status_after_token(const SequenceGroup& group, const Sequence& seq,
-                                             TokenId token) const {
+SequenceStatus SchedulerImpl::status_after_token(const SequenceGroup& group, const Sequence& seq,
+                                                 TokenId token) const {
   const StopConditions& stop = group.stop_;
   const int32_t num_out = seq.num_output_tokens();
   if (num_out >= stop.min_tokens) {
@@ -365,7 +369,7 @@ SequenceStatus Scheduler::status_after_token(const SequenceGroup& group, const S
   return SequenceStatus::kRunning;
 }
 
-void Scheduler::check_commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) const {
+void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) const {
   VPAGE_CHECK(count >= 0 && (count == 0 || (seq_ids && token_ids)), "commit of " << count << " tokens without arrays");
   std::unordered_map<SeqId, int32_t> computing;  // tokens each sequence computes in this step
   for (const auto& [id, n] : pending_) computing[id] += n;
@@ -384,7 +388,7 @@ void Scheduler::check_commit(const SeqId* seq_ids, const TokenId* token_ids, int
   }
 }
 
-CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
+CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
   check_commit(seq_ids, token_ids, count);
   for (const auto& [id, n] : pending_) {
     const auto it = seqs_.find(id);
@@ -433,7 +437,7 @@ CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, i
   return result;
 }
 
-SeqId Scheduler::fork_sequence(SeqId parent_id) {
+SeqId SchedulerImpl::fork_sequence(SeqId parent_id) {
   const auto it = seqs_.find(parent_id);
   VPAGE_CHECK(it != seqs_.end(), "fork of unknown sequence " << parent_id);
   const Sequence& parent = *it->second.seq;
@@ -453,7 +457,7 @@ SeqId Scheduler::fork_sequence(SeqId parent_id) {
   return child_id;
 }
 
-bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
+bool SchedulerImpl::finish_sequence(SeqId seq_id, SequenceStatus status) {
   VPAGE_CHECK(is_finished(status), "finish_sequence needs a finished status");
   const auto it = seqs_.find(seq_id);
   VPAGE_CHECK(it != seqs_.end(), "finish of unknown sequence " << seq_id);
@@ -465,7 +469,7 @@ bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
   return true;
 }
 
-void Scheduler::check_invariants() const {
+void SchedulerImpl::check_invariants() const {
   std::unordered_set<const SequenceGroup*> seen;
   std::vector<const Sequence*> holders;
   size_t num_seqs = 0;
@@ -503,5 +507,46 @@ void Scheduler::check_invariants() const {
   VPAGE_CHECK(num_seqs == seqs_.size(), "sequence index out of sync");
   blocks_.check_invariants(holders);
 }
+
+// Scheduler: the public face, every call forwarded to the state.
+
+Scheduler::Scheduler(const SchedulerConfig& config, const BlockManagerConfig& block_config)
+    : impl_(std::make_unique<SchedulerImpl>(config, block_config)) {}
+Scheduler::~Scheduler() = default;
+Scheduler::Scheduler(Scheduler&&) noexcept = default;
+Scheduler& Scheduler::operator=(Scheduler&&) noexcept = default;
+
+std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id, std::vector<TokenId> prompt,
+                                                 int32_t num_seqs, const StopConditions& stop,
+                                                 double arrival_time, const std::string& cache_salt) {
+  return impl_->add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt);
+}
+bool Scheduler::abort(const std::string& request_id) { return impl_->abort(request_id); }
+std::shared_ptr<const SchedulePlan> Scheduler::schedule() { return impl_->schedule(); }
+CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
+  return impl_->commit(seq_ids, token_ids, count);
+}
+SeqId Scheduler::fork_sequence(SeqId parent) { return impl_->fork_sequence(parent); }
+bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
+  return impl_->finish_sequence(seq_id, status);
+}
+
+int32_t Scheduler::num_waiting() const { return impl_->num_waiting(); }
+int32_t Scheduler::num_running() const { return impl_->num_running(); }
+int32_t Scheduler::num_swapped() const { return impl_->num_swapped(); }
+bool Scheduler::has_unfinished() const { return impl_->has_unfinished(); }
+int64_t Scheduler::num_kv_tokens() const { return impl_->num_kv_tokens(); }
+std::optional<SequenceGroupSnapshot> Scheduler::find_group(const std::string& request_id) const {
+  return impl_->find_group(request_id);
+}
+std::optional<SequenceSnapshot> Scheduler::find_sequence(SeqId seq_id) const {
+  return impl_->find_sequence(seq_id);
+}
+
+const SchedulerConfig& Scheduler::config() const { return impl_->config(); }
+const BlockManagerConfig& Scheduler::block_config() const { return impl_->block_manager().config(); }
+const SchedulerStats& Scheduler::stats() const { return impl_->stats(); }
+BlockUsage Scheduler::usage() const { return impl_->block_manager().usage(); }
+void Scheduler::check_invariants() const { impl_->check_invariants(); }
 
 }  // namespace vpage

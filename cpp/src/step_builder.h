@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "vpage/schedule_plan.h"
-#include "vpage/sequence.h"
+#include "sequence_group.h"
 
 namespace vpage {
 

@@ -1,4 +1,4 @@
-// Drives the vpage block manager and scheduler from a C++ server loop: requests arrive,
+// Drives the vpage scheduler (and its KV block pools) from a C++ server loop: requests arrive,
 // each step is planned, a stand-in "model" picks tokens, and the step is committed.
 #include <cstdio>
 #include <vector>
@@ -39,7 +39,7 @@ int main() {
     for (const auto& id : result.finished_request_ids) std::printf("finished %s at step %lld\n", id.c_str(), static_cast<long long>(plan->step_id));
   }
   const vpage::SchedulerStats& stats = scheduler.stats();
-  const vpage::BlockUsage usage = scheduler.block_manager().usage();
+  const vpage::BlockUsage usage = scheduler.usage();
   std::printf("steps %lld, tokens computed %lld, preempted: %lld by recompute, %lld by swap\n",
               static_cast<long long>(stats.num_steps), static_cast<long long>(tokens),
               static_cast<long long>(stats.num_preempted_recompute), static_cast<long long>(stats.num_preempted_swap));

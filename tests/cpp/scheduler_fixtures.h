@@ -25,6 +25,12 @@ inline vpage::BlockManagerConfig pools(int gpu, int cpu, bool caching = false, d
   return c;
 }
 
+/// GPU blocks in use.
+inline int used_gpu_blocks(const vpage::Scheduler& s) {
+  const vpage::BlockUsage usage = s.usage();
+  return usage.num_gpu_blocks - usage.free_gpu_blocks;
+}
+
 /// At most `max_tokens` new tokens; token 0 is EOS.
 inline vpage::StopConditions stop(int max_tokens) {
   vpage::StopConditions s;

@@ -2,17 +2,13 @@
 #include <memory>
 #include <vector>
 
+#include "block_pool.h"
 #include "check.h"
 #include "scheduler_fixtures.h"
-#include "vpage/block_manager.h"
 #include "vpage/scheduler.h"
 
 using namespace vpage;
 using namespace vpage_test;
-
-namespace {
-
-}  // namespace
 
 TEST_CASE("pool: allocate, refcount, double free") {
   BlockPool pool(Device::kGpu, 3, false);
@@ -54,7 +50,7 @@ TEST_CASE("copy-on-write on a shared last block") {
   s.add_sequence_group("r", tokens(6), 2, stop(8), 0.0);
   auto plan = s.schedule();
   EXPECT(plan->num_tokens() == 6 && plan->sample_seq_ids.size() == 2);
-  EXPECT(s.block_manager().gpu_pool().num_used() == 2);
+  EXPECT(used_gpu_blocks(s) == 2);
   std::vector<SeqId> ids = plan->sample_seq_ids;
   std::vector<TokenId> toks{50, 60};
   s.commit(ids.data(), toks.data(), 2);
@@ -62,11 +58,11 @@ TEST_CASE("copy-on-write on a shared last block") {
   // Each sample writes position 6 into the shared block: the first one copies it.
   EXPECT(plan->blocks_to_copy.size() == 1);
   EXPECT(plan->num_tokens() == 2);
-  const Sequence* a = s.find_sequence(ids[0]);
-  const Sequence* b = s.find_sequence(ids[1]);
-  EXPECT(a->block_table()[0] == b->block_table()[0]);
-  EXPECT(a->block_table()[1] != b->block_table()[1]);
-  EXPECT(plan->blocks_to_copy[0].first == b->block_table()[1] || plan->blocks_to_copy[0].first == a->block_table()[1]);
+  const auto a = s.find_sequence(ids[0]);
+  const auto b = s.find_sequence(ids[1]);
+  EXPECT(a->block_table[0] == b->block_table[0]);
+  EXPECT(a->block_table[1] != b->block_table[1]);
+  EXPECT(plan->blocks_to_copy[0].first == b->block_table[1] || plan->blocks_to_copy[0].first == a->block_table[1]);
   s.check_invariants();
 }
 
@@ -76,16 +72,15 @@ TEST_CASE("fork shares every block and frees cleanly") {
   auto plan = s.schedule();
   const SeqId parent = plan->sample_seq_ids[0];
   const SeqId child = s.fork_sequence(parent);
-  const Sequence* p = s.find_sequence(parent);
-  const Sequence* c = s.find_sequence(child);
-  EXPECT(p->block_table() == c->block_table());
-  EXPECT(s.block_manager().gpu_pool().refcount(p->block_table()[0]) == 2);
+  EXPECT(s.find_sequence(parent)->block_table == s.find_sequence(child)->block_table);
+  EXPECT(used_gpu_blocks(s) == 2);  // fork allocates nothing
+  s.check_invariants();              // so each of the 2 blocks has refcount 2, one per table
   std::vector<SeqId> ids{parent, child};
   std::vector<TokenId> toks{7, 8};
   s.commit(ids.data(), toks.data(), 2);
   s.check_invariants();
   EXPECT(s.abort("r"));
-  EXPECT(s.block_manager().gpu_pool().num_free() == 8);
+  EXPECT(s.usage().free_gpu_blocks == 8);
   s.check_invariants();
 }
 
@@ -114,7 +109,7 @@ TEST_CASE("prefix cache: shared prefix hit, salt isolation") {
   s.add_sequence_group("b", prompt, 1, stop(1), 1.0);
   plan = s.schedule();
   EXPECT(plan->num_tokens() == 2);  // 8 of 10 prompt tokens came from the cache
-  EXPECT(s.find_group("b")->num_cached_prompt_tokens() == 8);
+  EXPECT(s.find_group("b")->num_cached_prompt_tokens == 8);
   ids = plan->sample_seq_ids;
   s.commit(ids.data(), t.data(), 1);
   s.add_sequence_group("c", prompt, 1, stop(1), 2.0, "tenant-2");

@@ -3,7 +3,9 @@
 #include <string>
 #include <vector>
 
+#include "block_pool.h"
 #include "check.h"
+#include "prefix_hash.h"
 #include "scheduler_fixtures.h"
 #include "vpage/scheduler.h"
 
@@ -23,7 +25,7 @@ BlockManagerConfig caching_pools(int gpu, bool collide = false) {
 int run_one(Scheduler& s, const std::string& id, const std::vector<TokenId>& prompt, const std::string& salt = "") {
   s.add_sequence_group(id, prompt, 1, stop(1), 0.0, salt);
   auto plan = s.schedule();
-  const int cached = s.find_group(id)->num_cached_prompt_tokens();
+  const int cached = s.find_group(id)->num_cached_prompt_tokens;
   std::vector<SeqId> ids = plan->sample_seq_ids;
   std::vector<TokenId> t(ids.size(), 7);
   s.commit(ids.data(), t.data(), static_cast<int64_t>(ids.size()));
@@ -89,8 +91,8 @@ TEST_CASE("prefix cache: forced collisions never share different contents") {
     EXPECT(run_one(plain, "p" + std::to_string(i), tokens(13, 100 * i + 1)) == 0);
     EXPECT(run_one(colliding, "p" + std::to_string(i), tokens(13, 100 * i + 1)) == 0);
   }
-  EXPECT(colliding.block_manager().usage().prefix_cache.collisions > 0);
-  EXPECT(plain.block_manager().usage().prefix_cache.collisions == 0);
+  EXPECT(colliding.usage().prefix_cache.collisions > 0);
+  EXPECT(plain.usage().prefix_cache.collisions == 0);
   // The same prompt again: exact hits still happen (all 12 full-block tokens without
   // collisions; under one constant hash only the block that holds the index entry).
   EXPECT(run_one(plain, "again", tokens(13, 301)) == 12);
@@ -115,10 +117,10 @@ TEST_CASE("a snapshot taken before abort stays readable after it") {
   Scheduler s(SchedulerConfig{}, caching_pools(32));
   s.add_sequence_group("r", tokens(6), 2, stop(4), 0.0);
   s.schedule();
-  const SequenceGroupSnapshot snap = s.find_group("r")->snapshot();
-  const SequenceSnapshot seq = s.find_sequence(snap.seqs[1].seq_id)->snapshot();
+  const SequenceGroupSnapshot snap = s.find_group("r").value();
+  const SequenceSnapshot seq = s.find_sequence(snap.seqs[1].seq_id).value();
   EXPECT(s.abort("r"));
-  EXPECT(s.find_group("r") == nullptr && s.find_sequence(seq.seq_id) == nullptr);
+  EXPECT(!s.find_group("r") && !s.find_sequence(seq.seq_id));
   EXPECT(snap.request_id == "r" && snap.seqs.size() == 2 && snap.seqs[0].tokens == tokens(6));
   EXPECT(seq.status == SequenceStatus::kRunning && !seq.block_table.empty());
   s.check_invariants();
@@ -136,10 +138,10 @@ TEST_CASE("a failing commit changes nothing; the step then commits normally") {
   std::vector<SeqId> ids = plan->sample_seq_ids;
   std::vector<TokenId> toks(ids.size(), 9);
   const auto expect_throws_unchanged = [&](std::vector<SeqId> bad_ids, std::vector<TokenId> bad_toks) {
-    const int64_t used = s.block_manager().gpu_pool().num_used();
+    const int used = used_gpu_blocks(s);
     EXPECT_THROWS(s.commit(bad_ids.data(), bad_toks.data(), static_cast<int64_t>(bad_ids.size())));
-    EXPECT(s.block_manager().gpu_pool().num_used() == used);
-    EXPECT(s.find_group("a")->seq(0).num_computed_tokens() == 0);
+    EXPECT(used_gpu_blocks(s) == used);
+    EXPECT(s.find_group("a")->seqs[0].num_computed_tokens == 0);
     s.check_invariants();
   };
   expect_throws_unchanged({ids[0], 12345}, {9, 9});      // never issued
@@ -148,7 +150,7 @@ TEST_CASE("a failing commit changes nothing; the step then commits normally") {
   // A sequence that exists but did not sample in this step (nothing scheduled it).
   s.add_sequence_group("late", tokens(3), 1, stop(3), 2.0);
   control.add_sequence_group("late", tokens(3), 1, stop(3), 2.0);
-  const SeqId late = s.find_group("late")->seq(0).seq_id();
+  const SeqId late = s.find_group("late")->seqs[0].seq_id;
   expect_throws_unchanged({ids[0], late}, {9, 9});
   // Now the correct commit; the scheduler then behaves exactly like the control.
   s.commit(ids.data(), toks.data(), static_cast<int64_t>(ids.size()));

@@ -34,9 +34,9 @@ TEST_CASE("FCFS: earlier arrivals are admitted first") {
   s.add_sequence_group("middle", tokens(3), 1, stop(4), 3.0);
   auto plan = s.schedule();
   EXPECT(plan->num_seqs() == 2);
-  EXPECT(s.find_group("early")->seq(0).status() == SequenceStatus::kRunning);
-  EXPECT(s.find_group("middle")->seq(0).status() == SequenceStatus::kRunning);
-  EXPECT(s.find_group("late")->seq(0).status() == SequenceStatus::kWaiting);
+  EXPECT(s.find_group("early")->seqs[0].status == SequenceStatus::kRunning);
+  EXPECT(s.find_group("middle")->seqs[0].status == SequenceStatus::kRunning);
+  EXPECT(s.find_group("late")->seqs[0].status == SequenceStatus::kWaiting);
 }
 
 TEST_CASE("chunked prefill: the token budget holds and decodes go first") {
@@ -48,7 +48,7 @@ TEST_CASE("chunked prefill: the token budget holds and decodes go first") {
   int steps = 0;
   while (s.has_unfinished() && steps < 100) {
     const bool short_decoding = s.find_group("short") &&
-                                s.find_group("short")->seq(0).num_computed_tokens() > 0;
+                                s.find_group("short")->seqs[0].num_computed_tokens > 0;
     auto plan = step(s, 5);
     EXPECT(plan->num_tokens() <= 8);
     if (short_decoding && s.find_group("short")) {
@@ -58,7 +58,7 @@ TEST_CASE("chunked prefill: the token budget holds and decodes go first") {
     ++steps;
   }
   EXPECT(!s.has_unfinished());
-  EXPECT(s.block_manager().gpu_pool().num_free() == 64);
+  EXPECT(s.usage().free_gpu_blocks == 64);
 }
 
 TEST_CASE("chunked prefill off: a prompt is admitted whole or waits") {
@@ -88,14 +88,14 @@ TEST_CASE("preemption by recompute picks the latest arrival") {
     auto plan = step(s, 5);
     preempted += plan->num_preempted_recompute;
     if (plan->num_preempted_recompute) {
-      const SequenceGroup* second = s.find_group("second");
-      EXPECT(second && second->num_preemptions() == 1);
-      EXPECT(s.find_group("first")->seq(0).status() == SequenceStatus::kRunning);
+      const auto second = s.find_group("second");
+      EXPECT(second && second->num_preemptions == 1);
+      EXPECT(s.find_group("first")->seqs[0].status == SequenceStatus::kRunning);
     }
   }
   EXPECT(preempted >= 1);
   EXPECT(!s.has_unfinished());
-  EXPECT(s.block_manager().gpu_pool().num_free() == 4);
+  EXPECT(s.usage().free_gpu_blocks == 4);
 }
 
 TEST_CASE("preemption by swap moves a block shared inside the group once, then swaps back") {
@@ -109,9 +109,9 @@ TEST_CASE("preemption by swap moves a block shared inside the group once, then s
       swapped_out = true;
       EXPECT(plan->num_preempted_swap == 1);
       EXPECT(s.num_swapped() == 1);
-      const SequenceGroup* b = s.find_group("b");
-      int entries = 0;
-      for (int k = 0; k < b->num_seqs(); ++k) entries += static_cast<int>(b->seq(k).block_table().size());
+      const auto b = s.find_group("b");
+      size_t entries = 0;
+      for (const SequenceSnapshot& seq : b->seqs) entries += seq.block_table.size();
       EXPECT(entries == 4 && plan->blocks_to_swap_out.size() == 3);
     }
     if (!plan->blocks_to_swap_in.empty()) {
@@ -121,7 +121,7 @@ TEST_CASE("preemption by swap moves a block shared inside the group once, then s
   }
   EXPECT(swapped_out && swapped_in);
   EXPECT(!s.has_unfinished());
-  EXPECT(s.block_manager().gpu_pool().num_free() == 6 && s.block_manager().cpu_pool().num_free() == 8);
+  EXPECT(s.usage().free_gpu_blocks == 6 && s.usage().free_cpu_blocks == 8);
 }
 
 TEST_CASE("swap preemption falls back to recompute when CPU space is short") {
@@ -149,13 +149,13 @@ TEST_CASE("stop conditions: EOS after min_tokens, ignore_eos, max_tokens, max_mo
   s.add_sequence_group("len", tokens(8), 1, stop(100), 2.0);
   CommitResult r;
   step(s, 0, &r);  // EOS as the first token: min_tokens keeps "eos" going
-  EXPECT(s.find_group("eos") != nullptr);
+  EXPECT(s.find_group("eos").has_value());
   step(s, 0, &r);  // second EOS: stops
-  EXPECT(s.find_group("eos") == nullptr);
+  EXPECT(!s.find_group("eos"));
   EXPECT(std::find(r.finished_request_ids.begin(), r.finished_request_ids.end(), "eos") != r.finished_request_ids.end());
-  EXPECT(s.find_group("len") == nullptr);  // 8 + 2 = max_model_len
+  EXPECT(!s.find_group("len"));  // 8 + 2 = max_model_len
   step(s, 0, &r);
-  EXPECT(s.find_group("ignore") == nullptr);  // max_tokens 3, EOS ignored
+  EXPECT(!s.find_group("ignore"));  // max_tokens 3, EOS ignored
   EXPECT(r.statuses.size() == 1 && r.statuses[0] == static_cast<int32_t>(SequenceStatus::kFinishedLength));
 }
 
@@ -171,7 +171,7 @@ TEST_CASE("abort from every queue frees everything") {
   EXPECT(s.abort("b") && s.abort("w") && s.abort("a"));
   EXPECT(!s.abort("a"));
   s.check_invariants();
-  EXPECT(s.block_manager().gpu_pool().num_free() == 6 && s.block_manager().cpu_pool().num_free() == 8);
+  EXPECT(s.usage().free_gpu_blocks == 6 && s.usage().free_cpu_blocks == 8);
 }
 
 TEST_CASE("a step that is never committed is planned again") {

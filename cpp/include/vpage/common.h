@@ -1,10 +1,12 @@
-// Basic types, status codes and the precondition macro of the vpage core.
+// Basic types, the exception type and the precondition macro of the vpage core and its
+// CPU kernels.
 #pragma once
 
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace vpage {
 
@@ -15,14 +17,12 @@ using TokenId = int32_t;
 /// Which pool a block lives in: the accelerator's KV cache or the CPU swap space.
 enum class Device : int32_t { kGpu = 0, kCpu = 1 };
 
-/// Answer of BlockManager::can_allocate / can_swap_in.
-enum class AllocStatus : int32_t {
-  kOk = 0,     ///< enough free blocks now
-  kLater = 1,  ///< not now, but possible once other sequences free blocks
-  kNever = 2,  ///< can never fit (more blocks than the pool minus the watermark)
-};
+/// (source block, destination block) of one block copy or swap.
+using BlockPair = std::pair<BlockId, BlockId>;
 
-/// Thrown when a precondition of a core call is broken (a caller bug, not a normal outcome).
+/// What every vpage call (scheduler, CPU kernels, shared-memory all-reduce) throws when its
+/// preconditions are broken: a caller bug, not a normal outcome. Python sees it as
+/// vpage._core.CheckError, a ValueError.
 class CheckError : public std::logic_error {
  public:
   using std::logic_error::logic_error;

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "vpage/block_manager.h"
+#include "vpage/common.h"
 
 namespace vpage {
 

@@ -2,13 +2,13 @@
 #pragma once
 
 #include <cstdint>
-#include <deque>
 #include <memory>
+#include <optional>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
-#include "vpage/block_manager.h"
+#include "vpage/block_config.h"
+#include "vpage/common.h"
 #include "vpage/schedule_plan.h"
 #include "vpage/sequence.h"
 
@@ -40,21 +40,28 @@ struct SchedulerStats {
   int64_t num_cached_prompt_tokens = 0;  ///< prompt tokens served by the prefix cache
 };
 
-/// Owns the sequence groups and the block manager. schedule() plans one step (it moves
+class SchedulerImpl;  // the state and its rules, in the library's sources
+
+/// Owns the sequence groups and the KV block pools. schedule() plans one step (it moves
 /// groups between queues and assigns blocks, so the plan's block operations must be carried
 /// out); only commit() changes tokens and computed counts, so a step whose forward fails
-/// can simply be scheduled again. Not thread-safe.
+/// can simply be scheduled again. Not thread-safe. Movable, not copyable; a moved-from
+/// Scheduler may only be destroyed or assigned to.
 ///
 /// Error contract (every call): bad input from the caller throws CheckError (a
 /// std::logic_error) before anything changes, so the Scheduler is exactly as it was
 /// (strong guarantee) and stays usable: add_sequence_group, commit, fork_sequence and
 /// finish_sequence work this way. schedule() takes no input; it throws only when an
 /// internal invariant is broken (a bug), after which the Scheduler must be discarded.
-/// Calls that look a request up by id return a "not found" value (false, nullptr) rather
-/// than throwing.
+/// Calls that look a request up by id return a "not found" value (false, std::nullopt)
+/// rather than throwing.
 class Scheduler {
  public:
+  /// Throws CheckError when a budget of `config` is not positive.
   Scheduler(const SchedulerConfig& config, const BlockManagerConfig& block_config);
+  ~Scheduler();
+  Scheduler(Scheduler&&) noexcept;
+  Scheduler& operator=(Scheduler&&) noexcept;
 
   /// Adds request `request_id` (unique among unfinished requests) with `num_seqs`
   /// sequences over `prompt` (n or best_of samples, or beams). Returns their ids. Throws
@@ -91,23 +98,26 @@ class Scheduler {
   /// CheckError (nothing changed) for an unfinished `status` or an unknown sequence.
   bool finish_sequence(SeqId seq_id, SequenceStatus status);
 
-  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
-  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
-  int32_t num_swapped() const { return static_cast<int32_t>(swapped_.size()); }
-  bool has_unfinished() const { return !groups_.empty(); }
+  /// Groups in each queue.
+  int32_t num_waiting() const;
+  int32_t num_running() const;
+  int32_t num_swapped() const;
+  /// Whether any request is unfinished (in any queue).
+  bool has_unfinished() const;
   /// Tokens whose K/V the running sequences hold in the GPU pool (a prompt shared by
   /// identical samples counted once): with used blocks, the KV-cache utilization.
   int64_t num_kv_tokens() const;
-  /// The unfinished group `request_id`, or nullptr. The pointer is borrowed: it dangles
-  /// once the group finishes or is aborted (any commit, abort, finish_sequence or schedule
-  /// may do that); keep `find_group(id)->snapshot()` to read it later.
-  const SequenceGroup* find_group(const std::string& request_id) const;
-  /// The sequence `seq_id` of an unfinished group, or nullptr; borrowed like find_group's.
-  const Sequence* find_sequence(SeqId seq_id) const;
+  /// A copy of the unfinished group `request_id`, or std::nullopt; it stays readable after
+  /// the request finishes or is aborted.
+  std::optional<SequenceGroupSnapshot> find_group(const std::string& request_id) const;
+  /// A copy of the sequence `seq_id` of an unfinished group, or std::nullopt.
+  std::optional<SequenceSnapshot> find_sequence(SeqId seq_id) const;
 
-  const SchedulerConfig& config() const { return config_; }
-  const BlockManager& block_manager() const { return blocks_; }
-  const SchedulerStats& stats() const { return stats_; }
+  const SchedulerConfig& config() const;
+  const BlockManagerConfig& block_config() const;
+  const SchedulerStats& stats() const;
+  /// Occupancy of both pools and the prefix-cache counters.
+  BlockUsage usage() const;
 
   /// Throws CheckError unless: each group is in exactly one queue with matching statuses;
   /// waiting groups hold no blocks, running ones only GPU blocks, swapped ones only CPU
@@ -115,57 +125,7 @@ class Scheduler {
   void check_invariants() const;
 
  private:
-  struct SeqRef {
-    Sequence* seq;
-    SequenceGroup* group;
-  };
-  SequenceGroup* group_of(const std::string& request_id) const;
-  void set_status(SequenceGroup& group, SequenceStatus status);
-  void finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status);
-  void remove_group(SequenceGroup& group);
-  void preempt(SequenceGroup& group, SchedulePlan& plan);
-  void ignore(SequenceGroup& group, const std::string& reason, SchedulePlan& plan);
-  // Status of `seq` after appending `token`: kRunning or why it finished.
-  // Throws CheckError unless commit(seq_ids, token_ids, count) can be applied whole.
-  void check_commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) const;
-  SequenceStatus status_after_token(const SequenceGroup& group, const Sequence& seq,
-                                    TokenId token) const;
-  // What one schedule() can still hand out; its phases draw on it in turn.
-  struct StepBudget {
-    int32_t tokens = 0;      // tokens left to compute in this step
-    int32_t num_seqs = 0;    // unfinished sequences of running groups (<= max_num_seqs)
-    bool preempted = false;  // this step preempted a group: nothing swapped or new is admitted
-  };
-  // The phases of schedule(), in order.
-  void schedule_running(StepBudget& budget, class StepBuilder& step, SchedulePlan& plan);
-  void schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
-  void schedule_prefills(StepBudget& budget, StepBuilder& step);
-  void schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
-  // Schedules as many of the group's uncomputed tokens as the budget allows.
-  void schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step);
-  // Moves a group into the running queue (arrival order) and counts its sequences.
-  void make_running(SequenceGroup& group, StepBudget& budget);
-  // Preempts running_[index] (it leaves the queue).
-  void preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan);
-  // Can a waiting group of `len` tokens be admitted: kNever with the reason, or the pool's answer.
-  AllocStatus admission_status(SequenceGroup& group, int32_t len, std::string& reason);
-  // Every unfinished sequence computes exactly one token (no prompt left).
-  static bool is_decode(const SequenceGroup& group);
-  bool scheduled_now(const SequenceGroup& group) const { return group.last_step_ == plan_->step_id; }
-
-  SchedulerConfig config_;
-  BlockManager blocks_;
-  std::deque<SequenceGroup*> waiting_;
-  std::vector<SequenceGroup*> running_;
-  std::deque<SequenceGroup*> swapped_;
-  std::unordered_map<std::string, std::unique_ptr<SequenceGroup>> groups_;
-  std::unordered_map<SeqId, SeqRef> seqs_;
-  std::shared_ptr<SchedulePlan> plan_;
-  // Tokens each sequence of the last plan computes (followers included); applied by commit().
-  std::vector<std::pair<SeqId, int32_t>> pending_;
-  SeqId next_seq_id_ = 0;
-  int64_t next_step_id_ = 0;
-  SchedulerStats stats_;
+  std::unique_ptr<SchedulerImpl> impl_;
 };
 
 }  // namespace vpage

@@ -1,13 +1,12 @@
-// Sequences (one stream of tokens with its block table) and sequence groups (one request).
+// What a caller tells the scheduler about a request's end (stop conditions) and reads back
+// about its sequences (statuses, snapshots).
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
 #include "vpage/common.h"
-#include "vpage/prefix_hash.h"
 
 namespace vpage {
 
@@ -22,6 +21,7 @@ enum class SequenceStatus : int32_t {
   kFinishedIgnored = 6,  ///< the prompt can never be scheduled (too long for the model or pool)
 };
 
+/// True for the kFinished* statuses.
 inline bool is_finished(SequenceStatus status) {
   return static_cast<int32_t>(status) >= static_cast<int32_t>(SequenceStatus::kFinishedStopped);
 }
@@ -45,10 +45,10 @@ struct SequenceSnapshot {
   SequenceStatus status = SequenceStatus::kWaiting;
   std::vector<TokenId> tokens;  ///< prompt followed by generated tokens
   int32_t prompt_len = 0;
-  int32_t num_computed_tokens = 0;
-  std::vector<BlockId> block_table;
+  int32_t num_computed_tokens = 0;   ///< leading tokens whose K/V are in the cache
+  std::vector<BlockId> block_table;  ///< physical blocks in logical order, in block_device's pool
   Device block_device = Device::kGpu;
-  TokenId stop_token = -1;
+  TokenId stop_token = -1;           ///< EOS or stop token id that finished it, else -1
 };
 
 /// A copy of one request's state (its sequences included), safe to keep after it ends.
@@ -57,96 +57,8 @@ struct SequenceGroupSnapshot {
   double arrival_time = 0.0;
   int32_t num_unfinished = 0;
   int32_t num_preemptions = 0;
-  int32_t num_cached_prompt_tokens = 0;
+  int32_t num_cached_prompt_tokens = 0;  ///< served by the prefix cache at the last admission
   std::vector<SequenceSnapshot> seqs;
-};
-
-/// One token stream and its KV blocks. Tokens = prompt followed by generated tokens;
-/// tokens [0, num_computed_tokens) have their K/V in the cache.
-class Sequence {
- public:
-  Sequence(SeqId seq_id, std::vector<TokenId> prompt);
-
-  SeqId seq_id() const { return seq_id_; }
-  SequenceStatus status() const { return status_; }
-  int32_t num_tokens() const { return static_cast<int32_t>(tokens_.size()); }
-  int32_t prompt_len() const { return prompt_len_; }
-  int32_t num_output_tokens() const { return num_tokens() - prompt_len_; }
-  int32_t num_computed_tokens() const { return num_computed_; }
-  /// Tokens still to compute before a new token can be sampled.
-  int32_t num_uncomputed_tokens() const { return num_tokens() - num_computed_; }
-  const std::vector<TokenId>& tokens() const { return tokens_; }
-  /// Token that stopped the sequence (EOS or a stop token id), or -1.
-  TokenId stop_token() const { return stop_token_; }
-
-  /// Physical blocks, logical order; in the GPU pool unless the sequence is swapped out.
-  const std::vector<BlockId>& block_table() const { return block_table_; }
-  /// Pool of the blocks in block_table().
-  Device block_device() const { return block_device_; }
-  SequenceSnapshot snapshot() const;
-
- private:
-  friend class BlockManager;
-  friend class Scheduler;
-
-  SeqId seq_id_;
-  std::vector<TokenId> tokens_;
-  int32_t prompt_len_;
-  int32_t num_computed_ = 0;
-  SequenceStatus status_ = SequenceStatus::kWaiting;
-  TokenId stop_token_ = -1;
-  std::vector<BlockId> block_table_;
-  Device block_device_ = Device::kGpu;
-  std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_
-  // Per leading block offered to the prefix cache: the content id of the cache entry that
-  // holds it (kNoContent when none does, or not known yet for a block another sequence of
-  // the group computes).
-  std::vector<uint64_t> block_cids_;
-};
-
-/// One request: `n`/`best_of` samples or beams over one prompt, scheduled together.
-class SequenceGroup {
- public:
-  SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                std::string cache_salt, const BlockHash& cache_salt_hash);
-  SequenceGroup(const SequenceGroup&) = delete;
-  SequenceGroup& operator=(const SequenceGroup&) = delete;
-
-  const std::string& request_id() const { return request_id_; }
-  double arrival_time() const { return arrival_time_; }
-  int32_t num_seqs() const { return static_cast<int32_t>(seqs_.size()); }
-  Sequence& seq(int32_t i) { return *seqs_[i]; }
-  const Sequence& seq(int32_t i) const { return *seqs_[i]; }
-  /// Sequences that have not finished.
-  int32_t num_unfinished() const;
-  bool is_finished() const { return num_unfinished() == 0; }
-  /// Number of preemptions this group went through.
-  int32_t num_preemptions() const { return num_preemptions_; }
-  /// Prompt tokens served from the prefix cache at the last admission.
-  int32_t num_cached_prompt_tokens() const { return num_cached_tokens_; }
-  SequenceGroupSnapshot snapshot() const;
-
- private:
-  friend class BlockManager;
-  friend class Scheduler;
-
-  std::string request_id_;
-  double arrival_time_;
-  StopConditions stop_;
-  std::string cache_salt_;
-  BlockHash cache_salt_hash_;
-  std::vector<std::unique_ptr<Sequence>> seqs_;
-  // Diverged sequences re-admitted after a recompute share the blocks of their first
-  // shared_len_ tokens: the first unfinished sequence computes them while the others, which
-  // start at shared_len_, wait (0 when nothing is shared that way).
-  int32_t shared_len_ = 0;
-  // All unfinished sequences hold identical tokens and one set of blocks (a fresh prompt):
-  // only the first unfinished one computes; the others follow its progress and sample from
-  // its last row. Cleared when the first tokens are sampled.
-  bool identical_ = true;
-  int32_t num_preemptions_ = 0;
-  int32_t num_cached_tokens_ = 0;
-  int64_t last_step_ = -1;  // last step that scheduled this group
 };
 
 }  // namespace vpage

@@ -1,6 +1,4 @@
 // vpage._core: the scheduler and its step plan (flat buffers as numpy views, no copies).
-#include <optional>
-
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
@@ -136,25 +134,14 @@ void bind_scheduler(py::module_& m) {
       .def("has_unfinished", &Scheduler::has_unfinished)
       .def("num_kv_tokens", &Scheduler::num_kv_tokens,
            "Tokens whose K/V the running sequences hold (identical samples' prompt counted once).")
-      .def("find_group",
-           [](const Scheduler& s, const std::string& request_id) -> std::optional<SequenceGroupSnapshot> {
-             const SequenceGroup* g = s.find_group(request_id);
-             if (!g) return std::nullopt;
-             return g->snapshot();
-           },
-           py::arg("request_id"), "A snapshot (copy) of the unfinished group, or None.")
-      .def("find_sequence",
-           [](const Scheduler& s, SeqId seq_id) -> std::optional<SequenceSnapshot> {
-             const Sequence* q = s.find_sequence(seq_id);
-             if (!q) return std::nullopt;
-             return q->snapshot();
-           },
-           py::arg("seq_id"), "A snapshot (copy) of a sequence of an unfinished group, or None.")
+      .def("find_group", &Scheduler::find_group, py::arg("request_id"),
+           "A snapshot (copy) of the unfinished group, or None.")
+      .def("find_sequence", &Scheduler::find_sequence, py::arg("seq_id"),
+           "A snapshot (copy) of a sequence of an unfinished group, or None.")
       .def_property_readonly("config", &Scheduler::config)
-      .def_property_readonly("block_config", [](const Scheduler& s) { return s.block_manager().config(); })
+      .def_property_readonly("block_config", &Scheduler::block_config, py::return_value_policy::copy)
       .def_property_readonly("stats", &Scheduler::stats)
-      .def("usage", [](const Scheduler& s) { return s.block_manager().usage(); },
-           "Occupancy of both pools and prefix-cache counters.")
+      .def("usage", &Scheduler::usage, "Occupancy of both pools and prefix-cache counters.")
       .def("check_invariants", &Scheduler::check_invariants,
            "Raises unless queues, statuses, block tables and pools are consistent.");
 }

@@ -2,7 +2,8 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
-#include "vpage/block_manager.h"
+#include "block_manager.h"
+#include "block_pool.h"
 #include "vpage/scheduler.h"
 #include "vpage/sequence.h"
 

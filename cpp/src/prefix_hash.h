@@ -1,4 +1,4 @@
-// Keyed content hashes that index full KV blocks in the prefix cache.
+// Internal: keyed content hashes that index full KV blocks in the prefix cache.
 #pragma once
 
 #include <cstddef>

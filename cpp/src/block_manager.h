@@ -1,5 +1,5 @@
-// Block manager: maps sequences' logical blocks to physical blocks of the GPU and CPU pools,
-// with copy-on-write, fork, swap and prefix caching.
+// Internal: the block manager maps sequences' logical blocks to physical blocks of the GPU
+// and CPU pools, with copy-on-write, fork, swap and prefix caching.
 #pragma once
 
 #include <cstdint>
@@ -7,31 +7,18 @@
 #include <utility>
 #include <vector>
 
-#include "vpage/block_pool.h"
-#include "vpage/sequence.h"
+#include "block_pool.h"
+#include "sequence_group.h"
+#include "vpage/block_config.h"
+#include "vpage/common.h"
 
 namespace vpage {
 
-/// (source block, destination block) of one block copy or swap.
-using BlockPair = std::pair<BlockId, BlockId>;
-
-/// Sizes of the pools and the admission watermark.
-struct BlockManagerConfig {
-  int32_t block_size = 16;      ///< tokens per block (> 0)
-  int32_t num_gpu_blocks = 0;   ///< blocks in the accelerator's KV cache
-  int32_t num_cpu_blocks = 0;   ///< blocks in the CPU swap space
-  double watermark = 0.01;      ///< fraction of GPU blocks kept free at admission
-  bool enable_prefix_caching = true;
-  /// Test hook: every block hashes to one constant, so every lookup meets a collision
-  /// (hits stay exact: only blocks whose recorded content matches are shared).
-  bool collide_prefix_hashes_for_testing = false;
-};
-
-/// Occupancy of both pools and the prefix-cache counters.
-struct BlockUsage {
-  int32_t num_gpu_blocks = 0, free_gpu_blocks = 0;
-  int32_t num_cpu_blocks = 0, free_cpu_blocks = 0;
-  PrefixCacheStats prefix_cache;
+/// Answer of BlockManager::can_allocate / can_swap_in.
+enum class AllocStatus : int32_t {
+  kOk = 0,     ///< enough free blocks now
+  kLater = 1,  ///< not now, but possible once other sequences free blocks
+  kNever = 2,  ///< can never fit (more blocks than the pool minus the watermark)
 };
 
 /// Owns both pools. Every method keeps refcount(block) == number of block tables holding it.

@@ -1,5 +1,5 @@
-// One pool of KV-cache blocks (GPU or CPU): reference counts, an O(1) free queue and,
-// optionally, the prefix-cache index of full blocks.
+// Internal: one pool of KV-cache blocks (GPU or CPU): reference counts, an O(1) free queue
+// and, optionally, the prefix-cache index of full blocks.
 #pragma once
 
 #include <cstdint>
@@ -7,18 +7,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "prefix_hash.h"
+#include "vpage/block_config.h"
 #include "vpage/common.h"
-#include "vpage/prefix_hash.h"
 
 namespace vpage {
-
-/// Counters of the prefix cache (only the GPU pool caches).
-struct PrefixCacheStats {
-  int64_t queries = 0;    ///< full blocks looked up
-  int64_t hits = 0;       ///< lookups that found a cached block
-  int64_t evictions = 0;  ///< cached blocks reused for other content
-  int64_t collisions = 0; ///< hash matches whose recorded content differed (each a miss)
-};
 
 /// What a full block holds, recorded when it enters the prefix cache and compared exactly
 /// on every hit. A block's salt is its chain's: it is recorded and compared for first

@@ -1,4 +1,4 @@
-#include "vpage/sequence.h"
+#include "sequence_group.h"
 
 #include <utility>
 

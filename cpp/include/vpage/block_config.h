@@ -1,0 +1,36 @@
+// Sizes of the KV-cache block pools as the scheduler takes them, and their occupancy as it
+// reports it.
+#pragma once
+
+#include <cstdint>
+
+namespace vpage {
+
+/// Sizes of the pools and the admission watermark.
+struct BlockManagerConfig {
+  int32_t block_size = 16;      ///< tokens per block (> 0)
+  int32_t num_gpu_blocks = 0;   ///< blocks in the accelerator's KV cache
+  int32_t num_cpu_blocks = 0;   ///< blocks in the CPU swap space
+  double watermark = 0.01;      ///< fraction of GPU blocks kept free at admission
+  bool enable_prefix_caching = true;
+  /// Test hook: every block hashes to one constant, so every lookup meets a collision
+  /// (hits stay exact: only blocks whose recorded content matches are shared).
+  bool collide_prefix_hashes_for_testing = false;
+};
+
+/// Counters of the prefix cache (only the GPU pool caches).
+struct PrefixCacheStats {
+  int64_t queries = 0;    ///< full blocks looked up
+  int64_t hits = 0;       ///< lookups that found a cached block
+  int64_t evictions = 0;  ///< cached blocks reused for other content
+  int64_t collisions = 0; ///< hash matches whose recorded content differed (each a miss)
+};
+
+/// Occupancy of both pools and the prefix-cache counters.
+struct BlockUsage {
+  int32_t num_gpu_blocks = 0, free_gpu_blocks = 0;
+  int32_t num_cpu_blocks = 0, free_cpu_blocks = 0;
+  PrefixCacheStats prefix_cache;
+};
+
+}  // namespace vpage
