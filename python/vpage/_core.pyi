@@ -7,7 +7,7 @@ import numpy as np
 import numpy.typing as npt
 
 class CheckError(ValueError):
-    """A broken precondition of a core call (the message says which)."""
+    """A broken precondition of a core or CPU kernel call (the message says which)."""
 
 class Device(IntEnum):
     GPU = 0

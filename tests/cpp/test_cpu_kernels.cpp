@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
-#include <stdexcept>
+#include "vpage/common.h"
 #include <string>
 #include <vector>
 
@@ -210,7 +210,7 @@ void test_copy_and_swap(std::mt19937& rng) {
   bool threw = false;
   try {
     vpage::cpu::swap_blocks(wrong, 2);
-  } catch (const std::invalid_argument&) {
+  } catch (const vpage::CheckError&) {
     threw = true;
   }
   expect(threw, "swap_blocks rejects an out-of-range block id");
@@ -227,7 +227,7 @@ void test_bad_arguments() {
   bool threw = false;
   try {
     vpage::cpu::paged_attention(a, 1);
-  } catch (const std::invalid_argument& e) {
+  } catch (const vpage::CheckError& e) {
     threw = std::string(e.what()).find("multiple of num_kv_heads") != std::string::npos;
   }
   expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
@@ -237,7 +237,7 @@ void test_bad_arguments() {
     bool dtype_error = false;
     try {
       call();
-    } catch (const std::invalid_argument& e) {
+    } catch (const vpage::CheckError& e) {
       dtype_error = std::string(e.what()).find("dtype") != std::string::npos;
     }
     expect(dtype_error, what);
@@ -355,7 +355,7 @@ void test_thread_source() {
   bool threw = false;
   try {
     vpage::cpu::set_thread_source("tbb");
-  } catch (const std::invalid_argument&) {
+  } catch (const vpage::CheckError&) {
     threw = true;
   }
   expect(threw, "set_thread_source rejects an unknown source");
@@ -424,7 +424,7 @@ int main() {
     try {
       vpage::cpu::set_cpu_isa(isa);
       isas.push_back(isa);
-    } catch (const std::invalid_argument&) {
+    } catch (const vpage::CheckError&) {
     }
   }
   const std::vector<Case> cases = {

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
-#include <stdexcept>
+#include "vpage/common.h"
 #include <string>
 #include <vector>
 
@@ -30,7 +30,7 @@ std::vector<std::string> isas() {
     try {
       vpage::cpu::set_cpu_isa(isa);
       out.push_back(isa);
-    } catch (const std::invalid_argument&) {
+    } catch (const vpage::CheckError&) {
     }
   }
   vpage::cpu::set_cpu_isa("auto");

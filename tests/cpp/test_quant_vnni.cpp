@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
-#include <stdexcept>
+#include "vpage/common.h"
 #include <string>
 #include <vector>
 
@@ -30,7 +30,7 @@ using vpage::cpu::QuantKernels;
 bool has_isa(const char* isa) {
   try {
     vpage::cpu::set_cpu_isa(isa);
-  } catch (const std::invalid_argument&) {
+  } catch (const vpage::CheckError&) {
     return false;
   }
   vpage::cpu::set_cpu_isa("auto");
@@ -92,7 +92,7 @@ TEST_CASE("set_cpu_isa: levels by name, auto = the best supported, unknown names
   EXPECT_THROWS(vpage::cpu::set_cpu_isa("avx1024"));
   try {
     vpage::cpu::set_cpu_isa("avx1024");
-  } catch (const std::invalid_argument& e) {
+  } catch (const vpage::CheckError& e) {
     EXPECT(std::string(e.what()).find("generic") != std::string::npos);
   }
   EXPECT(vpage::cpu::cpu_isa() == best);  // unchanged by the refusal

@@ -3,10 +3,9 @@
 // rounds float32 key/value rows to a 16-bit cache's dtype.
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 
 #include "thread_pool.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 
@@ -15,30 +14,24 @@ namespace {
 
 constexpr int64_t kTokensPerTask = 16;
 
-void check(bool ok, const char* op, const std::string& message) {
-  if (!ok) throw std::invalid_argument(std::string(op) + ": " + message);
-}
-
 void check_cache(const CacheShape& c, const char* op) {
-  check(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16, op,
-        "unknown dtype code " + std::to_string(static_cast<int>(c.dtype)));
-  check(c.num_blocks >= 0 && c.num_kv_heads > 0 && c.block_size > 0, op,
-        "num_blocks must be >= 0, num_kv_heads and block_size positive");
-  check(c.head_size > 0 && c.head_size % key_pack_size(c.dtype) == 0, op,
-        "head_size must be a positive multiple of " + std::to_string(key_pack_size(c.dtype)));
+  VPAGE_CHECK(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16,
+              op << ": unknown dtype code " << static_cast<int>(c.dtype));
+  VPAGE_CHECK(c.num_blocks >= 0 && c.num_kv_heads > 0 && c.block_size > 0,
+              op << ": num_blocks must be >= 0, num_kv_heads and block_size positive");
+  VPAGE_CHECK(c.head_size > 0 && c.head_size % key_pack_size(c.dtype) == 0,
+              op << ": head_size must be a positive multiple of " << key_pack_size(c.dtype));
 }
 
 int64_t block_bytes(const CacheShape& c) {
   return static_cast<int64_t>(c.num_kv_heads) * c.head_size * c.block_size * dtype_size(c.dtype);
 }
 
-// Per-element checks build their message only on failure (they run once per token or pair).
+// VPAGE_CHECK builds its message only on failure: this runs once per pair.
 void check_pair(const int64_t* pair, int64_t src_blocks, int64_t dst_blocks, int64_t index, const char* op) {
-  if (pair[0] >= 0 && pair[0] < src_blocks && pair[1] >= 0 && pair[1] < dst_blocks) return;
-  check(false, op,
-        "block_mapping[" + std::to_string(index) + "] = (" + std::to_string(pair[0]) + ", " +
-            std::to_string(pair[1]) + ") out of range (source blocks " + std::to_string(src_blocks) +
-            ", destination blocks " + std::to_string(dst_blocks) + ")");
+  VPAGE_CHECK(pair[0] >= 0 && pair[0] < src_blocks && pair[1] >= 0 && pair[1] < dst_blocks,
+              op << ": block_mapping[" << index << "] = (" << pair[0] << ", " << pair[1]
+                 << ") out of range (source blocks " << src_blocks << ", destination blocks " << dst_blocks << ")");
 }
 
 // Elem is the cache's element and In the input's: a same-size stand-in for both when the
@@ -88,22 +81,21 @@ void cache_tokens(const ReshapeAndCacheArgs& a, int64_t begin, int64_t end, Conv
 
 void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
   const char* op = "reshape_and_cache";
-  check(num_threads >= 1, op, "num_threads must be >= 1");
+  VPAGE_CHECK(num_threads >= 1, op << ": num_threads must be >= 1");
   check_cache(a.cache, op);
-  check(kv_dtypes_supported(a.dtype, a.cache.dtype), op,
-        "key/value dtype code " + std::to_string(static_cast<int>(a.dtype)) +
-            " cannot be written to a cache of dtype code " + std::to_string(static_cast<int>(a.cache.dtype)) +
-            " (same dtype, or float32 into a 16-bit cache)");
-  check(a.num_tokens >= 0, op, "num_tokens must be >= 0");
+  VPAGE_CHECK(kv_dtypes_supported(a.dtype, a.cache.dtype),
+              op << ": key/value dtype code " << static_cast<int>(a.dtype) << " cannot be written to a cache of dtype code "
+                 << static_cast<int>(a.cache.dtype) << " (same dtype, or float32 into a 16-bit cache)");
+  VPAGE_CHECK(a.num_tokens >= 0, op << ": num_tokens must be >= 0");
   if (a.num_tokens == 0) return;
   const int64_t row = static_cast<int64_t>(a.cache.num_kv_heads) * a.cache.head_size;
-  check(a.key_stride >= row && a.value_stride >= row, op, "key/value row stride must be >= num_kv_heads * head_size");
-  check(a.key && a.value && a.key_cache && a.value_cache && a.slot_mapping, op, "null data pointer");
+  VPAGE_CHECK(a.key_stride >= row && a.value_stride >= row,
+              op << ": key/value row stride must be >= num_kv_heads * head_size");
+  VPAGE_CHECK(a.key && a.value && a.key_cache && a.value_cache && a.slot_mapping, op << ": null data pointer");
   const int64_t num_slots = a.cache.num_blocks * a.cache.block_size;
   for (int64_t t = 0; t < a.num_tokens; ++t) {
-    if (a.slot_mapping[t] < num_slots) continue;
-    check(false, op, "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(a.slot_mapping[t]) +
-                         " >= num_blocks * block_size (" + std::to_string(num_slots) + ")");
+    VPAGE_CHECK(a.slot_mapping[t] < num_slots, op << ": slot_mapping[" << t << "] = " << a.slot_mapping[t]
+                                                  << " >= num_blocks * block_size (" << num_slots << ")");
   }
   const int64_t tasks = (a.num_tokens + kTokensPerTask - 1) / kTokensPerTask;
   ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t task, int) {
@@ -124,13 +116,13 @@ void reshape_and_cache(const ReshapeAndCacheArgs& a, int num_threads) {
 
 void copy_blocks(const CopyBlocksArgs& a, int num_threads) {
   const char* op = "copy_blocks";
-  check(num_threads >= 1, op, "num_threads must be >= 1");
+  VPAGE_CHECK(num_threads >= 1, op << ": num_threads must be >= 1");
   check_cache(a.cache, op);
-  check(a.num_layers >= 0 && a.num_pairs >= 0, op, "num_layers and num_pairs must be >= 0");
+  VPAGE_CHECK(a.num_layers >= 0 && a.num_pairs >= 0, op << ": num_layers and num_pairs must be >= 0");
   if (a.num_layers == 0 || a.num_pairs == 0) return;
-  check(a.key_caches && a.value_caches && a.block_mapping, op, "null data pointer");
+  VPAGE_CHECK(a.key_caches && a.value_caches && a.block_mapping, op << ": null data pointer");
   for (int32_t l = 0; l < a.num_layers; ++l) {
-    check(a.key_caches[l] && a.value_caches[l], op, "null cache pointer of layer " + std::to_string(l));
+    VPAGE_CHECK(a.key_caches[l] && a.value_caches[l], op << ": null cache pointer of layer " << l);
   }
   for (int64_t i = 0; i < a.num_pairs; ++i) {
     check_pair(a.block_mapping + 2 * i, a.cache.num_blocks, a.cache.num_blocks, i, op);
@@ -148,10 +140,10 @@ void copy_blocks(const CopyBlocksArgs& a, int num_threads) {
 
 void swap_blocks(const SwapBlocksArgs& a, int num_threads) {
   const char* op = "swap_blocks";
-  check(num_threads >= 1, op, "num_threads must be >= 1");
-  check(a.block_bytes > 0 && a.num_pairs >= 0, op, "block_bytes must be positive and num_pairs >= 0");
+  VPAGE_CHECK(num_threads >= 1, op << ": num_threads must be >= 1");
+  VPAGE_CHECK(a.block_bytes > 0 && a.num_pairs >= 0, op << ": block_bytes must be positive and num_pairs >= 0");
   if (a.num_pairs == 0) return;
-  check(a.src && a.dst && a.block_mapping, op, "null data pointer");
+  VPAGE_CHECK(a.src && a.dst && a.block_mapping, op << ": null data pointer");
   for (int64_t i = 0; i < a.num_pairs; ++i) {
     check_pair(a.block_mapping + 2 * i, a.src_num_blocks, a.dst_num_blocks, i, op);
   }

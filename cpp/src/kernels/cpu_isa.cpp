@@ -1,11 +1,11 @@
 // Run-time choice of the CPU kernels' instruction set level (cpu_isa / set_cpu_isa): the
 // attention build, which quant_matmul.cpp's choice follows by name.
 #include <atomic>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "attention_task.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 
 #if defined(VPAGE_X86_KERNELS)
@@ -78,12 +78,10 @@ void set_cpu_isa(const std::string& isa) {
   for (const Level& level : levels()) {
     names += std::string(", ") + level.name;
     if (isa != level.name) continue;
-    if (!level.supported()) throw std::invalid_argument("set_cpu_isa: this CPU does not support " + isa);
+    VPAGE_CHECK(level.supported(), "set_cpu_isa: this CPU does not support " << isa);
     kernels = level.kernels;
   }
-  if (kernels == nullptr) {
-    throw std::invalid_argument("set_cpu_isa: unknown instruction set '" + isa + "' (expected " + names + ")");
-  }
+  VPAGE_CHECK(kernels != nullptr, "set_cpu_isa: unknown instruction set '" << isa << "' (expected " << names << ")");
   current().store(kernels, std::memory_order_release);
 }
 

@@ -4,10 +4,9 @@
 #include "vpage/kernels/decoder_forward.h"
 
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/rotary.h"
@@ -36,26 +35,22 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
                         s.cache.num_kv_heads == s.num_kv_heads && s.cache.head_size == s.head_size &&
                         kv_dtypes_supported(DType::kFloat32, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 &&
                         b.num_seqs >= 0;
-  if (!sizes_ok) {
-    throw std::invalid_argument("decoder_forward: inconsistent sizes (hidden " + std::to_string(s.hidden_size) +
-                                ", heads " + std::to_string(s.num_heads) + "/" + std::to_string(s.num_kv_heads) +
-                                ", head_size " + std::to_string(s.head_size) + ", layers " +
-                                std::to_string(num_layers) + "; the cache must have the model's KV heads)");
-  }
-  if (b.query_start_loc == nullptr && b.num_tokens != b.num_seqs) {
-    throw std::invalid_argument("decoder_forward: a decode batch has one token per sequence, got " +
-                                std::to_string(b.num_tokens) + " tokens for " + std::to_string(b.num_seqs));
-  }
+  VPAGE_CHECK(sizes_ok, "decoder_forward: inconsistent sizes (hidden "
+                            << s.hidden_size << ", heads " << s.num_heads << "/" << s.num_kv_heads << ", head_size "
+                            << s.head_size << ", layers " << num_layers
+                            << "; the cache must have the model's KV heads)");
+  VPAGE_CHECK(b.query_start_loc != nullptr || b.num_tokens == b.num_seqs,
+              "decoder_forward: a decode batch has one token per sequence, got " << b.num_tokens << " tokens for "
+                                                                                 << b.num_seqs);
   const bool pointers_ok = layers != nullptr && s.cos_sin != nullptr && s.final_norm != nullptr &&
                            (b.num_tokens == 0 || (b.embeddings != nullptr && b.out != nullptr &&
                                                   b.positions != nullptr && b.slot_mapping != nullptr));
-  if (!pointers_ok) throw std::invalid_argument("decoder_forward: null pointer");
+  VPAGE_CHECK(pointers_ok, "decoder_forward: null pointer");
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& l = layers[i];
-    if (!l.input_norm || !l.post_attention_norm || !l.qkv.weight || !l.o.weight || !l.gate_up.weight ||
-        !l.down.weight || !l.key_cache || !l.value_cache) {
-      throw std::invalid_argument("decoder_forward: layer " + std::to_string(i) + " has a null pointer");
-    }
+    VPAGE_CHECK(l.input_norm && l.post_attention_norm && l.qkv.weight && l.o.weight && l.gate_up.weight &&
+                    l.down.weight && l.key_cache && l.value_cache,
+                "decoder_forward: layer " << i << " has a null pointer");
   }
 }
 

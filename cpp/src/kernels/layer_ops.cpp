@@ -8,13 +8,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "exp_approx.h"
 #include "target_clones.h"
 #include "thread_pool.h"
+#include "vpage/common.h"
 #include "vpage/kernels/half.h"
 
 namespace vpage::cpu {
@@ -155,28 +154,24 @@ void for_token_ranges(const Args& a, int num_threads, void (*f32)(const Args&, i
 }
 
 void check_dtype(DType dtype, const char* op) {
-  if (dtype != DType::kFloat32 && dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-    throw std::invalid_argument(std::string(op) + ": unknown dtype code " + std::to_string(static_cast<int>(dtype)));
-  }
+  VPAGE_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16,
+              op << ": unknown dtype code " << static_cast<int>(dtype));
 }
 
 }  // namespace
 
 void rms_norm(const RmsNormArgs& args, int num_threads) {
   check_dtype(args.dtype, "rms_norm");
-  if (args.num_tokens < 0 || args.hidden_size <= 0 || !(args.eps >= 0.0f)) {
-    throw std::invalid_argument("rms_norm: bad sizes (num_tokens " + std::to_string(args.num_tokens) +
-                                ", hidden_size " + std::to_string(args.hidden_size) + ") or eps");
-  }
+  VPAGE_CHECK(args.num_tokens >= 0 && args.hidden_size > 0 && args.eps >= 0.0f,
+              "rms_norm: bad sizes (num_tokens " << args.num_tokens << ", hidden_size " << args.hidden_size
+                                                 << ") or eps");
   for_token_ranges(args, num_threads, &rms_norm_f32, &rms_norm_16<Half>, &rms_norm_16<BFloat16>);
 }
 
 void silu_and_mul(const SiluAndMulArgs& args, int num_threads) {
   check_dtype(args.dtype, "silu_and_mul");
-  if (args.num_tokens < 0 || args.d <= 0) {
-    throw std::invalid_argument("silu_and_mul: bad sizes (num_tokens " + std::to_string(args.num_tokens) +
-                                ", d " + std::to_string(args.d) + ")");
-  }
+  VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
+              "silu_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
   for_token_ranges(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
 }
 

@@ -3,12 +3,11 @@
 // merges the partial softmax results.
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "attention_task.h"
 #include "thread_pool.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 
@@ -20,67 +19,58 @@ constexpr int kTasksPerThread = 4;          // decode: split contexts below this
 constexpr int kMinPartitionTokens = 256;    // decode: smallest context partition
 constexpr int kPrefillRowVecs = 3;          // prefill: SIMD vectors of query rows per task
 
-void check(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument("paged_attention: " + message);
-}
-
 // Checks everything the kernels rely on; returns the longest context.
 int32_t validate(const PagedAttentionArgs& a, int num_threads) {
   const CacheShape& c = a.cache;
-  check(num_threads >= 1, "num_threads must be >= 1, got " + std::to_string(num_threads));
-  check(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16,
-        "unknown dtype code " + std::to_string(static_cast<int>(c.dtype)));
-  check(kv_dtypes_supported(a.dtype, c.dtype),
-        "query dtype code " + std::to_string(static_cast<int>(a.dtype)) + " cannot read a cache of dtype code " +
-            std::to_string(static_cast<int>(c.dtype)) + " (same dtype, or a float32 query with a 16-bit cache)");
-  check(c.head_size > 0 && c.head_size % 16 == 0,
-        "head_size must be a positive multiple of 16, got " + std::to_string(c.head_size));
-  check(c.block_size > 0, "block_size must be positive, got " + std::to_string(c.block_size));
-  check(c.num_kv_heads > 0, "num_kv_heads must be positive");
-  check(c.num_blocks >= 0, "num_blocks must be >= 0");
-  check(a.num_heads > 0 && a.num_heads % c.num_kv_heads == 0,
-        "num_heads (" + std::to_string(a.num_heads) + ") must be a positive multiple of num_kv_heads (" +
-            std::to_string(c.num_kv_heads) + ")");
-  check(a.num_seqs >= 0 && a.max_blocks_per_seq >= 0, "num_seqs and max_blocks_per_seq must be >= 0");
-  check(a.query_stride >= static_cast<int64_t>(a.num_heads) * c.head_size,
-        "query_stride must be >= num_heads * head_size");
+  const char* op = "paged_attention";
+  VPAGE_CHECK(num_threads >= 1, op << ": num_threads must be >= 1, got " << num_threads);
+  VPAGE_CHECK(c.dtype == DType::kFloat32 || c.dtype == DType::kFloat16 || c.dtype == DType::kBFloat16,
+              op << ": unknown dtype code " << static_cast<int>(c.dtype));
+  VPAGE_CHECK(kv_dtypes_supported(a.dtype, c.dtype),
+              op << ": query dtype code " << static_cast<int>(a.dtype) << " cannot read a cache of dtype code "
+                 << static_cast<int>(c.dtype) << " (same dtype, or a float32 query with a 16-bit cache)");
+  VPAGE_CHECK(c.head_size > 0 && c.head_size % 16 == 0,
+              op << ": head_size must be a positive multiple of 16, got " << c.head_size);
+  VPAGE_CHECK(c.block_size > 0, op << ": block_size must be positive, got " << c.block_size);
+  VPAGE_CHECK(c.num_kv_heads > 0, op << ": num_kv_heads must be positive");
+  VPAGE_CHECK(c.num_blocks >= 0, op << ": num_blocks must be >= 0");
+  VPAGE_CHECK(a.num_heads > 0 && a.num_heads % c.num_kv_heads == 0,
+              op << ": num_heads (" << a.num_heads << ") must be a positive multiple of num_kv_heads ("
+                 << c.num_kv_heads << ")");
+  VPAGE_CHECK(a.num_seqs >= 0 && a.max_blocks_per_seq >= 0, op << ": num_seqs and max_blocks_per_seq must be >= 0");
+  VPAGE_CHECK(a.query_stride >= static_cast<int64_t>(a.num_heads) * c.head_size,
+              op << ": query_stride must be >= num_heads * head_size");
   if (a.num_seqs == 0) return 0;
-  check(a.out && a.query && a.key_cache && a.value_cache && a.block_tables && a.context_lens,
-        "null data pointer");
+  VPAGE_CHECK(a.out && a.query && a.key_cache && a.value_cache && a.block_tables && a.context_lens,
+              op << ": null data pointer");
   if (a.query_start_loc == nullptr) {
-    check(a.num_query_tokens == a.num_seqs, "decode needs num_query_tokens == num_seqs");
+    VPAGE_CHECK(a.num_query_tokens == a.num_seqs, op << ": decode needs num_query_tokens == num_seqs");
   } else {
-    check(a.query_start_loc[0] == 0, "query_start_loc[0] must be 0");
-    check(a.query_start_loc[a.num_seqs] == a.num_query_tokens,
-          "query_start_loc[num_seqs] must equal num_query_tokens (" + std::to_string(a.num_query_tokens) + ")");
+    VPAGE_CHECK(a.query_start_loc[0] == 0, op << ": query_start_loc[0] must be 0");
+    VPAGE_CHECK(a.query_start_loc[a.num_seqs] == a.num_query_tokens,
+                op << ": query_start_loc[num_seqs] must equal num_query_tokens (" << a.num_query_tokens << ")");
   }
-  // Messages are only built on failure: this loop runs once per sequence and call.
+  // VPAGE_CHECK builds its message only on failure: this loop runs once per sequence and call.
   int32_t longest = 0;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t len = a.context_lens[s];
-    const auto where = [s] { return " (sequence " + std::to_string(s) + ")"; };
-    if (len < 0 || static_cast<int64_t>(len) > static_cast<int64_t>(a.max_blocks_per_seq) * c.block_size) {
-      check(false, "context length " + std::to_string(len) + " outside [0, max_blocks_per_seq * block_size]" + where());
-    }
-    if (len > a.max_context_len) {
-      check(false, "context length " + std::to_string(len) + " exceeds max_context_len " +
-                       std::to_string(a.max_context_len) + where());
-    }
+    VPAGE_CHECK(len >= 0 && static_cast<int64_t>(len) <= static_cast<int64_t>(a.max_blocks_per_seq) * c.block_size,
+                op << ": context length " << len << " outside [0, max_blocks_per_seq * block_size] (sequence " << s
+                   << ")");
+    VPAGE_CHECK(len <= a.max_context_len, op << ": context length " << len << " exceeds max_context_len "
+                                             << a.max_context_len << " (sequence " << s << ")");
     if (a.query_start_loc != nullptr) {
       const int32_t queries = a.query_start_loc[s + 1] - a.query_start_loc[s];
-      if (queries < 0) check(false, "query_start_loc must be non-decreasing" + where());
-      if (queries > len) {
-        check(false, "more query tokens (" + std::to_string(queries) + ") than context length (" +
-                         std::to_string(len) + ")" + where());
-      }
+      VPAGE_CHECK(queries >= 0, op << ": query_start_loc must be non-decreasing (sequence " << s << ")");
+      VPAGE_CHECK(queries <= len, op << ": more query tokens (" << queries << ") than context length (" << len
+                                     << ") (sequence " << s << ")");
     }
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
     const int32_t used = (len + c.block_size - 1) / c.block_size;
     for (int32_t b = 0; b < used; ++b) {
-      if (table[b] < 0 || table[b] >= c.num_blocks) {
-        check(false, "block id " + std::to_string(table[b]) + " out of range [0, " + std::to_string(c.num_blocks) +
-                         ")" + where() + ", logical block " + std::to_string(b));
-      }
+      VPAGE_CHECK(table[b] >= 0 && table[b] < c.num_blocks,
+                  op << ": block id " << table[b] << " out of range [0, " << c.num_blocks << ") (sequence " << s
+                     << "), logical block " << b);
     }
     longest = std::max(longest, len);
   }

@@ -4,13 +4,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 #include "attention_task.h"
 #include "quant_task.h"
 #include "thread_pool.h"
+#include "vpage/common.h"
 #include "vpage/kernels/half.h"
 #include "vpage/kernels/quant_matmul.h"
 
@@ -136,24 +135,18 @@ const QuantKernels& selected_quant_kernels() {
 }
 
 void check_args(const QuantMatmulArgs& a) {
-  if (!quant_type_supported(static_cast<int32_t>(a.type))) {
-    throw std::invalid_argument("quant_matmul: unsupported quantization type " +
-                                std::to_string(static_cast<int32_t>(a.type)) +
-                                " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
-  }
-  if (a.dtype != DType::kFloat32 && a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) {
-    throw std::invalid_argument("quant_matmul: unknown dtype code " + std::to_string(static_cast<int>(a.dtype)));
-  }
+  VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
+              "quant_matmul: unsupported quantization type " << static_cast<int32_t>(a.type)
+                                                             << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
+  VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
+              "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
   const int32_t block = quant_block_values(a.type);
-  if (a.m < 0 || a.n < 0 || a.k <= 0 || a.k % block != 0 || a.x_stride < a.k || a.out_stride < a.n) {
-    throw std::invalid_argument("quant_matmul: bad sizes (m " + std::to_string(a.m) + ", n " + std::to_string(a.n) +
-                                ", k " + std::to_string(a.k) + " must be a positive multiple of " +
-                                std::to_string(block) + ", x_stride " + std::to_string(a.x_stride) +
-                                ", out_stride " + std::to_string(a.out_stride) + ")");
-  }
-  if ((a.m > 0 && (a.x == nullptr || a.out == nullptr)) || (a.n > 0 && a.weight == nullptr)) {
-    throw std::invalid_argument("quant_matmul: null pointer");
-  }
+  VPAGE_CHECK(a.m >= 0 && a.n >= 0 && a.k > 0 && a.k % block == 0 && a.x_stride >= a.k && a.out_stride >= a.n,
+              "quant_matmul: bad sizes (m " << a.m << ", n " << a.n << ", k " << a.k << " must be a positive multiple of "
+                                            << block << ", x_stride " << a.x_stride << ", out_stride " << a.out_stride
+                                            << ")");
+  VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
+              "quant_matmul: null pointer");
 }
 
 // x as float32 rows: args.x itself, or a converted copy in `buffer`.
@@ -245,10 +238,9 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
 }
 
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out) {
-  if (!quant_type_supported(static_cast<int32_t>(type)) || rows < 0 || k <= 0 || k % quant_block_values(type)) {
-    throw std::invalid_argument("quant_dequantize_rows: bad type " + std::to_string(static_cast<int32_t>(type)) +
-                                " or sizes (rows " + std::to_string(rows) + ", k " + std::to_string(k) + ")");
-  }
+  VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(type)) && rows >= 0 && k > 0 && k % quant_block_values(type) == 0,
+              "quant_dequantize_rows: bad type " << static_cast<int32_t>(type) << " or sizes (rows " << rows << ", k "
+                                                 << k << ")");
   selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
 }
 

@@ -4,11 +4,10 @@
 #include "vpage/kernels/rotary.h"
 
 #include <algorithm>
-#include <stdexcept>
-#include <string>
 
 #include "target_clones.h"
 #include "thread_pool.h"
+#include "vpage/common.h"
 #include "vpage/kernels/half.h"
 
 namespace vpage::cpu {
@@ -47,17 +46,13 @@ void rotate_16(uint16_t* row, const float* cos, const float* sin, int32_t num_he
 }  // namespace
 
 void rotary_embedding(const RotaryArgs& args, int num_threads) {
-  if (args.head_size <= 0 || args.head_size % 2 || args.num_heads < 0 || args.num_tokens < 0 ||
-      args.row_stride < static_cast<int64_t>(args.num_heads) * args.head_size) {
-    throw std::invalid_argument("rotary_embedding: bad sizes (head_size " + std::to_string(args.head_size) +
-                                ", num_heads " + std::to_string(args.num_heads) + ", row_stride " +
-                                std::to_string(args.row_stride) + ")");
-  }
+  VPAGE_CHECK(args.head_size > 0 && args.head_size % 2 == 0 && args.num_heads >= 0 && args.num_tokens >= 0 &&
+                  args.row_stride >= static_cast<int64_t>(args.num_heads) * args.head_size,
+              "rotary_embedding: bad sizes (head_size " << args.head_size << ", num_heads " << args.num_heads
+                                                        << ", row_stride " << args.row_stride << ")");
   for (int64_t t = 0; t < args.num_tokens; ++t) {
-    if (args.positions[t] < 0 || args.positions[t] >= args.max_position) {
-      throw std::invalid_argument("rotary_embedding: position " + std::to_string(args.positions[t]) +
-                                  " outside [0, " + std::to_string(args.max_position) + ")");
-    }
+    VPAGE_CHECK(args.positions[t] >= 0 && args.positions[t] < args.max_position,
+                "rotary_embedding: position " << args.positions[t] << " outside [0, " << args.max_position << ")");
   }
   const int64_t num_tasks = (args.num_tokens + kTokensPerTask - 1) / kTokensPerTask;
   const int32_t half = args.head_size / 2;

@@ -7,12 +7,11 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
-#include <string>
 
 #include "exp_approx.h"
 #include "target_clones.h"
 #include "thread_pool.h"
+#include "vpage/common.h"
 
 namespace vpage::cpu {
 namespace {
@@ -128,11 +127,9 @@ void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
 }  // namespace
 
 void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads) {
-  if (args.num_rows < 0 || args.vocab <= 0 || args.row_stride < args.vocab) {
-    throw std::invalid_argument("logsumexp_argmax: bad sizes (num_rows " + std::to_string(args.num_rows) +
-                                ", vocab " + std::to_string(args.vocab) + ", row_stride " +
-                                std::to_string(args.row_stride) + ")");
-  }
+  VPAGE_CHECK(args.num_rows >= 0 && args.vocab > 0 && args.row_stride >= args.vocab,
+              "logsumexp_argmax: bad sizes (num_rows " << args.num_rows << ", vocab " << args.vocab << ", row_stride "
+                                                       << args.row_stride << ")");
   ThreadPool::instance().parallel_for(args.num_rows, std::max(num_threads, 1),
                                       [&](int64_t row, int) { one_row(args, row); });
 }

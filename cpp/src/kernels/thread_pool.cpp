@@ -1,5 +1,6 @@
 #include "thread_pool.h"
 
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 
 #include <pthread.h>
@@ -14,7 +15,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -234,13 +234,12 @@ void ThreadPool::parallel_for_on_openmp(int64_t num_tasks, int num_threads, cons
 }
 
 std::string set_thread_source(const std::string& source) {
+  VPAGE_CHECK(source == "own" || source == "openmp",
+              "set_thread_source: expected 'own' or 'openmp', got '" << source << "'");
   ThreadPool& pool = ThreadPool::instance();
-  if (source == "own") {
-    pool.stop_sharing_openmp();
-    return "";
-  }
   if (source == "openmp") return pool.share_loaded_openmp();
-  throw std::invalid_argument("set_thread_source: expected 'own' or 'openmp', got '" + source + "'");
+  pool.stop_sharing_openmp();
+  return "";
 }
 
 }  // namespace vpage::cpu

@@ -1,11 +1,13 @@
 // CPU kernels of vpage_core: the engine's CPU backend, twins of the CUDA kernels with the
 // same cache layout (see kernel_args.h). Vectorised per CPU (the widest instruction set
 // the processor supports is chosen once at run time) and multi-threaded, on vpage's own
-// persistent thread pool or on the process's OpenMP threads (set_thread_source). Broken preconditions throw std::invalid_argument.
+// persistent thread pool or on the process's OpenMP threads (set_thread_source). Broken
+// preconditions throw vpage::CheckError.
 #pragma once
 
 #include <string>
 
+#include "vpage/common.h"
 #include "vpage/kernels/kernel_args.h"
 
 namespace vpage::cpu {
@@ -38,7 +40,7 @@ void swap_blocks(const SwapBlocksArgs& args, int num_threads);
 std::string cpu_isa();
 
 /// Restricts the CPU kernels to `isa` (one of cpu_isa's names, or "auto" = best).
-/// Throws std::invalid_argument when the name is unknown or the CPU lacks the set.
+/// Throws vpage::CheckError when the name is unknown or the CPU lacks the set.
 /// Meant for tests and benchmarks; not thread-safe against running kernels.
 void set_cpu_isa(const std::string& isa);
 
@@ -47,7 +49,7 @@ void set_cpu_isa(const std::string& isa);
 /// that its ops and vpage's kernels share one set of threads instead of contending for the
 /// cores). Returns the OpenMP runtime's file name in use, "" for the own pool ("openmp"
 /// falls back to it when no runtime is loaded). A fork()ed child goes back to the own pool.
-/// Throws std::invalid_argument for another name. Not thread-safe against running kernels.
+/// Throws vpage::CheckError for another name. Not thread-safe against running kernels.
 std::string set_thread_source(const std::string& source);
 
 }  // namespace vpage::cpu

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "vpage/common.h"
 #include "vpage/kernels/kernel_args.h"
 #include "vpage/kernels/quant_matmul.h"
 
@@ -67,9 +68,9 @@ namespace cpu {
 
 /// Runs every layer and the final norm over `batch`, writing the step's K/V into each
 /// layer's cache. Activations live in a per-thread workspace reused across calls.
-/// Throws std::invalid_argument on inconsistent sizes, or what a kernel throws on a bad
-/// index (position, slot, block id); `out` and the step's cache slots are then unspecified,
-/// as after a failing layer-by-layer forward.
+/// Throws vpage::CheckError on inconsistent sizes or on a bad index a kernel meets
+/// (position, slot, block id); `out` and the step's cache slots are then unspecified, as
+/// after a failing layer-by-layer forward.
 void decoder_forward(const DecoderShape& shape, const DecoderLayerWeights* layers, int32_t num_layers,
                      const DecoderBatch& batch, int num_threads);
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "vpage/common.h"
 #include "vpage/kernels/kernel_args.h"
 
 namespace vpage {
@@ -37,12 +38,12 @@ namespace cpu {
 
 /// Per row: (residual = dtype(residual + x);) inv = 1 / sqrt(mean(src^2) + eps) in float32;
 /// out = dtype(dtype(src * inv) * weight). Multi-threaded over token ranges.
-/// Throws std::invalid_argument on bad sizes.
+/// Throws vpage::CheckError on bad sizes.
 void rms_norm(const RmsNormArgs& args, int num_threads);
 
 /// s = dtype(a / (1 + exp(-a))), out = dtype(s * b) (torch's silu then mul); exp by a
 /// polynomial within ~1 ulp of expf. Multi-threaded over token ranges.
-/// Throws std::invalid_argument on bad sizes.
+/// Throws vpage::CheckError on bad sizes.
 void silu_and_mul(const SiluAndMulArgs& args, int num_threads);
 
 }  // namespace cpu

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "vpage/common.h"
 #include "vpage/kernels/kernel_args.h"
 
 namespace vpage {
@@ -74,11 +75,11 @@ constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 /// 32 (AVX-512: 64) weight rows is dequantized once per 2048 rows of x, transposed, and an
 /// outer-product FMA micro-kernel runs over it. Threads: one task per block of weight rows (output columns).
 /// 16-bit x is converted to float32 first.
-/// Throws std::invalid_argument on a bad type, dtype or sizes.
+/// Throws vpage::CheckError on a bad type, dtype or sizes.
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 
 /// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
-/// (embedding lookups, tests). Single-threaded. Throws std::invalid_argument on bad sizes.
+/// (embedding lookups, tests). Single-threaded. Throws vpage::CheckError on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
 /// Sets the most rows the integer GEMM path takes (default kQuantIntegerGemmMaxRows; up to

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "vpage/common.h"
 #include "vpage/kernels/kernel_args.h"
 
 namespace vpage {
@@ -26,7 +27,7 @@ struct RotaryArgs {
 
 namespace cpu {
 
-/// Multi-threaded over token ranges. Throws std::invalid_argument on bad sizes or positions.
+/// Multi-threaded over token ranges. Throws vpage::CheckError on bad sizes or positions.
 void rotary_embedding(const RotaryArgs& args, int num_threads);
 
 }  // namespace cpu

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "vpage/common.h"
+
 namespace vpage {
 
 /// Rows of float32 logits [num_rows, vocab] (columns contiguous, rows `row_stride` apart).
@@ -24,7 +26,7 @@ namespace cpu {
 /// with exp by a polynomial within ~1 ulp of expf (float32 lanes, so within a few 1e-7
 /// relative of a float64 logsumexp). A row of -inf gives -inf and index 0; a row holding +inf
 /// gives +inf; a row holding NaN gives NaN and the first NaN's index. One row per task,
-/// multi-threaded over rows. Throws std::invalid_argument on bad sizes.
+/// multi-threaded over rows. Throws vpage::CheckError on bad sizes.
 void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads);
 
 }  // namespace cpu
