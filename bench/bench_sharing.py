@@ -77,7 +77,7 @@ def make_engine(args, **kwargs):
 
 def private_blocks(engine) -> int:
     """Blocks the running sequences would hold if none were shared (a private copy each)."""
-    scheduler, bs, total = engine.scheduler, engine.args.block_size, 0
+    scheduler, bs, total = engine.scheduler, engine.config.cache.block_size, 0
     for request_id in engine.requests:
         group = scheduler.find_group(request_id)
         for i in range(group.num_seqs if group else 0):
@@ -183,7 +183,7 @@ def run_prefix(args) -> dict:
 
 def run_swap(args) -> dict:
     from vpage import SamplingParams
-    from vpage.engine.cache_engine import bytes_per_block
+    from vpage.worker.cache_engine import bytes_per_block
 
     rows, reference, engine = [], None, None
     max_model_len = args.swap_pool_blocks * args.block_size  # the small pool must hold one whole sequence

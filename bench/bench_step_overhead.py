@@ -4,6 +4,7 @@ running decode sequences on the default model.
 
     python bench/bench_step_overhead.py --batch 64,256 --steps 12
     python bench/bench_step_overhead.py --single-stream      # batch 1: 128 new tokens, tok/s
+    python bench/bench_step_overhead.py --long 4096          # one request: overhead per token over its life
 
 Each batch size gets its own engine; N requests with 32-token prompts and long outputs are
 run until every one of them decodes, then --steps steps are timed. The model's forward
@@ -25,6 +26,47 @@ from vpage import SamplingParams, _core
 from vpage.engine import EngineArgs, LLMEngine
 
 PARTS = ("schedule", "sampling rows", "sample", "process outputs", "model")
+
+
+def _runner(engine):
+    """The model runner (engines before the worker package kept it as ``engine.runner``)."""
+    executor = getattr(engine, "executor", None)
+    return executor.driver_worker.model_runner if hasattr(executor, "driver_worker") else engine.runner
+
+
+def _params(**kwargs):
+    """SamplingParams with ``output_kind`` when this vpage has it (older ones were cumulative)."""
+    kind = kwargs.pop("output_kind", None)
+    if kind is not None and "output_kind" in SamplingParams.__dataclass_fields__:
+        from vpage.sampling_params import RequestOutputKind
+
+        kwargs["output_kind"] = RequestOutputKind[kind]
+    return SamplingParams(**kwargs)
+
+
+def long_request(args) -> None:
+    """One request of --long tokens (32-token prompt, greedy, ignore_eos): the time outside the
+    model per generated token, over the first and the last 512 decode steps."""
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
+                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+    params = _params(temperature=0.0, max_tokens=args.long, ignore_eos=True, output_kind=args.output_kind)
+    engine.add_request("long", [100 + (7 * j) % 9000 for j in range(32)], params)
+    totals: dict = defaultdict(float)
+    runner = _runner(engine)
+    runner.execute = timed(totals, "model", runner.execute)
+    overhead = []
+    for _ in range(args.long + 1):
+        if not engine.has_unfinished_requests():
+            break
+        model_before = totals["model"]
+        t0 = time.perf_counter()
+        engine.step()
+        overhead.append(time.perf_counter() - t0 - (totals["model"] - model_before))
+    decode = overhead[1:]  # the first step is the prefill
+    window = min(512, len(decode) // 2)
+    first, last = decode[:window], decode[-window:]
+    print(f"| {args.long} | {args.output_kind or 'cumulative'} | {1e6 * statistics.mean(first):.1f} | "
+          f"{1e6 * statistics.mean(last):.1f} | {statistics.mean(last) / statistics.mean(first):.2f} |", flush=True)
 
 
 def timed(store: dict, name: str, fn):
@@ -52,7 +94,7 @@ def measure(batch: int, steps: int, args) -> dict:
         prefill_done = prefill_done + 1 if not waiting and engine.scheduler.stats.num_prefill_tokens == before else 0
     totals: dict = defaultdict(float)
     engine.scheduler = engine.outputs.scheduler = _Timed(engine.scheduler, totals)
-    engine.runner.execute = timed(totals, "model", engine.runner.execute)
+    _runner(engine).execute = timed(totals, "model", _runner(engine).execute)
     engine.sampler.sample = timed(totals, "sample", engine.sampler.sample)
     engine.outputs.sampling_rows = timed(totals, "sampling rows", engine.outputs.sampling_rows)
     engine.outputs.process = timed(totals, "process outputs", engine.outputs.process)
@@ -76,8 +118,8 @@ def single_stream(args) -> None:
         engine.add_request(f"r{rep}", [100 + (7 * j) % 9000 for j in range(32)], params)
         engine.step()  # prefill + first token
         totals: dict = defaultdict(float)
-        execute, sample, process = engine.runner.execute, engine.sampler.sample, engine.outputs.process
-        engine.runner.execute = timed(totals, "model", execute)
+        execute, sample, process = _runner(engine).execute, engine.sampler.sample, engine.outputs.process
+        _runner(engine).execute = timed(totals, "model", execute)
         engine.sampler.sample = timed(totals, "sample", sample)
         engine.outputs.process = timed(totals, "process outputs", process)
         steps = 0
@@ -86,7 +128,7 @@ def single_stream(args) -> None:
             engine.step()
             steps += 1
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        engine.runner.execute, engine.sampler.sample, engine.outputs.process = execute, sample, process
+        _runner(engine).execute, engine.sampler.sample, engine.outputs.process = execute, sample, process
         other = wall - sum(totals.values())
         print(f"| 1 | {args.new_tokens} | {steps / wall:.1f} | {1e3 * wall / steps:.2f} | {1e3 * cpu / steps:.2f} | "
               f"{1e3 * totals['model'] / steps:.2f} | {1e3 * totals['sample'] / steps:.2f} | "
@@ -115,12 +157,20 @@ def main() -> None:
     parser.add_argument("--single-stream", action="store_true", help="batch 1 decode tokens/s instead")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--long", type=int, default=0, help="one request of this many tokens instead")
+    parser.add_argument("--output-kind", default=None, choices=["CUMULATIVE", "DELTA", "FINAL_ONLY"],
+                        help="--long: the RequestOutputKind asked for (default: SamplingParams')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"# {cpu}, vpage ISA {_core.cpu_isa()}, {args.threads} threads, torch {torch.__version__}, "
           f"dtype {args.dtype}, quantization {args.quantization}")
+    if args.long:
+        print("| tokens | output kind | non-model us/token, first 512 | last 512 | last / first |")
+        print("|---:|---|---:|---:|---:|")
+        long_request(args)
+        return
     if args.single_stream:
         print("| seqs | new tokens | decode tok/s | wall ms/step | process CPU ms/step | model ms/step | "
               "sample ms/step | process outputs ms/step | rest ms/step |")

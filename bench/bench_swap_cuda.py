@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from vpage.engine.cache_engine import CacheEngine, bytes_per_block
+from vpage.worker.cache_engine import CacheEngine, bytes_per_block
 from vpage.model_executor.loader.model_loader import load_model
 
 

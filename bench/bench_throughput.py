@@ -57,7 +57,7 @@ def run_vpage(args) -> dict:
     for i, (prompt, out_len) in enumerate(trace):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
         reserved[str(i)] = len(prompt) + out_len
-    scheduler, bs = engine.scheduler, engine.args.block_size
+    scheduler, bs = engine.scheduler, engine.config.cache.block_size
     max_len = engine.max_model_len
     util, oracle, maxres, output_tokens = [], [], [], 0
     while engine.has_unfinished_requests():

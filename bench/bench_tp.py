@@ -132,7 +132,7 @@ def allreduce_alone(size: int, transport: str, runs, repeat: int = 5) -> list[fl
     ``transport`` (shm or gloo): the transfer cost without waiting for a slower rank."""
     import multiprocessing as mp
 
-    from vpage.executor.base import free_port
+    from vpage.executor.tensor_parallel import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -43,12 +43,67 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """State of a request after a step: all its outputs so far (cumulative, not deltas)."""
+    """A request after a step. Its completions are cumulative, deltas (what the step added;
+    only the completions that changed) or final, as ``SamplingParams.output_kind`` asked."""
 
     request_id: str
     prompt: Optional[str]
-    prompt_token_ids: list[int]
+    prompt_token_ids: Optional[list[int]]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class _CompletionParts:
+    """One completion's pieces, appended as deltas arrive."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[list[dict[int, Logprob]]] = None
+        self.last: Optional[CompletionOutput] = None  # the latest delta (reasons, cumulative logprob)
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.last = delta
+
+    def output(self) -> CompletionOutput:
+        last = self.last
+        return CompletionOutput(self.index, "".join(self.text), self.token_ids, last.cumulative_logprob,
+                                self.logprobs, last.finish_reason, last.stop_reason)
+
+
+class OutputAccumulator:
+    """Adds up a request's DELTA outputs; ``output()`` is what they add up to (a cumulative
+    output; ``request_id``'s prompt ids as given). Linear in what arrives."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Optional[list[int]] = None):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self._parts: dict[int, _CompletionParts] = {}
+        self._last: Optional[RequestOutput] = None
+
+    @property
+    def empty(self) -> bool:
+        return self._last is None
+
+    def add(self, delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            parts = self._parts.get(c.index)
+            if parts is None:
+                parts = self._parts[c.index] = _CompletionParts(c.index)
+            parts.add(c)
+        self._last = delta
+
+    def output(self) -> RequestOutput:
+        last = self._last
+        completions = [self._parts[i].output() for i in sorted(self._parts)]
+        return RequestOutput(self.request_id, last.prompt, self.prompt_token_ids, completions, last.finished,
+                             last.metrics, last.num_cached_tokens)

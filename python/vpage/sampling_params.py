@@ -9,6 +9,19 @@ from typing import Union
 _GREEDY_EPS = 1e-5
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step the request advances; DELTA: only what
+    the step added (new text, token ids, logprobs), the finish reason once; FINAL_ONLY: one
+    output, when the request finishes. Requests whose answers are chosen at the end (beam
+    search, best_of > n) report only when they finish under DELTA and FINAL_ONLY."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     """How the sampler picks tokens for a request."""
 
@@ -47,6 +60,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.best_of is None:
@@ -101,6 +115,9 @@ class SamplingParams:
               f"stop strings must be non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        check(self.output_kind in tuple(RequestOutputKind),
+              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     def _verify_beam_search(self) -> None:
         if self.best_of == 1:

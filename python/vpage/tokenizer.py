@@ -54,8 +54,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids)
-        self.output_text = ""
+        # Only the last _CONTEXT_TOKENS prompt tokens are ever decoded again.
+        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._read_offset = len(self.token_ids)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
         self._decode = _backend_decoder(tokenizer, skip_special_tokens) or self._decode_slow
@@ -73,9 +73,10 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text) :]
-        self._prefix_offset = max(len(self.token_ids) - _CONTEXT_TOKENS, self._read_offset)
+        # Forget the tokens no later window reads, so memory and slicing stay constant.
+        del self.token_ids[:max(len(self.token_ids) - _CONTEXT_TOKENS, self._read_offset)]
         self._read_offset = len(self.token_ids)
-        self.output_text += delta
+        self._prefix_offset = 0
         return delta
 
 
@@ -84,16 +85,16 @@ class StopStringMatcher:
 
     ``feed`` returns the text that is safe to stream: on a match the text is cut before the
     stop string (or after it with ``include_stop_str_in_output``); otherwise a tail that
-    could still grow into a stop string is held back until it can be decided.
+    could still grow into a stop string is held back until it can be decided. Only that
+    held-back tail is kept (a match always starts inside it or in the new delta), so each
+    feed costs the delta and the stop strings' lengths, not the text so far.
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False):
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.text = ""  # all accepted text, cut at the stop string once matched
         self.stop_str: str | None = None  # the stop string that matched, if any
-        self._streamed = 0  # characters of ``text`` already returned by feed/flush
-        self._max_len = max((len(s) for s in self.stop), default=0)
+        self._held = ""  # text not streamed yet: a tail that may begin a stop string
 
     @property
     def stopped(self) -> bool:
@@ -105,38 +106,33 @@ class StopStringMatcher:
         if self.stopped or not delta:
             return ""
         if not self.stop:  # nothing to match or hold back
-            self.text += delta
-            self._streamed = len(self.text)
             return delta
-        start = max(len(self.text) - self._max_len + 1, 0)
-        self.text += delta
-        match = self._earliest_match(start)
+        text = self._held + delta
+        match = self._earliest_match(text)
         if match is not None:
             index, stop_str = match
             self.stop_str = stop_str
-            self.text = self.text[: index + len(stop_str) if self.include_stop_str_in_output else index]
-            return self.flush()
-        end = len(self.text) - self._partial_match_len()
-        out = self.text[self._streamed : max(end, self._streamed)]
-        self._streamed += len(out)
-        return out
+            self._held = ""
+            return text[: index + len(stop_str) if self.include_stop_str_in_output else index]
+        keep = self._partial_match_len(text)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """Return the held-back text (call when generation ends for another reason)."""
-        out = self.text[self._streamed :]
-        self._streamed = len(self.text)
+        out, self._held = self._held, ""
         return out
 
-    def _earliest_match(self, start: int) -> tuple[int, str] | None:
-        found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+        found = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
         return min(found, default=None, key=lambda m: (m[0], -len(m[1])))
 
-    def _partial_match_len(self) -> int:
+    def _partial_match_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
         best = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
                     best = k
                     break
         return best

@@ -1,5 +1,6 @@
 """The engine core in-process (no sockets): a failing step fails only its live requests and
-the engine goes on; and the bounded latency histogram behind get_stats' percentiles."""
+the engine goes on; outputs in every RequestOutputKind agree; and the bounded latency
+histogram behind get_stats' percentiles."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from vpage.engine import EngineArgs, LLMEngine
 from vpage.engine.core_messages import AddRequest, decode, encode
 from vpage.engine.engine_core import EngineCore
 from vpage.engine.latency_histogram import LatencyHistogram
-from vpage.engine.output_delta import DeltaEncoder, OutputAccumulator
-from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vpage.outputs import OutputAccumulator
+from vpage.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +27,23 @@ def core(tmp_path_factory):
 
 
 def add(core: EngineCore, rid: str, max_tokens: int = 4):
-    return core.add(AddRequest(rid, [5, 6, 7], SamplingParams(temperature=0, max_tokens=max_tokens),
-                               time.monotonic()))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
+    return core.add(AddRequest(rid, [5, 6, 7], params, time.monotonic()))
 
 
 def run(core: EngineCore) -> dict:
-    """Steps to the end; the final outputs rebuilt from the deltas that cross the socket."""
+    """Steps to the end; the final outputs the deltas that cross the socket add up to."""
     finished, accumulators = {}, {}
-    while core.engine.has_unfinished_requests():
+    for _ in range(1000):
+        if not core.engine.has_unfinished_requests():
+            break
         for delta in decode(encode(core.step())).outputs:
+            assert delta.prompt_token_ids is None  # the API process has them
             acc = accumulators.setdefault(delta.request_id, OutputAccumulator(delta.request_id, [5, 6, 7]))
-            out = acc.apply(delta)
-            if out.finished:
-                finished[out.request_id] = out
+            acc.add(delta)
+            if delta.finished:
+                finished[delta.request_id] = acc.output()
+    assert not core.engine.has_unfinished_requests()
     return finished
 
 
@@ -73,9 +78,55 @@ def test_a_step_failing_before_anything_runs_fails_every_live_request(core, monk
 
 
 def test_a_refused_request_is_a_400_and_changes_nothing(core):
-    error = core.add(AddRequest("bad", [10**6], SamplingParams(), time.monotonic()))
+    delta = SamplingParams(output_kind=RequestOutputKind.DELTA)
+    error = core.add(AddRequest("bad", [10**6], delta, time.monotonic()))
     assert error.status == 400 and "out of range" in error.message
-    assert not core.engine.has_unfinished_requests() and "bad" not in core.live
+    error = core.add(AddRequest("cumulative", [5], SamplingParams(), time.monotonic()))
+    assert error.status == 400 and "DELTA" in error.message
+    assert not core.engine.has_unfinished_requests() and not ({"bad", "cumulative"} & core.live)
+
+
+def _drain(engine: LLMEngine) -> list:
+    outputs = []
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            return outputs
+        outputs += engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=12, logprobs=2),
+    dict(temperature=1.0, seed=3, n=3, max_tokens=10, logprobs=1, stop=["ab"], min_tokens=2),
+])
+def test_output_kinds_agree_and_deltas_carry_only_news(core, params):
+    engine = core.engine
+    finals = {}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, [5, 6, 7, 8], SamplingParams(output_kind=kind, **params))
+        outputs = _drain(engine)
+        assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outputs) == 1
+            finals[kind] = outputs[0]
+        elif kind == RequestOutputKind.CUMULATIVE:
+            finals[kind] = outputs[-1]
+        else:
+            acc = OutputAccumulator(kind.name, [5, 6, 7, 8])
+            seen: dict[int, int] = {}
+            for out in outputs:
+                for c in out.outputs:
+                    # a decode step adds one token per sequence; nothing sent before is repeated
+                    assert len(c.token_ids) <= 1 and len(c.logprobs) == len(c.token_ids)
+                    seen[c.index] = seen.get(c.index, 0) + len(c.token_ids)
+                acc.add(out)
+            finals[kind] = acc.output()
+            assert seen == {c.index: len(c.token_ids) for c in finals[kind].outputs}
+    shapes = {kind: [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                      [sorted(e) for e in c.logprobs]) for c in out.outputs] for kind, out in finals.items()}
+    assert shapes[RequestOutputKind.DELTA] == shapes[RequestOutputKind.CUMULATIVE] == \
+        shapes[RequestOutputKind.FINAL_ONLY]
+    assert len(shapes[RequestOutputKind.DELTA]) == params.get("n", 1)
 
 
 def test_latency_histogram_percentiles_are_close_and_memory_is_fixed():
@@ -96,23 +147,3 @@ def test_latency_histogram_percentiles_are_close_and_memory_is_fixed():
     from vpage.engine.metrics import EngineStats
 
     assert stats_fields <= set(EngineStats.__dataclass_fields__)
-
-
-def test_output_deltas_rebuild_cumulative_outputs_including_resets():
-    def out(texts, tokens, finished=False, logprobs=False):
-        comps = [CompletionOutput(i, t, list(k), -1.0, [{x: Logprob(-0.5)} for x in k] if logprobs else None)
-                 for i, (t, k) in enumerate(zip(texts, tokens))]
-        return RequestOutput("r", None, [], comps, finished, RequestMetrics(0.0))
-
-    steps = [out(["a"], [[1]], logprobs=True), out(["ab"], [[1, 2]], logprobs=True),
-             out(["ab!"], [[1, 2, 3]], logprobs=True),
-             out(["x", "y"], [[7], [8, 9]]),  # a different shape: sent whole
-             out(["xz", "q"], [[7, 4], [5]], finished=True)]  # second sample swapped: reset
-    encoder, acc = DeltaEncoder(), OutputAccumulator("r", [1])
-    for step in steps:
-        delta = decode(encode(encoder.encode(step)))
-        got = acc.apply(delta)
-        assert [(c.text, c.token_ids) for c in got.outputs] == [(c.text, c.token_ids) for c in step.outputs]
-        assert [c.logprobs for c in got.outputs] == [c.logprobs for c in step.outputs]
-    assert [d.reset for d in encoder.encode(steps[1]).completions] == [True]  # forgotten after finishing
-    assert len(encoder.encode(out(["abc"], [[1, 2, 3]])).completions[0].token_ids) == 3

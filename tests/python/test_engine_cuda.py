@@ -18,10 +18,10 @@ import torch
 
 from test_engine_smollm2 import PROMPTS
 from test_ops_cuda import requires_cuda
-from vpage.engine.cache_engine import CacheEngine, bytes_per_block
-from vpage.engine.graph_buckets import (MAX_GRAPH_BATCH, fill_padded_decode, graph_batch_for, graph_batch_sizes,
+from vpage.worker.cache_engine import CacheEngine, bytes_per_block
+from vpage.worker.graph_buckets import (MAX_GRAPH_BATCH, fill_padded_decode, graph_batch_for, graph_batch_sizes,
                                         padded_batch_size)
-from vpage.engine.input_staging import StagingBuffer, StepInputs
+from vpage.worker.input_staging import StagingBuffer, StepInputs
 from vpage.model_executor.config import ModelConfig
 
 
@@ -178,12 +178,12 @@ def _llm(**kwargs):
 @requires_cuda
 def test_cuda_graphs_match_eager_and_are_replayed():
     eager = _llm(enforce_eager=True)
-    assert eager.engine.worker.runner.graphs is None
+    assert eager.engine.executor.driver_worker.model_runner.graphs is None
     expected, expected_three = _greedy(eager), _greedy(eager, PROMPTS[:3])
     del eager
     _free_cuda()
     graphed = _llm()
-    runner = graphed.engine.worker.runner
+    runner = graphed.engine.executor.driver_worker.model_runner
     assert runner.graphs is not None and runner.graphs.sizes == graph_batch_sizes(16)
     assert runner.staging.buffers["input_ids"].host.is_pinned()
     replays = []
@@ -201,7 +201,7 @@ def test_cuda_graphs_match_eager_and_are_replayed():
 def test_cuda_swap_preemption_matches_no_preemption():
     roomy = _llm()
     expected = _greedy(roomy)
-    block_bytes = bytes_per_block(roomy.engine.worker.cache_config, 16)
+    block_bytes = bytes_per_block(roomy.engine.executor.driver_worker.cache_config, 16)
     del roomy
     _free_cuda()
     tight = _llm(kv_cache_memory=20 * block_bytes / 2**30, max_model_len=256, preemption_mode="swap")
@@ -228,12 +228,12 @@ def test_cuda_float32_matches_cpu_engine():
 def test_memory_profiling_sizes_the_cache_and_names_the_knobs():
     _free_cuda()
     llm = _llm(kv_cache_memory=None, gpu_memory_utilization=0.5)
-    cache = llm.engine.cache
+    cache = llm.engine.executor.driver_worker.cache_engine
     total = torch.cuda.get_device_properties(0).total_memory
     assert cache.num_gpu_blocks > 0
-    assert cache.num_gpu_blocks * bytes_per_block(llm.engine.worker.cache_config, 16) <= 0.5 * total
+    assert cache.num_gpu_blocks * bytes_per_block(llm.engine.executor.driver_worker.cache_config, 16) <= 0.5 * total
     assert _greedy(llm, PROMPTS[:2], 8)
-    weights = sum(p.numel() * p.element_size() for p in llm.engine.loaded.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.executor.driver_worker.loaded.model.parameters())
     del llm, cache
     _free_cuda()
     tiny = weights / 4 / total  # a quarter of the weights alone

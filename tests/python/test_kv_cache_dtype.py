@@ -102,9 +102,9 @@ def float32_cache():
 def test_engine_with_a_16_bit_cache(float32_cache, kv_cache_dtype):
     llm = LLM(kv_cache_dtype=kv_cache_dtype, **_ENGINE)
     try:
-        key, _ = llm.engine.cache.gpu_cache[0]
+        key, _ = llm.engine.executor.driver_worker.cache_engine.gpu_cache[0]
         assert key.dtype == getattr(torch, kv_cache_dtype)
-        assert llm.engine.cache.num_gpu_blocks == 2 * float32_cache.engine.cache.num_gpu_blocks
+        assert llm.engine.num_gpu_blocks == 2 * float32_cache.engine.num_gpu_blocks
         params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=5)
         ours = llm.generate(PROMPTS, params, use_tqdm=False)
         reference = float32_cache.generate(PROMPTS, params, use_tqdm=False)
@@ -133,8 +133,8 @@ def test_cli_flag(capsys):
     from vpage.cli import main as cli_main
 
     engine = ["--kv-cache-memory", "0.25", "--device", "cpu", "--dtype", "float32"]
-    assert cli_main(["generate", "The capital of France is", "--max-tokens", "6", "--kv-cache-dtype", "float16",
-                     *engine]) == 0
+    assert cli_main(["generate", "The capital of France is", "--no-chat-template", "--max-tokens", "6",
+                     "--kv-cache-dtype", "float16", *engine]) == 0
     streamed = capsys.readouterr().out
     llm = LLM(kv_cache_dtype="float16", kv_cache_memory=0.25, device="cpu", dtype="float32")
     try:

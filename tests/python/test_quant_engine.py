@@ -37,7 +37,7 @@ def quantized():
 
 
 def test_default_model_is_kept_quantized(quantized):
-    net = quantized.engine.loaded.model
+    net = quantized.engine.executor.driver_worker.loaded.model
     layer = net.model.layers[0]
     assert layer.self_attn.qkv_proj.qtype == "Q4_1" and isinstance(layer.mlp.down_proj, QuantizedLinear)
     assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0"

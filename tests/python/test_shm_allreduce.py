@@ -82,7 +82,7 @@ def _rank_main(rank: int, size: int, port: int, mode: str, job: str, out) -> Non
 
 def launch(size: int, job: str, modes: list[str], expect: int) -> dict:
     """Runs ``job`` on ``size`` spawned ranks; the results of the first ``expect`` to answer, by rank."""
-    from vpage.executor.base import free_port
+    from vpage.executor.tensor_parallel import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

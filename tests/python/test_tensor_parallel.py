@@ -22,7 +22,7 @@ from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams
 from vpage.distributed import parallel_state as ps
 from vpage.distributed.shm_comm import SHM_DIR
-from vpage.executor.base import WorkerDiedError
+from vpage.executor.errors import WorkerDiedError
 
 BS = 8
 PROMPTS = [[5, 9, 17], [3] * 40, list(range(10, 75)), [7, 8], list(range(100, 121))]

@@ -33,8 +33,16 @@ def test_deltas_add_up_to_full_decode(tokenizer, text, prompt):
     ids = tokenizer.encode(text)
     detok, deltas = stream(tokenizer, prompt_ids, ids)
     full = tokenizer.decode(prompt_ids + ids)
-    assert "".join(deltas) == detok.output_text == full[len(tokenizer.decode(prompt_ids)) :]
+    assert "".join(deltas) == full[len(tokenizer.decode(prompt_ids)) :]
     assert all("\ufffd" not in d for d in deltas)
+    assert len(detok.token_ids) <= 8  # a bounded window, however long the text
+
+
+def test_detokenizer_state_stays_bounded_over_a_long_output(tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 200)
+    detok, deltas = stream(tokenizer, tokenizer.encode("Long prompt " * 50), ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert len(detok.token_ids) <= 8
 
 
 def test_multibyte_character_split_over_tokens_is_held_back(tokenizer):
@@ -57,13 +65,13 @@ def test_stop_string_across_deltas():
     assert m.feed("abc S") == "abc "  # "S" could start the stop string: held back
     assert m.feed("TO") == ""
     assert m.feed("P and more") == ""
-    assert m.stopped and m.stop_str == "STOP" and m.text == "abc "
+    assert m.stopped and m.stop_str == "STOP" and m.flush() == ""
 
 
 def test_stop_string_included():
     m = StopStringMatcher(["STOP"], include_stop_str_in_output=True)
     streamed = m.feed("abc ST") + m.feed("OP tail")
-    assert streamed == m.text == "abc STOP"
+    assert streamed == "abc STOP" and m.flush() == ""
 
 
 def test_false_partial_match_is_released():
@@ -71,7 +79,7 @@ def test_false_partial_match_is_released():
     assert m.feed("a </e") == "a "
     assert m.feed("x") == "</e"  # "</ex" is no prefix of "</end>"; "x" may start "xyz"
     assert m.feed("tra") == "xtra"
-    assert m.text == "a </extra" and m.flush() == "" and not m.stopped
+    assert m.flush() == "" and not m.stopped
 
 
 def test_earliest_stop_wins_and_flush_releases_tail():
@@ -80,7 +88,7 @@ def test_earliest_stop_wins_and_flush_releases_tail():
     assert m.stop_str == "lo w"
     m = StopStringMatcher(["\n\n"])
     assert m.feed("line\n") == "line"
-    assert m.flush() == "\n" and m.text == "line\n"
+    assert m.flush() == "\n" and m.flush() == ""
 
 
 def test_stop_strings_with_real_tokens(tokenizer):
@@ -92,7 +100,7 @@ def test_stop_strings_with_real_tokens(tokenizer):
         streamed += stop.feed(detok.add_token(t))
         if stop.stopped:
             break
-    assert streamed == stop.text == "The answer is 42"
+    assert streamed == "The answer is 42"
 
 
 class _PlainTokenizer:
@@ -123,4 +131,4 @@ def test_backend_decode_path_equals_transformers_decode(tokenizer, skip):
 def test_no_stop_strings_streams_every_delta():
     m = StopStringMatcher([])
     assert [m.feed(d) for d in ["a", "", "bc S", "TOP"]] == ["a", "", "bc S", "TOP"]
-    assert m.flush() == "" and m.text == "abc STOP" and not m.stopped
+    assert m.flush() == "" and not m.stopped

@@ -1,10 +1,14 @@
 """One engine step as the tensor-parallel workers receive it: a fixed 12-int64 header, then
 one packed int64 payload, each sent with one broadcast from the driver.
 
-The driver packs the scheduler plan's flat buffers (input ids, positions, slot mapping,
-block tables, context lengths, query start offsets, sampled rows) and the block operations
-(swap out, swap in, copy); a worker unpacks them into a ``StepInput`` with the plan's field
-names, which the cache engine and ``ModelRunner`` read like a plan.
+The payload holds the plan's flat buffers (input ids, positions, slot mapping, context lengths,
+query start offsets, sampled rows), the block operations (swap out, swap in, copy) and the
+block tables as a change against the previous step's: both ends keep the last step's tables,
+and for each row the driver sends which previous row it continues (the same sequence), how many
+leading blocks are unchanged, and then only the (position, block id) entries that differ, so a
+steady decode batch sends one entry per sequence every ``block_size`` tokens instead of every
+table every step. Only the first ``ceil(context_len / block_size)`` entries of a row are
+meaningful (the kernels read no others); the worker's tables hold zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from vpage.distributed.parallel_state import broadcast
 CMD_STEP, CMD_SHUTDOWN = 1, 2
 HEADER_LEN = 12
 # Order of the payload's parts; the header gives their sizes.
-_FLAT = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc",
-         "sample_token_indices", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
-_INT32 = ("block_tables", "context_lens", "query_start_loc")
+_FLAT = ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_token_indices",
+         "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+_TABLE = ("prev_rows", "kept_blocks", "entry_index", "entry_block")
+_INT32 = ("context_lens", "query_start_loc")
 
 
 @dataclass
@@ -52,38 +57,108 @@ def has_work(plan) -> bool:
                 or len(plan.blocks_to_copy))
 
 
-def send_step(plan, device: torch.device) -> None:
-    """Driver: broadcasts ``plan`` (a SchedulePlan) to the workers (header, then payload)."""
-    parts = [np.asarray(getattr(plan, name)) for name in _FLAT]
-    rows, width = plan.block_tables.shape
-    header = [CMD_STEP, len(parts[0]), rows, width, len(parts[6]), len(parts[7]), len(parts[8]), len(parts[9]),
-              plan.max_context_len, plan.max_query_len, 0, 0]
-    broadcast(torch.tensor(header, dtype=torch.int64, device=device), control=True)
-    payload = torch.from_numpy(np.concatenate([p.reshape(-1).astype(np.int64, copy=False) for p in parts]))
-    broadcast(payload.to(device), control=False)
+def _used_blocks(context_lens: np.ndarray, block_size: int) -> np.ndarray:
+    return (context_lens.astype(np.int64) + block_size - 1) // block_size
+
+
+class StepSender:
+    """Driver side: packs plans against the tables of the last step it sent."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.device = device
+        self.block_size = block_size
+        self._seq_ids = np.empty(0, dtype=np.int64)
+        self._tables = np.empty((0, 0), dtype=np.int32)
+        self._used = np.empty(0, dtype=np.int64)
+
+    def _table_change(self, seq_ids: np.ndarray, tables: np.ndarray, used: np.ndarray) -> list[np.ndarray]:
+        rows, width = tables.shape
+        prev_rows = np.full(rows, -1, dtype=np.int64)
+        kept = np.zeros(rows, dtype=np.int64)
+        common = min(width, self._tables.shape[1])
+        if len(self._seq_ids) and rows and common:
+            order = np.argsort(self._seq_ids, kind="stable")
+            at = np.minimum(np.searchsorted(self._seq_ids[order], seq_ids), len(order) - 1)
+            found = self._seq_ids[order[at]] == seq_ids
+            prev_rows = np.where(found, order[at], -1)
+            source = np.maximum(prev_rows, 0)
+            limit = np.where(found, np.minimum(np.minimum(used, self._used[source]), common), 0)
+            same = (tables[:, :common] == self._tables[source, :common]) & (np.arange(common) < limit[:, None])
+            kept = np.where(same.all(axis=1), common, same.argmin(axis=1))
+            kept = np.minimum(kept, limit)
+        columns = np.arange(width)
+        send = (columns >= kept[:, None]) & (columns < used[:, None])
+        index = np.flatnonzero(send)
+        return [prev_rows, kept, index.astype(np.int64), tables.reshape(-1)[index].astype(np.int64)]
+
+    def pack(self, plan) -> tuple[list[int], np.ndarray]:
+        """(header, payload) of ``plan``; remembers its tables for the next step."""
+        parts = [np.asarray(getattr(plan, name)) for name in _FLAT]
+        tables = np.asarray(plan.block_tables)
+        seq_ids = np.asarray(plan.seq_ids, dtype=np.int64)
+        used = _used_blocks(np.asarray(plan.context_lens), self.block_size)
+        table_parts = self._table_change(seq_ids, tables, used)
+        rows, width = tables.shape
+        header = [CMD_STEP, len(parts[0]), rows, width, len(parts[5]), len(parts[6]), len(parts[7]), len(parts[8]),
+                  len(table_parts[2]), plan.max_context_len, plan.max_query_len, 0]
+        payload = np.concatenate([p.reshape(-1).astype(np.int64, copy=False) for p in parts + table_parts])
+        self._seq_ids, self._tables, self._used = seq_ids.copy(), tables.copy(), used
+        return header, payload
+
+    def send(self, plan) -> None:
+        """Broadcasts ``plan`` (a SchedulePlan) to the workers: header, then payload."""
+        header, payload = self.pack(plan)
+        broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), control=True)
+        broadcast(torch.from_numpy(payload).to(self.device), control=False)
+
+
+class StepReceiver:
+    """Worker side: unpacks steps, rebuilding the tables from the previous step's."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.device = device
+        self.block_size = block_size
+        self._tables = np.empty((0, 0), dtype=np.int32)
+
+    @staticmethod
+    def payload_size(header: list[int]) -> int:
+        num_tokens, rows, _, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
+        return 3 * num_tokens + 2 * rows + 1 + num_samples + 2 * (n_out + n_in + n_copy) + 2 * rows + 2 * n_entries
+
+    def unpack(self, header: list[int], payload: np.ndarray) -> StepInput:
+        num_tokens, rows, width, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
+        sizes = [num_tokens] * 3 + [rows, rows + 1, num_samples, 2 * n_out, 2 * n_in, 2 * n_copy,
+                                    rows, rows, n_entries, n_entries]
+        arrays = {}
+        offset = 0
+        for name, size in zip(_FLAT + _TABLE, sizes):
+            part = payload[offset:offset + size]
+            offset += size
+            arrays[name] = part.astype(np.int32) if name in _INT32 else part
+        for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
+            arrays[name] = np.ascontiguousarray(arrays[name].reshape(-1, 2))
+        prev_rows, kept = arrays.pop("prev_rows"), arrays.pop("kept_blocks")
+        index, blocks = arrays.pop("entry_index"), arrays.pop("entry_block")
+        tables = np.zeros((rows, width), dtype=np.int32)
+        common = min(width, self._tables.shape[1])
+        if common and rows and len(self._tables):
+            keep = np.arange(common) < kept[:, None]
+            tables[:, :common] = np.where(keep, self._tables[np.maximum(prev_rows, 0), :common], 0)
+        tables.reshape(-1)[index] = blocks
+        self._tables = tables
+        return StepInput(**arrays, block_tables=tables, max_context_len=header[9], max_query_len=header[10])
+
+    def receive(self) -> StepInput | None:
+        """Waits for the next step; None when the driver shuts down."""
+        header = broadcast(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device), control=True).tolist()
+        if header[0] != CMD_STEP:
+            return None
+        payload = broadcast(torch.empty(self.payload_size(header), dtype=torch.int64, device=self.device),
+                            control=False)
+        return self.unpack(header, payload.cpu().numpy())
 
 
 def send_shutdown(device: torch.device) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
     header[0] = CMD_SHUTDOWN
     broadcast(header, control=True)
-
-
-def receive_step(device: torch.device) -> StepInput | None:
-    """Worker: waits for the next step; None when the driver shuts down."""
-    header = broadcast(torch.empty(HEADER_LEN, dtype=torch.int64, device=device), control=True).tolist()
-    if header[0] != CMD_STEP:
-        return None
-    num_tokens, rows, width, num_samples, n_out, n_in, n_copy = header[1:8]
-    sizes = [num_tokens] * 3 + [rows * width, rows, rows + 1, num_samples, 2 * n_out, 2 * n_in, 2 * n_copy]
-    payload = broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=device), control=False).cpu().numpy()
-    arrays = {}
-    offset = 0
-    for name, size in zip(_FLAT, sizes):
-        part = payload[offset:offset + size]
-        offset += size
-        arrays[name] = part.astype(np.int32) if name in _INT32 else part
-    arrays["block_tables"] = arrays["block_tables"].reshape(rows, width)
-    for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
-        arrays[name] = np.ascontiguousarray(arrays[name].reshape(-1, 2))
-    return StepInput(**arrays, max_context_len=header[8], max_query_len=header[9])

@@ -22,9 +22,8 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
 from vpage.engine.engine_core import run_engine_core
-from vpage.engine.output_delta import OutputAccumulator, OutputDelta
-from vpage.outputs import RequestOutput
-from vpage.sampling_params import SamplingParams
+from vpage.outputs import OutputAccumulator, RequestOutput
+from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vpage")
 
@@ -47,41 +46,42 @@ _Ending = Union[None, RequestError, EngineDeadError]  # None: aborted
 
 
 class RequestStream:
-    """The outputs of one engine request, rebuilt from the engine core's deltas. Outputs are
-    cumulative, so only the latest is kept: a slow reader never makes memory grow, it just
-    sees bigger steps."""
+    """The DELTA outputs of one engine request. Deltas that arrive before the reader takes
+    them are added up, so a slow reader sees bigger deltas and memory holds only what it has
+    not read yet."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int]):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self._outputs = OutputAccumulator(request_id, prompt_token_ids)
-        self.latest: Optional[RequestOutput] = None  # the last output handed out or pending
-        self.finished = False
-        self._pending: Optional[RequestOutput] = None
+        self.finished = False  # the engine sent the request's last output
+        self._pending: Optional[OutputAccumulator] = None
+        self._delivered_last = False
         self._ended = False
         self._ending: _Ending = None
         self._event = asyncio.Event()
 
-    def put(self, delta: OutputDelta) -> RequestOutput:
-        """Applies a step's delta; returns the cumulative output."""
-        out = self._pending = self._outputs.apply(delta)
-        self.finished = out.finished
+    def put(self, delta: RequestOutput) -> None:
+        """Queues a step's delta for the reader."""
+        if self._pending is None:
+            self._pending = OutputAccumulator(self.request_id, self.prompt_token_ids)
+        self._pending.add(delta)
+        self.finished = delta.finished
         self._event.set()
-        return out
 
     def end(self, ending: _Ending) -> None:
         self._ended, self._ending = True, ending
         self._event.set()
 
     async def next(self) -> Optional[RequestOutput]:
-        """The next output; None once the stream ended without one (aborted). Raises
+        """What arrived since the last call (a DELTA output), waiting for it; None once the
+        stream is over (after the finished output, or ended without one: aborted). Raises
         RequestFailed or EngineDeadError when the request failed."""
         while True:
             if self._pending is not None:
-                out, self._pending = self._pending, None
-                self.latest = out
+                out, self._pending = self._pending.output(), None
+                self._delivered_last = out.finished
                 return out
-            if self._ended or (self.latest is not None and self.latest.finished):
+            if self._ended or self._delivered_last:
                 if isinstance(self._ending, RequestError):
                     raise RequestFailed(self._ending)
                 if isinstance(self._ending, EngineDeadError):
@@ -92,12 +92,11 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    """Starts and drives the engine-core process. ``on_step(StepOutputs, outputs, now)`` sees
-    every step message and the cumulative outputs rebuilt from it (metrics); ``on_dead(reason)``
-    runs once if the process dies."""
+    """Starts and drives the engine-core process. ``on_step(StepOutputs, now)`` sees every step
+    message (metrics); ``on_dead(reason)`` runs once if the process dies."""
 
     def __init__(self, args: EngineArgs,
-                 on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
+                 on_step: Optional[Callable[[StepOutputs, float], None]] = None,
                  on_dead: Optional[Callable[[str], None]] = None):
         self.args = args
         self.on_step = on_step
@@ -159,6 +158,8 @@ class EngineCoreClient:
                     cache_salt: Optional[str] = None) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if params.output_kind != RequestOutputKind.DELTA:
+            raise ValueError("the engine core streams DELTA outputs: ask SamplingParams(output_kind=DELTA)")
         stream = RequestStream(request_id, prompt_token_ids)
         self._streams[request_id] = stream
         self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt)))
@@ -210,20 +211,19 @@ class EngineCoreClient:
         now = self.last_message = time.monotonic()
         if msg.stats is not None:
             self.stats = msg.stats
-        outputs = []
         for delta in msg.outputs:
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 if delta.finished:
                     del self._streams[delta.request_id]
-                outputs.append(stream.put(delta))
+                stream.put(delta)
         for error in msg.errors:
             stream = self._streams.pop(error.request_id, None)
             if stream is not None:
                 stream.end(error)
         if self.on_step is not None:
             try:
-                self.on_step(msg, outputs, now)
+                self.on_step(msg, now)
             except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
                 logger.exception("vpage: on_step failed")
 

@@ -1,9 +1,8 @@
 """What the API process and the engine-core process send each other over ZeroMQ.
 
 Small dataclasses pickled with the highest protocol: one message per request added or
-aborted, one :class:`StepOutputs` per engine step (every output of the step batched, as
-deltas: see ``output_delta.py``), one
-:class:`CoreReady` at start-up. Both ends are processes of the same vpage install, and
+aborted, one :class:`StepOutputs` per engine step (every output of the step batched: DELTA
+``RequestOutput``s without their prompt), one :class:`CoreReady` at start-up. Both ends are processes of the same vpage install, and
 the sockets live in a private temporary folder, so pickle is safe here.
 """
 
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from vpage.engine.metrics import EngineStats
-from vpage.engine.output_delta import OutputDelta
+from vpage.outputs import RequestOutput
 from vpage.sampling_params import SamplingParams
 
 
@@ -63,9 +62,9 @@ class RequestError:
 class StepOutputs:
     """One step (or an idle heartbeat when ``outputs`` and ``errors`` are empty)."""
 
-    outputs: list[OutputDelta] = field(default_factory=list)
+    outputs: list[RequestOutput] = field(default_factory=list)  # DELTA outputs, prompt_token_ids None
     errors: list[RequestError] = field(default_factory=list)
-    stats: Optional[EngineStats] = None
+    stats: Optional[EngineStats] = None  # only every STATS_INTERVAL_S, and when requests end
     step_start: float = 0.0  # time.monotonic() when the step began
     step_tokens: int = 0  # tokens the step computed (prompt and generated)
 

@@ -3,7 +3,9 @@
 The API process binds two sockets and starts :func:`run_engine_core` in a child process.
 The child pulls :class:`AddRequest` / :class:`AbortRequests` messages, steps the engine
 while it has work, and pushes one :class:`StepOutputs` per step (a heartbeat every
-``HEARTBEAT_S`` when idle). It ignores SIGINT/SIGTERM (the API process drains, then kills
+``HEARTBEAT_S`` when idle). The API process asks for DELTA outputs, so a step's message
+carries what the step added and nothing is rebuilt; engine statistics ride along at most
+every ``STATS_INTERVAL_S``. It ignores SIGINT/SIGTERM (the API process drains, then kills
 it) and dies with its parent, so it is never orphaned.
 """
 
@@ -19,14 +21,15 @@ from typing import Optional
 
 from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
+from vpage.sampling_params import RequestOutputKind
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
                                         decode, encode)
-from vpage.engine.output_delta import DeltaEncoder
 from vpage.executor.errors import WorkerDiedError
 
 logger = logging.getLogger("vpage")
 
 HEARTBEAT_S = 0.5
+STATS_INTERVAL_S = 0.1
 _MAX_FAILED_STEPS = 8  # consecutive failed steps after which the engine is declared dead
 
 
@@ -37,14 +40,15 @@ class EngineCore:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.live: set[str] = set()
-        self.deltas = DeltaEncoder()
         self.failed_steps = 0
-        self._tokens_seen = 0
+        self._stats_at = float("-inf")  # when stats were last computed
 
     def add(self, msg: AddRequest) -> Optional[RequestError]:
         """Queues a request; one the engine refuses comes back as a 400 error, one it fails
         to add (a bug) as a 500."""
         try:
+            if msg.params.output_kind != RequestOutputKind.DELTA:
+                raise ValueError("the engine core streams DELTA outputs only")
             self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
                                     msg.cache_salt)
         except (ValueError, TypeError, OverflowError) as exc:
@@ -59,8 +63,6 @@ class EngineCore:
         ids = [rid for rid in request_ids if rid in self.live]
         self.engine.abort_request(ids)
         self.live.difference_update(ids)
-        for rid in ids:
-            self.deltas.forget(rid)
 
     def step(self) -> StepOutputs:
         """One engine step. If it raises, the requests it was running are aborted and
@@ -79,18 +81,29 @@ class EngineCore:
             failed = self._running_requests()
             self.engine.abort_request(failed)
             self.live.difference_update(failed)
-            for rid in failed:
-                self.deltas.forget(rid)
             message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
             errors = [RequestError(rid, 500, message) for rid in failed]
             outputs = []
+        finished = False
         for out in outputs:
+            out.prompt_token_ids = None  # the API process has them; the message carries only news
             if out.finished:
+                finished = True
                 self.live.discard(out.request_id)
-        stats = self.engine.get_stats()
-        tokens = stats.prefill_tokens + stats.generation_tokens
-        step_tokens, self._tokens_seen = tokens - self._tokens_seen, tokens
-        return StepOutputs([self.deltas.encode(out) for out in outputs], errors, stats, start, step_tokens)
+        step_tokens = self.engine.metrics.last_step_tokens if outputs else 0
+        # Fresh statistics when a request ends or the engine goes idle, so counters that a
+        # client reads right after its answer are complete.
+        stats = self.stats(force=finished or errors or not self.engine.has_unfinished_requests())
+        return StepOutputs(outputs, errors, stats, start, step_tokens)
+
+    def stats(self, force: bool = False):
+        """The engine's statistics when ``STATS_INTERVAL_S`` has passed since the last ones
+        (or ``force``), else None: they are computed on a timer, not every step."""
+        now = time.monotonic()
+        if not force and now - self._stats_at < STATS_INTERVAL_S:
+            return None
+        self._stats_at = now
+        return self.engine.get_stats()
 
 
     def _running_requests(self) -> list[str]:
@@ -143,7 +156,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
         push.close(linger=2000)
         sys.exit(1)
     push.send(encode(CoreReady(engine.tokenizer, engine.max_model_len, engine.max_model_len - 1,
-                               engine.model_config.vocab_size, args.max_num_seqs)))
+                               engine.model_config.vocab_size, engine.config.scheduler.max_num_seqs)))
     _busy_loop(EngineCore(engine), pull, push, parent_pid)
 
 
@@ -157,7 +170,7 @@ def _busy_loop(core: EngineCore, pull, push, parent_pid: int) -> None:
         logger.error("vpage: %s", exc)
         message = "the engine lost a tensor-parallel worker; the server is restarting"
         push.send(encode(StepOutputs(errors=[RequestError(rid, 503, message) for rid in sorted(core.live)],
-                                     stats=core.engine.get_stats(), step_start=time.monotonic())))
+                                     stats=core.stats(force=True), step_start=time.monotonic())))
         push.close(linger=2000)
         sys.exit(1)
 
@@ -185,7 +198,7 @@ def _serve(core: EngineCore, pull, push, parent_pid: int) -> None:
             out.errors = errors + out.errors
         elif errors or time.monotonic() - last_sent >= HEARTBEAT_S:
             core.engine.check_health()  # idle: a dead worker must still take the server down
-            out = StepOutputs(errors=errors, stats=core.engine.get_stats(), step_start=time.monotonic())
+            out = StepOutputs(errors=errors, stats=core.stats(force=True), step_start=time.monotonic())
         else:
             continue
         push.send(encode(out))

@@ -9,23 +9,20 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from vpage import _core, ops
-from vpage.distributed import parallel_state
+from vpage import _core
+from vpage.config import EngineConfig
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.beam_search import BeamSearch
-from vpage.engine.cache_engine import bytes_per_block
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
-from vpage.executor.worker import Worker, max_model_len_of
+from vpage.executor.abstract import Executor
 from vpage.outputs import RequestOutput
 from vpage.sampler import Sampler
 from vpage.sampling_params import SamplingParams
 
 logger = logging.getLogger("vpage")
 
-_GIB = 1 << 30
-_WATERMARK = 0.01  # fraction of device blocks kept free when admitting prompts
 _PREEMPTION = {"auto": _core.PreemptionMode.AUTO, "recompute": _core.PreemptionMode.RECOMPUTE,
                "swap": _core.PreemptionMode.SWAP}
 
@@ -36,63 +33,45 @@ class LLMEngine:
     """Continuous-batching engine over one model.
 
     ``add_request`` tokenizes and hands the prompt to the C++ scheduler; ``step`` runs one
-    scheduled forward (swap/copy blocks, model, sampler, commit) and returns the outputs
-    of the requests that advanced or finished. Bad requests raise ValueError and leave the
+    scheduled forward through the executor (swap/copy blocks, model), samples, commits and
+    returns the outputs of the requests that advanced or finished, each in the shape its
+    ``SamplingParams.output_kind`` asks for. Bad requests raise ValueError and leave the
     engine untouched; a failed step leaves it consistent (nothing was committed).
     """
 
     def __init__(self, args: EngineArgs):
-        self.args = args
+        self.config: EngineConfig = args.create_engine_config()
         torch.manual_seed(args.seed)
-        if args.num_threads is not None:
-            ops.set_num_threads(args.num_threads)
-        self.executor = None
-        if args.tensor_parallel_size > 1:
-            self.executor = make_executor(args)  # validates and starts the ranks; rank 0 is here
-            worker = self.executor.driver
-            num_gpu_blocks, num_cpu_blocks = self.executor.num_gpu_blocks, self.executor.num_cpu_blocks
-        else:
-            with parallel_state.single_rank():
-                worker = Worker(args)
-        self.loaded = worker.loaded
-        self.model_config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
-        self.device = self.loaded.device
-        self.max_model_len = max_model_len_of(args, self.model_config.max_model_len)
-        if not args.enable_chunked_prefill and args.max_num_batched_tokens < self.max_model_len:
-            self.shutdown()
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({args.max_num_batched_tokens}) "
-                             f"must be >= max_model_len ({self.max_model_len})")
-        if self.executor is None:
-            num_gpu_blocks, num_cpu_blocks = worker.num_blocks(self.max_model_len)
-        block_bytes = bytes_per_block(worker.cache_config, args.block_size)
-        blocks_per_seq = math.ceil(self.max_model_len / args.block_size)
-        if num_gpu_blocks < blocks_per_seq:
+        self.executor = Executor.create(self.config)
+        self.model_config = self.executor.model_config
+        self.tokenizer = self.executor.tokenizer
+        self.device = self.executor.device
+        self.max_model_len = self.config.scheduler.max_model_len
+        cache, sched = self.config.cache, self.config.scheduler
+        num_gpu_blocks, num_cpu_blocks = self.executor.num_gpu_blocks, self.executor.num_cpu_blocks
+        if num_gpu_blocks < math.ceil(self.max_model_len / cache.block_size):
             self.shutdown()
             raise ValueError(
-                f"the KV cache holds {num_gpu_blocks * args.block_size} tokens, less than max_model_len "
+                f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than max_model_len "
                 f"{self.max_model_len}: raise {'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'}"
                 " or lower max_model_len")
-        if self.executor is None:
-            worker.init_cache(num_gpu_blocks, num_cpu_blocks)
-        self.worker = worker
-        self.cache = worker.cache
+        self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = _core.Scheduler(
-            _core.SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_num_seqs=args.max_num_seqs, max_model_len=self.max_model_len,
-                                  enable_chunked_prefill=args.enable_chunked_prefill,
-                                  preemption_mode=_PREEMPTION[args.preemption_mode]),
-            _core.BlockManagerConfig(block_size=args.block_size, num_gpu_blocks=num_gpu_blocks,
-                                     num_cpu_blocks=num_cpu_blocks, watermark=_WATERMARK,
-                                     enable_prefix_caching=args.enable_prefix_caching))
-        self.runner = worker.runner
+            _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
+                                  max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+                                  enable_chunked_prefill=sched.enable_chunked_prefill,
+                                  preemption_mode=_PREEMPTION[sched.preemption_mode]),
+            _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
+                                     num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
+                                     enable_prefix_caching=cache.enable_prefix_caching))
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
         logger.info("vpage: %s on %s (%s), KV cache %d blocks x %d tokens (%.1f KiB per block) = %d tokens, "
                     "swap %d blocks, max_model_len %d", self.model_config.architecture, self.device,
-                    str(self.model_config.dtype).removeprefix("torch."), num_gpu_blocks, args.block_size,
-                    block_bytes / 1024, num_gpu_blocks * args.block_size, num_cpu_blocks, self.max_model_len)
+                    str(self.model_config.dtype).removeprefix("torch."), num_gpu_blocks, cache.block_size,
+                    self.executor.block_bytes() / 1024, num_gpu_blocks * cache.block_size, num_cpu_blocks,
+                    self.max_model_len)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -128,9 +107,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
                              "which must leave room for at least one generated token")
-        capacity = self.cache.num_gpu_blocks - math.ceil(_WATERMARK * self.cache.num_gpu_blocks)
-        if math.ceil(len(ids) / self.args.block_size) > capacity:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * self.args.block_size} "
+        block_size = self.config.cache.block_size
+        capacity = self.num_gpu_blocks - math.ceil(self.config.cache.watermark * self.num_gpu_blocks)
+        if math.ceil(len(ids) / block_size) > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * block_size} "
                              "tokens for one request: raise kv_cache_memory")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         eos = [] if params.ignore_eos else self.model_config.eos_token_ids
@@ -161,8 +141,7 @@ class LLMEngine:
     def check_health(self) -> None:
         """Raises WorkerDiedError when a tensor-parallel worker has died (the engine can no
         longer step and must be recreated); a no-op with one rank."""
-        if self.executor is not None:
-            self.executor.check_health()
+        self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.outputs.requests)
@@ -171,6 +150,7 @@ class LLMEngine:
         return len(self.outputs.requests)
 
     def get_stats(self) -> EngineStats:
+        """The engine's statistics, computed now (not kept up to date every step)."""
         return self.metrics.snapshot(self.scheduler)
 
     # --------------------------------------------------------------------- step
@@ -182,21 +162,21 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
-        logits = self.worker.execute(plan) if self.executor is None else self.executor.execute(plan)
+        logits = self.executor.execute(plan)
         seq_ids: list[int] = []
         sampled = None
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
             sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
         outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
-        self.metrics.on_step(time.perf_counter() - start)
+        self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)
         return outputs
 
     # ----------------------------------------------------------------- lifetime
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel workers (idempotent; nothing to do with one rank). The
-        engine cannot step afterwards."""
+        """Stops the executor's workers (idempotent; nothing to stop with one rank). The engine
+        cannot step afterwards."""
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
@@ -206,17 +186,3 @@ class LLMEngine:
             self.shutdown()
         except Exception:  # noqa: BLE001 -- interpreter teardown
             pass
-
-
-def make_executor(args: EngineArgs):
-    """The executor of ``args.distributed_executor_backend`` (configuration checked first)."""
-    if parallel_state.is_active():
-        raise ValueError("another tensor-parallel engine is running in this process: shut it down first "
-                         "(LLMEngine.shutdown)")
-    if args.distributed_executor_backend == "ray":
-        from vpage.executor.ray_executor import RayExecutor
-
-        return RayExecutor(args)
-    from vpage.executor.mp_executor import MPExecutor
-
-    return MPExecutor(args)

@@ -1,5 +1,6 @@
-"""Engine statistics: cheap counters updated once per step, read on demand. Memory is
-constant: latencies go into bounded histograms, not lists."""
+"""Engine statistics: cheap counters updated once per step; the snapshot (with its
+percentiles) is computed only when asked for. Memory is constant: latencies go into bounded
+histograms, not lists."""
 
 from __future__ import annotations
 
@@ -43,11 +44,13 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.step_time = 0.0
         self.generation_tokens = 0
+        self.last_step_tokens = 0  # tokens the last step computed (prompt and generated)
         self.ttft = LatencyHistogram()
         self.tpot = LatencyHistogram()
 
-    def on_step(self, seconds: float) -> None:
+    def on_step(self, seconds: float, num_tokens: int) -> None:
         self.step_time += seconds
+        self.last_step_tokens = num_tokens
 
     def on_generated(self, num_tokens: int) -> None:
         self.generation_tokens += num_tokens

@@ -6,7 +6,8 @@ sequence's status and the stop token id that ended it. This module owns how thos
 read from Python and the rules only Python can check: the min_tokens ban handed to the
 sampler, stop strings over the detokenized text, and the end of a beam search. It is the
 only code that writes a request's per-sequence outputs (tokens, logprobs, text, finish and
-stop reasons) and it builds the step's RequestOutputs.
+stop reasons) and it builds the step's RequestOutputs, in the shape each request asked for
+(``SamplingParams.output_kind``: deltas, cumulative, or only the final one).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class OutputProcessor:
                                              max((len(s.output_token_ids) for s in state.seqs.values()), default=0))
             self._forget(state)
         self.metrics.on_generated(len(commits))
-        return [state.output() for state in touched.values()]
+        outputs = (state.output() for state in touched.values())
+        return [out for out in outputs if out is not None]
 
     def _mark_scheduled(self, plan: _core.SchedulePlan, now: float) -> None:
         """Stamps first_scheduled_time on the requests this step ran for the first time (only
@@ -178,7 +180,7 @@ class OutputProcessor:
         # EOS adds no text; a stop token id only with include_stop_str_in_output.
         if seq.detokenizer is not None and (not stopped_by_token or
                                             (seq.params.include_stop_str_in_output and seq.stop_reason is not None)):
-            seq.text += seq.stop_matcher.feed(seq.detokenizer.add_token(token))
+            seq.add_text(seq.stop_matcher.feed(seq.detokenizer.add_token(token)))
         if status in _FINISH_REASONS:
             seq.finish(_FINISH_REASONS[status])
             return False

@@ -1,6 +1,9 @@
-"""Python-side state of one request: generated tokens, text, stop strings, logprobs.
+"""Python-side state of one request: generated tokens, text, stop strings, logprobs, and the
+outputs it reports in the shape its caller asked for (``RequestOutputKind``).
 
-Plain state: engine/output_processor.py is the only code that writes it during a step."""
+Plain state: engine/output_processor.py is the only code that writes it during a step. Text
+is kept as pieces and joined only when a cumulative or final output is built; a DELTA output
+hands out only what arrived since the last one, so a step costs what it added."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import torch
 from vpage.engine.beam_search import BeamSearch
 from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vpage.sampler import SamplingRow, make_generator
-from vpage.sampling_params import SamplingParams
+from vpage.sampling_params import RequestOutputKind, SamplingParams
 from vpage.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -35,24 +38,50 @@ class SequenceState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
                             if tokenizer is not None else None)
         self.stop_matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
-        self.text = ""
+        self.text_parts: list[str] = []
         self.finish_reason: Optional[str] = None
         self.stop_reason: int | str | None = None
         # A view of the prompt + output for the sampler (penalties).
         self.row = SamplingRow(params, prompt_token_ids, self.output_token_ids)
+        # What earlier DELTA outputs reported: tokens, text pieces, the finish reason.
+        self._sent_tokens = 0
+        self._sent_parts = 0
+        self._sent_finish = False
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def add_text(self, piece: str) -> None:
+        if piece:
+            self.text_parts.append(piece)
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:
-            self.text += self.stop_matcher.flush()
+            self.add_text(self.stop_matcher.flush())
             self.finish_reason = reason
 
     def decode_one(self, token: int) -> Optional[str]:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def output(self) -> CompletionOutput:
+        """Everything so far (copies: later steps do not change it)."""
         return CompletionOutput(self.index, self.text, list(self.output_token_ids), self.cumulative_logprob,
                                 None if self.logprobs is None else list(self.logprobs), self.finish_reason,
                                 self.stop_reason)
+
+    def delta(self) -> Optional[CompletionOutput]:
+        """What arrived since the last delta (None when nothing did)."""
+        tokens, parts = len(self.output_token_ids), len(self.text_parts)
+        finishing = self.finish_reason is not None and not self._sent_finish
+        if tokens == self._sent_tokens and parts == self._sent_parts and not finishing:
+            return None
+        out = CompletionOutput(self.index, "".join(self.text_parts[self._sent_parts:]),
+                               self.output_token_ids[self._sent_tokens:], self.cumulative_logprob,
+                               None if self.logprobs is None else self.logprobs[self._sent_tokens:],
+                               self.finish_reason, self.stop_reason)
+        self._sent_tokens, self._sent_parts, self._sent_finish = tokens, parts, self.finish_reason is not None
+        return out
 
 
 class RequestState:
@@ -103,10 +132,14 @@ class RequestState:
         return [CompletionOutput(i, decode(h.token_ids), h.token_ids, h.cumulative_logprob, None, h.finish_reason)
                 for i, h in enumerate(self.beam.best(self.params.n))]
 
-    def output(self) -> RequestOutput:
+    @property
+    def chosen_at_end(self) -> bool:
+        """Whether the answers are picked when the request ends (beams, best_of > n)."""
+        return self.beam is not None or self.params.best_of > self.params.n
+
+    def _cumulative(self) -> list[CompletionOutput]:
         if self.beam is not None and self.finished:
-            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self._beam_outputs(), True,
-                                 self.metrics, self.num_cached_tokens)
+            return self._beam_outputs()
         seqs = list(self.seqs.values())
         n = self.params.n
         if self.finished and len(seqs) > n:  # best_of: keep the n most likely samples
@@ -116,5 +149,20 @@ class RequestState:
         outputs = [s.output() for s in seqs]
         for i, o in enumerate(outputs):
             o.index = i
+        return outputs
+
+    def output(self) -> Optional[RequestOutput]:
+        """This step's output in the shape ``params.output_kind`` asks for; None when that
+        shape has nothing to report yet (FINAL_ONLY, or DELTA with answers chosen at the end,
+        before the request finishes)."""
+        kind = self.params.output_kind
+        if kind == RequestOutputKind.CUMULATIVE or (self.chosen_at_end and self.finished):
+            outputs = self._cumulative()
+        elif kind == RequestOutputKind.FINAL_ONLY or self.chosen_at_end:
+            if not self.finished:
+                return None
+            outputs = self._cumulative()
+        else:
+            outputs = [d for d in (s.delta() for s in self.seqs.values()) if d is not None]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
                              self.metrics, self.num_cached_tokens)

@@ -1,2 +1,2 @@
-"""Tensor-parallel execution: the per-rank worker and the executors that start the ranks
-(``mp``: local processes; ``ray``: Ray actors)."""
+"""Executors: how the engine's plans reach the model. One interface (``Executor``) with a
+one-process, an ``mp`` (local worker processes) and a ``ray`` (Ray actors) implementation."""

@@ -19,8 +19,8 @@ import traceback
 import types
 from typing import Iterator
 
-from vpage.engine.arg_utils import EngineArgs
-from vpage.executor.base import TensorParallelExecutor
+from vpage.config import EngineConfig
+from vpage.executor.tensor_parallel import TensorParallelExecutor, timeout_s
 
 _JOIN_S = 5.0
 
@@ -33,22 +33,20 @@ def _watch_driver(conn) -> None:
     os._exit(0)
 
 
-def run_worker(args: EngineArgs, rank: int, init_method: str, backend: str, timeout_s: float,
-               max_model_len: int) -> None:
+def run_worker(config: EngineConfig, rank: int, init_method: str, backend: str, timeout: float) -> None:
     """A worker rank's whole life: join, load, size the cache with the others, serve steps."""
-    from vpage.executor.worker import worker_setup
+    from vpage.worker.worker import init_worker
 
-    worker = worker_setup(args, rank, init_method, backend, timeout_s)
-    worker.init_cache(*worker.num_blocks(max_model_len))
+    worker = init_worker(config, rank, init_method, backend, timeout)
+    worker.init_cache(*worker.determine_num_blocks())
     worker.serve_steps()
 
 
-def _worker_main(args: EngineArgs, rank: int, init_method: str, backend: str, timeout_s: float,
-                 max_model_len: int, conn) -> None:
+def _worker_main(config: EngineConfig, rank: int, init_method: str, backend: str, timeout: float, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_driver, args=(conn,), daemon=True).start()
     try:
-        run_worker(args, rank, init_method, backend, timeout_s, max_model_len)
+        run_worker(config, rank, init_method, backend, timeout)
     except BaseException as e:  # report, then leave at once (the group is unusable)
         try:
             conn.send(f"rank {rank} raised {type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}")
@@ -71,15 +69,13 @@ def _bare_main() -> Iterator[None]:
 
 
 class MPExecutor(TensorParallelExecutor):
-    def _start_workers(self, init_method: str, max_model_len: int) -> None:
-        from vpage.executor.base import timeout_s
-
+    def _start_workers(self, init_method: str) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(1, self.args.tensor_parallel_size):
+        for rank in range(1, self.config.parallel.tensor_parallel_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"vpage-tp-worker-{rank}", daemon=True,
-                               args=(self.args, rank, init_method, self.backend, timeout_s(), max_model_len, child))
+                               args=(self.config, rank, init_method, self.backend, timeout_s(), child))
             with _bare_main():
                 proc.start()
             child.close()

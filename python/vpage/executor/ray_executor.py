@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from vpage.engine.arg_utils import EngineArgs
-from vpage.executor.base import TensorParallelExecutor
+from vpage.config import EngineConfig
+from vpage.executor.tensor_parallel import TensorParallelExecutor, timeout_s
 
 _STOP_S = 5.0
 
@@ -19,32 +19,29 @@ _STOP_S = 5.0
 class _RankActor:
     """The body of one Ray actor: a worker rank."""
 
-    def run(self, args: EngineArgs, rank: int, init_method: str, backend: str, timeout_s: float,
-            max_model_len: int) -> None:
+    def run(self, config: EngineConfig, rank: int, init_method: str, backend: str, timeout: float) -> None:
         from vpage.executor.mp_executor import run_worker
 
         os.environ.setdefault("VPAGE_LOCAL_RANK", "0")  # Ray sets CUDA_VISIBLE_DEVICES per actor
-        run_worker(args, rank, init_method, backend, timeout_s, max_model_len)
+        run_worker(config, rank, init_method, backend, timeout)
 
 
 class RayExecutor(TensorParallelExecutor):
-    def __init__(self, args: EngineArgs):
+    def __init__(self, config: EngineConfig):
         import ray
 
         if not ray.is_initialized():
             ray.init(ignore_reinit_error=True)
         self.host = ray.util.get_node_ip_address()
-        super().__init__(args)
+        super().__init__(config)
 
-    def _start_workers(self, init_method: str, max_model_len: int) -> None:
+    def _start_workers(self, init_method: str) -> None:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from vpage.executor.base import timeout_s
-
         gpu = self.backend == "nccl"
-        size = self.args.tensor_parallel_size
+        size = self.config.parallel.tensor_parallel_size
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.group = placement_group([bundle] * (size - 1), strategy="PACK")
         ray.get(self.group.ready(), timeout=timeout_s())
@@ -54,8 +51,7 @@ class RayExecutor(TensorParallelExecutor):
             actor = actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.group, placement_group_bundle_index=rank - 1)).remote()
             self.actors.append(actor)
-            self.runs.append(actor.run.remote(self.args, rank, init_method, self.backend, timeout_s(),
-                                              max_model_len))
+            self.runs.append(actor.run.remote(self.config, rank, init_method, self.backend, timeout_s()))
 
     def _dead_workers(self) -> list[str]:
         import ray

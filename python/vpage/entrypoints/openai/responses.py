@@ -64,7 +64,8 @@ def _chat_logprobs(output: CompletionOutput, start: int) -> Optional[dict]:
 
 
 class ResponseBuilder:
-    """Builds the response bodies of one API request (one or more engine requests)."""
+    """Builds the response bodies of one API request (one or more engine requests): the whole
+    answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None):
         self.id = request_id
@@ -73,8 +74,10 @@ class ResponseBuilder:
         self.n = n
         self.echo_prompts = echo_prompts  # completions with echo: the prompt texts
         self.created = int(time.time())
-        self._sent_text: dict[int, int] = {}  # choice index -> characters already streamed
-        self._sent_tokens: dict[int, int] = {}
+        self._text_offset: dict[int, int] = {}  # choice index -> characters already streamed
+        self._finished: set[int] = set()  # choice indices whose finish reason was streamed
+        self._completion_tokens = 0
+        self._cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens served by the cache
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
@@ -96,27 +99,46 @@ class ResponseBuilder:
                                     "finish_reason": finish_reason(c)})
         return {**self._head(False), "choices": choices, "usage": usage(outputs)}
 
-    def chunks(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        """Stream chunks for what ``out`` (cumulative) adds since the last call."""
+    def chunks(self, prompt_index: int, delta: RequestOutput) -> list[dict]:
+        """Stream chunks for a DELTA output of prompt ``prompt_index`` (what its step added)."""
+        self._cached_tokens[prompt_index] = delta.num_cached_tokens
         chunks = []
-        for c in out.outputs:
+        for c in delta.outputs:
             index = prompt_index * self.n + c.index
-            first = index not in self._sent_text
-            text_start, token_start = self._sent_text.get(index, 0), self._sent_tokens.get(index, 0)
-            delta, reason = c.text[text_start:], finish_reason(c)
-            if not (delta or reason or first or len(c.token_ids) > token_start):
+            first = index not in self._text_offset
+            offset = self._text_offset.get(index, 0)
+            reason = finish_reason(c)
+            if not (c.text or reason or first or c.token_ids):
                 continue
-            self._sent_text[index], self._sent_tokens[index] = len(c.text), len(c.token_ids)
+            self._text_offset[index] = offset + len(c.text)
+            self._completion_tokens += len(c.token_ids)
+            if reason is not None:
+                self._finished.add(index)
             if self.chat:
-                message = {"role": "assistant", "content": delta} if first else ({"content": delta} if delta else {})
-                choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, token_start)}
+                message = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
+                choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
             else:
+                text = c.text
                 if first and self.echo_prompts:
-                    delta = self.echo_prompts[prompt_index] + delta
-                choice = {"index": index, "text": delta,
-                          "logprobs": _completion_logprobs(c, token_start, text_start)}
+                    text = self.echo_prompts[prompt_index] + text
+                choice = {"index": index, "text": text, "logprobs": _completion_logprobs(c, 0, offset)}
             chunks.append({**self._head(True), "choices": [{**choice, "finish_reason": reason}]})
         return chunks
 
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
-        return {**self._head(True), "choices": [], "usage": usage(outputs)}
+    def abort_chunks(self, prompt_index: int) -> list[dict]:
+        """Chunks ending, with ``finish_reason: "abort"``, the choices of prompt ``prompt_index``
+        that have not finished (the request was aborted or timed out)."""
+        ends = [CompletionOutput(i, "", [], None, None, "abort") for i in range(self.n)
+                if prompt_index * self.n + i not in self._finished]
+        if not ends:
+            return []
+        cached = self._cached_tokens.get(prompt_index, 0)
+        return self.chunks(prompt_index, RequestOutput("", None, None, ends, True, num_cached_tokens=cached))
+
+    def stream_usage_chunk(self, prompt_lens: list[int]) -> dict:
+        """The usage chunk of a streamed answer whose prompts have ``prompt_lens`` tokens."""
+        prompt = sum(prompt_lens)
+        body = {"prompt_tokens": prompt, "completion_tokens": self._completion_tokens,
+                "total_tokens": prompt + self._completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens.values())}}
+        return {**self._head(True), "choices": [], "usage": body}

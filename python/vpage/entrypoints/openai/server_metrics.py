@@ -3,12 +3,13 @@
 Engine-wide gauges and counters come from the engine core's per-step statistics (counters
 advance by the difference of cumulative totals); request latencies are observed from the
 timestamps the engine stamps on its outputs (``time.monotonic``, one clock per machine).
-Memory is bounded: per-request state lives only while the request runs.
+Memory is bounded: per-request state lives only while the request runs; requests are followed
+through the DELTA outputs of each step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -23,7 +24,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 
 @dataclass
 class _Progress:
-    tokens: int = 0  # output tokens seen so far
+    counts: dict[int, int] = field(default_factory=dict)  # output tokens so far, by completion index
+    reasons: dict[int, Optional[str]] = field(default_factory=dict)  # finish reasons, by index
+    tokens: int = 0  # the longest completion's tokens so far
     last_time: Optional[float] = None  # when the last of them arrived
     queued: bool = False  # queue time observed
     stream: str = "false"  # the ``stream`` label: "true" for a streamed response
@@ -86,13 +89,13 @@ class ServerMetrics:
         """Drops a request that ended without finishing (aborted)."""
         self._progress.pop(request_id, None)
 
-    def on_step(self, msg: StepOutputs, outputs: list[RequestOutput], now: float) -> None:
-        """A step's message and the cumulative outputs of its requests."""
+    def on_step(self, msg: StepOutputs, now: float) -> None:
+        """A step's message (its requests' DELTA outputs)."""
         if msg.stats is not None:
             self._engine_stats(msg.stats)
         if msg.outputs:
             self.iteration_tokens.observe(msg.step_tokens)
-        for out in outputs:
+        for out in msg.outputs:
             self._request(out, msg.step_start, now)
         for error in msg.errors:
             self._progress.pop(error.request_id, None)
@@ -116,13 +119,18 @@ class ServerMetrics:
         self._advance(self.cache_hits, "hits", s.prefix_cache_hits)
 
     def _request(self, out: RequestOutput, step_start: float, now: float) -> None:
-        progress = self._progress.setdefault(out.request_id, _Progress())
+        progress = self._progress.get(out.request_id)
+        if progress is None:  # aborted here while its last step was on the way
+            return
         arrival = out.metrics.arrival_time
         if not progress.queued:
             progress.queued = True
             scheduled = out.metrics.first_scheduled_time or step_start
             self.queue.observe(max(scheduled - arrival, 0.0))
-        tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        for c in out.outputs:
+            progress.counts[c.index] = progress.counts.get(c.index, 0) + len(c.token_ids)
+            progress.reasons[c.index] = c.finish_reason
+        tokens = max(progress.counts.values(), default=0)
         if tokens > progress.tokens:
             if progress.tokens == 0:
                 first = out.metrics.first_token_time or now
@@ -139,10 +147,10 @@ class ServerMetrics:
             first = out.metrics.first_token_time
             if first is not None and tokens > 1:
                 self.tpot.observe((finished - first) / (tokens - 1))
-            reasons = {c.finish_reason for c in out.outputs}
+            reasons = set(progress.reasons.values())
             reason = "length" if reasons == {"length"} else ("abort" if "abort" in reasons else "stop")
             self.success.labels(self.model_name, reason).inc()
-            self.request_generation.observe(sum(len(c.token_ids) for c in out.outputs))
+            self.request_generation.observe(sum(progress.counts.values()))
 
     def on_prompt(self, request_id: str, num_tokens: int, stream: bool) -> None:
         """Engine request ``request_id`` admitted with a prompt of ``num_tokens`` tokens, for a

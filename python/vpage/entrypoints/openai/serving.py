@@ -21,8 +21,8 @@ from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestF
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
-from vpage.outputs import CompletionOutput, RequestOutput
-from vpage.sampling_params import SamplingParams
+from vpage.outputs import CompletionOutput, OutputAccumulator, RequestOutput
+from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 AnyRequest = Union[CompletionRequest, ChatCompletionRequest]
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
@@ -148,7 +148,7 @@ class OpenAIServing:
         elif not chat and req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
         try:
-            params = SamplingParams(max_tokens=max_tokens, **kwargs)
+            params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
         if params.best_of > info.max_num_seqs:
@@ -191,13 +191,10 @@ class OpenAIServing:
         finals = []
         try:
             for stream in streams:
-                last = None
-                while True:
-                    out = await stream.next()
-                    if out is None:
-                        break
-                    last = out
-                finals.append(_aborted(stream, last, n))
+                total = OutputAccumulator(stream.request_id, stream.prompt_token_ids)
+                while (out := await stream.next()) is not None:
+                    total.add(out)
+                finals.append(_aborted(stream, None if total.empty else total.output(), n))
         except RequestFailed as exc:
             self.abort(streams)
             kind = "invalid_request_error" if exc.status == 400 else "server_error"
@@ -210,11 +207,10 @@ class OpenAIServing:
         """Server-sent events: a chunk per new piece of text, an optional usage chunk, then
         ``data: [DONE]``. Prompts are streamed in order (their requests run concurrently).
         Closing the generator (client gone) aborts what is still running."""
-        builder, finals = sub.builder, []
+        builder = sub.builder
         deadline = None if self.limits.request_timeout_s is None else time.monotonic() + self.limits.request_timeout_s
         try:
             for i, stream in enumerate(sub.streams):
-                last = None
                 while True:
                     timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                     try:
@@ -222,16 +218,16 @@ class OpenAIServing:
                     except asyncio.TimeoutError:
                         self.abort(sub.streams)
                         out = None
-                    if out is None:
-                        out = _aborted(stream, last, builder.n)
-                    last = out
+                    if out is None:  # aborted (or timed out) before it finished
+                        for chunk in builder.abort_chunks(i):
+                            yield _event(chunk)
+                        break
                     for chunk in builder.chunks(i, out):
                         yield _event(chunk)
                     if out.finished:
                         break
-                finals.append(last)
             if sub.include_usage:
-                yield _event(builder.usage_chunk(finals))
+                yield _event(builder.stream_usage_chunk([len(s.prompt_token_ids) for s in sub.streams]))
         except RequestFailed as exc:
             yield _event(ApiError(exc.status, str(exc), kind="server_error").body())
         except EngineDeadError:
@@ -245,16 +241,18 @@ def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def _aborted(stream: RequestStream, last: Optional[RequestOutput], n: int) -> RequestOutput:
-    """``last`` if it finished; otherwise it (or an empty output) with every unfinished
-    sequence marked ``abort``."""
-    if last is not None and last.finished:
-        return last
-    if last is None:
-        outputs = [CompletionOutput(i, "", [], None, None) for i in range(n)]
-        last = RequestOutput(stream.request_id, None, stream.prompt_token_ids, outputs, False)
-    for c in last.outputs:
+def _aborted(stream: RequestStream, total: Optional[RequestOutput], n: int) -> RequestOutput:
+    """``total`` (what the request's deltas add up to) if it finished; otherwise it (or an empty
+    output) with every one of the ``n`` sequences that did not finish marked ``abort``."""
+    if total is not None and total.finished:
+        return total
+    if total is None:
+        total = RequestOutput(stream.request_id, None, stream.prompt_token_ids, [], False)
+    present = {c.index for c in total.outputs}
+    total.outputs += [CompletionOutput(i, "", [], None, None) for i in range(n) if i not in present]
+    total.outputs.sort(key=lambda c: c.index)
+    for c in total.outputs:
         if c.finish_reason is None:
             c.finish_reason = "abort"
-    last.finished = True
-    return last
+    total.finished = True
+    return total

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from vpage import _core
-from vpage.engine.cuda_graphs import DecodeGraphs
-from vpage.engine.input_staging import StepInputs
+from vpage.worker.cuda_graphs import DecodeGraphs
+from vpage.worker.input_staging import StepInputs
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.loader.model_loader import LoadedModel
 

@@ -1,9 +1,10 @@
 """One rank's share of the model: its shard of the weights, its heads' slice of the KV cache
 (device and swap pools, the same block ids on every rank), and the step it runs.
 
-Rank 0 (the driver) lives in the engine's process and is handed each plan; the other ranks
-loop on ``receive_step`` in their own processes. Without tensor parallelism the engine
-uses a single ``Worker`` with no process group.
+The executor creates the workers: in its own process for one rank (and for rank 0 of a
+tensor-parallel group, the driver, which is handed each plan), in worker processes or Ray
+actors for the other ranks, which loop on ``receive_step``. A worker reads only the resolved
+``EngineConfig``.
 """
 
 from __future__ import annotations
@@ -18,50 +19,42 @@ import psutil
 import torch
 
 from vpage import ops
+from vpage.config import EngineConfig
 from vpage.distributed import parallel_state as ps
-from vpage.distributed.step_message import receive_step
-from vpage.engine.arg_utils import EngineArgs
-from vpage.engine.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
-from vpage.engine.cuda_graphs import DecodeGraphs
-from vpage.engine.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
-from vpage.engine.input_staging import StepInputs
-from vpage.engine.model_runner import ModelRunner
+from vpage.distributed.step_message import StepReceiver
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
+from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
+from vpage.worker.cuda_graphs import DecodeGraphs
+from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
+from vpage.worker.input_staging import StepInputs
+from vpage.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("vpage")
 _GIB = 1 << 30
 
 
-def rank_threads(args: EngineArgs) -> int:
-    """CPU threads of each rank: ``num_threads`` (default: torch's) split over the ranks."""
-    total = args.num_threads or torch.get_num_threads()
-    return max(1, total // args.tensor_parallel_size)
-
-
-def max_model_len_of(args: EngineArgs, model_max_len: int) -> int:
-    """The engine's context limit: ``args.max_model_len`` capped at what the model supports."""
-    return min(args.max_model_len or model_max_len, model_max_len)
-
-
 class Worker:
-    """Loads this rank's shard (after ``parallel_state`` is set up) and owns its cache."""
+    """Loads this rank's shard (after ``parallel_state`` is set up), sizes and owns its KV
+    cache, and runs steps: ``determine_num_blocks``, then ``init_cache``, then ``execute``."""
 
-    def __init__(self, args: EngineArgs):
-        self.args = args
+    def __init__(self, config: EngineConfig):
+        self.config = config
         self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
-        self.loaded: LoadedModel = load_model(args.model, args.dtype, args.device, args.quantization)
+        m = config.model
+        self.loaded: LoadedModel = load_model(m.model, m.dtype, m.device, m.quantization)
         self.device = self.loaded.device
-        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.loaded.config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
+                                                     self.device)
         self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             self._non_torch_baseline = total - free - torch.cuda.memory_reserved(self.device)
-        self.cache: Optional[CacheEngine] = None
-        self.runner: Optional[ModelRunner] = None
-        self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by num_blocks
+        self.cache_engine: Optional[CacheEngine] = None
+        self.model_runner: Optional[ModelRunner] = None
+        self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
 
     @property
     def cache_config(self) -> ModelConfig:
@@ -71,31 +64,35 @@ class Worker:
         return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size),
                                    kv_cache_dtype=self.kv_cache_dtype)
 
-    def num_blocks(self, max_model_len: int) -> tuple[int, int]:
+    def block_bytes(self) -> int:
+        """Bytes of one KV block of this rank (all layers, keys and values)."""
+        return bytes_per_block(self.cache_config, self.config.cache.block_size)
+
+    def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""
-        args = self.args
-        block_bytes = bytes_per_block(self.cache_config, args.block_size)
-        host_gib = args.swap_space + (args.kv_cache_memory or 0.0) * (self.device.type == "cpu")
+        cache = self.config.cache
+        block_bytes = self.block_bytes()
+        host_gib = cache.swap_space + (cache.kv_cache_memory or 0.0) * (self.device.type == "cpu")
         total_gib = psutil.virtual_memory().total / _GIB
         if host_gib > total_gib:
             raise ValueError(f"kv_cache_memory and swap_space ask for {host_gib:.1f} GiB of host memory, more than "
                              f"this machine's {total_gib:.1f} GiB")
-        if args.kv_cache_memory is not None:
-            gpu = int(args.kv_cache_memory * _GIB // block_bytes)
+        if cache.kv_cache_memory is not None:
+            gpu = int(cache.kv_cache_memory * _GIB // block_bytes)
         elif self.device.type == "cpu":  # the ranks share this machine's memory
             gpu = int(default_cpu_kv_gib() / self.tp_size * _GIB // block_bytes)
         else:
-            gpu = self._profile_cuda_blocks(block_bytes, max_model_len)
-        cpu = int(args.swap_space * _GIB // block_bytes)
+            gpu = self._profile_cuda_blocks(block_bytes)
+        cpu = int(cache.swap_space * _GIB // block_bytes)
         if self.tp_size > 1:
             gpu, cpu = ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
         if gpu <= 0 and self.profile is not None:  # after the reduction: every rank raises alike
             p = self.profile
             raise ValueError(
                 f"no GPU memory left for the KV cache on {self.device}: the model and a forward of "
-                f"max_num_batched_tokens={args.max_num_batched_tokens} tokens peak at {p['peak_gib']:.2f} GiB, and "
-                f"gpu_memory_utilization={args.gpu_memory_utilization} allows "
-                f"{args.gpu_memory_utilization * p['total_gib']:.2f} of {p['total_gib']:.2f} GiB. Raise "
+                f"max_num_batched_tokens={self.config.scheduler.max_num_batched_tokens} tokens peak at "
+                f"{p['peak_gib']:.2f} GiB, and gpu_memory_utilization={cache.gpu_memory_utilization} allows "
+                f"{cache.gpu_memory_utilization * p['total_gib']:.2f} of {p['total_gib']:.2f} GiB. Raise "
                 "gpu_memory_utilization, lower max_num_batched_tokens or max_model_len, use a smaller dtype, "
                 "or split the model with tensor_parallel_size > 1")
         return gpu, cpu
@@ -103,37 +100,38 @@ class Worker:
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocates the KV cache; on CUDA also the input staging buffers and, unless
         ``enforce_eager`` (or under tensor parallelism), the decode graphs."""
-        args = self.args
+        block_size = self.config.cache.block_size
         if self.device.type != "cuda":
-            self.cache = CacheEngine(self.cache_config, args.block_size, num_gpu_blocks, num_cpu_blocks, self.device)
-            self.runner = ModelRunner(self.loaded, self.cache.gpu_cache)
+            self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device)
+            self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache)
             return
-        use_graphs = not args.enforce_eager and self.tp_size == 1
-        self.cache = CacheEngine(self.cache_config, args.block_size, num_gpu_blocks, num_cpu_blocks, self.device,
-                                 scratch_blocks=1 if use_graphs else 0)
-        max_model_len = max_model_len_of(args, self.loaded.config.max_model_len)
-        max_blocks = math.ceil(max_model_len / args.block_size)
-        staging = StepInputs(self.device, args.max_num_batched_tokens, args.max_num_seqs, max_blocks, pin=True)
+        sched = self.config.scheduler
+        use_graphs = not self.config.enforce_eager and self.tp_size == 1
+        self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device,
+                                        scratch_blocks=1 if use_graphs else 0)
+        max_blocks = math.ceil(sched.max_model_len / block_size)
+        staging = StepInputs(self.device, sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks, pin=True)
         graphs = None
         if use_graphs:
-            graphs = DecodeGraphs(self.loaded.model, self.cache.gpu_cache, self.device,
-                                  graph_batch_sizes(min(args.max_num_seqs, args.max_num_batched_tokens)),
-                                  min(max_model_len, MAX_GRAPH_CONTEXT), args.block_size, self.cache.scratch_block)
-        self.runner = ModelRunner(self.loaded, self.cache.gpu_cache, staging, graphs)
+            graphs = DecodeGraphs(self.loaded.model, self.cache_engine.gpu_cache, self.device,
+                                  graph_batch_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens)),
+                                  min(sched.max_model_len, MAX_GRAPH_CONTEXT), block_size,
+                                  self.cache_engine.scratch_block)
+        self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, staging, graphs)
 
-    def _profile_cuda_blocks(self, block_bytes: int, max_model_len: int) -> int:
+    def _profile_cuda_blocks(self, block_bytes: int) -> int:
         """Blocks that fit in gpu_memory_utilization of the device's memory after this
         process's peak without them: torch's peak (weights, and the activations of a forward at
         the largest batch: max_num_batched_tokens tokens in one sequence, the logits of up to
         max_num_seqs rows and their softmax) plus what the CUDA memory outside torch's
         allocator grew by since the model was loaded (cuBLAS workspaces...). At most what is
-        free on the device now. 0 when nothing is left (``num_blocks`` raises)."""
-        args, dev = self.args, self.device
+        free on the device now. 0 when nothing is left (``determine_num_blocks`` raises)."""
+        sched, dev = self.config.scheduler, self.device
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        n = min(args.max_num_batched_tokens, max_model_len)
-        bs = args.block_size
+        n = min(sched.max_num_batched_tokens, sched.max_model_len)
+        bs = self.config.cache.block_size
         probe = CacheEngine(self.cache_config, bs, math.ceil(n / bs), 0, dev)
         runner = ModelRunner(self.loaded, probe.gpu_cache)
         batch = ForwardBatch(
@@ -146,7 +144,7 @@ class Worker:
             max_context_len=n, max_query_len=n)
         with torch.inference_mode():
             hidden = runner.model(batch, probe.gpu_cache)
-            logits = runner.model.compute_logits(hidden[-min(args.max_num_seqs, n):])
+            logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, n):])
             logits.softmax(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
@@ -155,7 +153,7 @@ class Worker:
         del probe, runner, batch, hidden, logits
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(dev)
-        budget = total * args.gpu_memory_utilization - peak - non_torch
+        budget = total * self.config.cache.gpu_memory_utilization - peak - non_torch
         self.profile = dict(peak_gib=(peak + non_torch) / _GIB, budget_gib=budget / _GIB, total_gib=total / _GIB)
         blocks = max(int(budget // block_bytes), 0)
         if blocks * block_bytes > free:
@@ -168,31 +166,34 @@ class Worker:
         """Block moves (swap out, swap in, copy: in that order), then the forward of the plan's
         rows; the float32 logits of the sampled rows on rank 0, None elsewhere or without rows.
         On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
-        self.cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
-        self.cache.copy(plan.blocks_to_copy)
+        cache = self.cache_engine
+        cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+        cache.copy(plan.blocks_to_copy)
         if not plan.num_seqs:
-            self.cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
+            cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
             return None
-        return self.runner.execute(plan, self.cache.take_layer_events())
+        return self.model_runner.execute(plan, cache.take_layer_events())
 
     def serve_steps(self) -> None:
         """A non-driver rank: runs the driver's steps until it sends shutdown."""
+        receiver = StepReceiver(self.device if self.device.type == "cuda" else torch.device("cpu"),
+                                self.config.cache.block_size)
         while True:
-            step = receive_step(self.device if self.device.type == "cuda" else torch.device("cpu"))
+            step = receiver.receive()
             if step is None:
                 return
             self.execute(step)
 
 
-def worker_setup(args: EngineArgs, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:
-    """Joins the group as ``rank``, sets threads (and the CUDA device), loads the shard and
-    sizes the cache with the other ranks (a collective)."""
-    threads = rank_threads(args)
+def init_worker(config: EngineConfig, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:
+    """Joins the tensor-parallel group as ``rank``, sets threads (and the CUDA device), and
+    loads the shard."""
+    threads = config.parallel.rank_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
     ops.set_num_threads(threads)
     if backend == "nccl":
         local = int(os.environ.get("VPAGE_LOCAL_RANK", rank))
         torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
-    ps.init_tensor_parallel(rank, args.tensor_parallel_size, init_method, backend, timeout_s)
-    torch.manual_seed(args.seed)
-    return Worker(args)
+    ps.init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, backend, timeout_s)
+    torch.manual_seed(config.model.seed)
+    return Worker(config)

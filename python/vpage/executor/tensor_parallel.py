@@ -20,41 +20,20 @@ from typing import Optional
 
 import torch
 
+from vpage.config import EngineConfig
 from vpage.distributed import parallel_state as ps
 from vpage.distributed.shm_comm import requested_mode
-from vpage.distributed.step_message import has_work, send_shutdown, send_step
-from vpage.engine.arg_utils import EngineArgs
+from vpage.distributed.step_message import StepSender, has_work, send_shutdown
+from vpage.executor.abstract import Executor
 from vpage.executor.errors import WorkerDiedError
-from vpage.executor.worker import Worker, max_model_len_of, worker_setup
-from vpage.model_executor.layers.parallel_linear import check_head_split
-from vpage.model_executor.loader.model_loader import _max_model_len as model_max_len
-from vpage.model_executor.loader.model_loader import _resolve_device, load_hf_config
-from vpage.model_executor.models.llama import num_kv_heads_of
+from vpage.worker.worker import Worker, init_worker
 
 logger = logging.getLogger("vpage")
-
-BACKENDS = ("mp", "ray")
 
 
 def timeout_s() -> float:
     """Backstop timeout of the model's collectives (seconds; VPAGE_TP_TIMEOUT_S, default 120)."""
     return float(os.environ.get("VPAGE_TP_TIMEOUT_S", "120"))
-
-
-def validate_tensor_parallel(args: EngineArgs) -> tuple[str, int]:
-    """Checks the configuration before any process starts; returns the torch.distributed
-    backend (gloo on CPU, nccl on CUDA) and max_model_len. Raises ValueError naming what works."""
-    size = args.tensor_parallel_size
-    requested_mode()  # a bad VPAGE_TP_ALLREDUCE fails here, not in the ranks
-    hf = load_hf_config(args.model)
-    check_head_split(hf.num_attention_heads, num_kv_heads_of(hf), size)
-    if hf.intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the intermediate size {hf.intermediate_size}")
-    device = _resolve_device(args.device)
-    if device.type == "cuda" and args.distributed_executor_backend == "mp" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs on this machine; "
-                         f"{torch.cuda.device_count()} visible")
-    return "nccl" if device.type == "cuda" else "gloo", max_model_len_of(args, model_max_len(hf))
 
 
 def free_port(host: str) -> int:
@@ -69,30 +48,35 @@ def _shutdown_at_exit(ref: "weakref.ref[TensorParallelExecutor]") -> None:
         executor.shutdown()
 
 
-class TensorParallelExecutor:
+class TensorParallelExecutor(Executor):
     """Starts ``tensor_parallel_size - 1`` workers (subclasses say how), then joins the group
-    as rank 0. ``driver`` is this process's Worker (model shard, cache slice)."""
+    as rank 0: ``driver_worker`` is this process's Worker (model shard, cache slice)."""
 
     host = "127.0.0.1"
 
-    def __init__(self, args: EngineArgs):
-        self.args = args
-        self.backend, max_model_len = validate_tensor_parallel(args)
+    def __init__(self, config: EngineConfig):
+        if ps.is_active():
+            raise ValueError("another tensor-parallel engine is running in this process: shut it down first "
+                             "(LLMEngine.shutdown)")
+        requested_mode()  # a bad VPAGE_TP_ALLREDUCE fails here, not in the ranks
+        self.config = config
+        self.backend = "nccl" if config.model.device == "cuda" else "gloo"
         self.closed = False
         self.error: Optional[str] = None
         init_method = f"tcp://{self.host}:{free_port(self.host)}"
-        self._start_workers(init_method, max_model_len)
+        self._start_workers(init_method)
         try:
-            self.driver: Worker = worker_setup(args, 0, init_method, self.backend, timeout_s())
-            self.num_gpu_blocks, self.num_cpu_blocks = self.driver.num_blocks(max_model_len)
-            self.driver.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
+            self.driver_worker: Worker = init_worker(config, 0, init_method, self.backend, timeout_s())
+            self.num_gpu_blocks, self.num_cpu_blocks = self.driver_worker.determine_num_blocks()
+            self.driver_worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         except BaseException as e:
             self._fail(e)
-        self._device = self.driver.device if self.backend == "nccl" else torch.device("cpu")
+        self._device = self.driver_worker.device if self.backend == "nccl" else torch.device("cpu")
+        self._sender = StepSender(self._device, config.cache.block_size)
         atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     # Subclasses: start the workers, report dead ones, stop them all.
-    def _start_workers(self, init_method: str, max_model_len: int) -> None:
+    def _start_workers(self, init_method: str) -> None:
         raise NotImplementedError
 
     def _dead_workers(self) -> list[str]:
@@ -117,8 +101,8 @@ class TensorParallelExecutor:
         if not has_work(plan):
             return None
         try:
-            send_step(plan, self._device)
-            return self.driver.execute(plan)
+            self._sender.send(plan)
+            return self.driver_worker.execute(plan)
         except BaseException as e:
             self._fail(e)
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from vpage import ops
-from vpage.engine.graph_buckets import fill_padded_decode, graph_batch_for
+from vpage.worker.graph_buckets import fill_padded_decode, graph_batch_for
 from vpage.model_executor.forward_batch import ForwardBatch
 
 logger = logging.getLogger("vpage")

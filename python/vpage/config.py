@@ -1,0 +1,73 @@
+"""The engine's configuration, resolved once from ``EngineArgs`` and passed down unchanged.
+
+``EngineArgs.create_engine_config()`` reads the model's facts (without its weights), resolves
+"auto" choices (device, context length) and checks the combination; the executor, the workers
+and the model runner read these frozen parts and never see ``EngineArgs``. Plain data: this
+module imports nothing from vpage, so every layer may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how."""
+
+    model: Optional[str]  # None: the default model
+    dtype: str  # "auto" or a dtype name (resolved by the loader against the checkpoint)
+    quantization: str  # "auto": GGUF blocks stay quantized on CPU; "none": dequantize
+    device: str  # "cpu" or "cuda" (resolved)
+    max_model_len: int  # the engine's context limit (resolved: at most what the model supports)
+    seed: int
+    generation_defaults: dict[str, Any]  # SamplingParams fields the model's generation config sets
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, dtype and how much memory it may take."""
+
+    block_size: int
+    kv_cache_dtype: str  # "auto" (the activations' dtype) or a dtype name
+    kv_cache_memory: Optional[float]  # GiB per rank; None: CPU default or CUDA profiling
+    gpu_memory_utilization: float
+    swap_space: float  # GiB of host memory for swapped-out blocks
+    enable_prefix_caching: bool
+    watermark: float = 0.01  # fraction of device blocks kept free when admitting prompts
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism and CPU threads."""
+
+    tensor_parallel_size: int
+    distributed_executor_backend: Optional[str]  # None (one process), "mp" or "ray"
+    num_threads: Optional[int]  # CPU kernel threads over all ranks; None: torch's
+
+    def rank_threads(self, default: int) -> int:
+        """Threads of one rank: ``num_threads`` (or ``default``) split over the ranks."""
+        return max(1, (self.num_threads or default) // self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the C++ scheduler may put into one step."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    preemption_mode: str  # "auto", "recompute" or "swap"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every part of an engine's configuration."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    parallel: ParallelConfig
+    scheduler: SchedulerConfig
+    enforce_eager: bool  # CUDA: never capture decode graphs

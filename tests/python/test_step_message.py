@@ -1,0 +1,117 @@
+"""The tensor-parallel step message: workers rebuild every plan exactly (its block tables from
+the previous step's plus the entries that changed), and a steady decode batch sends only the
+blocks it gained."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vpage.distributed.step_message import StepReceiver, StepSender
+
+BLOCK = 4
+
+
+@dataclass
+class FakePlan:
+    """The fields of a SchedulePlan the message carries, for a decode batch."""
+
+    seq_ids: np.ndarray
+    block_tables: np.ndarray
+    context_lens: np.ndarray
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    sample_token_indices: np.ndarray
+    blocks_to_swap_out: np.ndarray
+    blocks_to_swap_in: np.ndarray
+    blocks_to_copy: np.ndarray
+    max_context_len: int
+    max_query_len: int = 1
+
+
+def plan_of(tables: dict[int, list[int]], lens: dict[int, int], rng: random.Random) -> FakePlan:
+    ids = list(tables)
+    rng.shuffle(ids)  # rows need not keep their order from step to step
+    width = max((len(tables[i]) for i in ids), default=0)
+    block_tables = np.full((len(ids), width), -7, dtype=np.int32)  # junk past each row's blocks
+    for r, i in enumerate(ids):
+        block_tables[r, :len(tables[i])] = tables[i]
+    n = len(ids)
+    pairs = np.array([[rng.randrange(100), rng.randrange(100)]] * rng.randrange(3), dtype=np.int64).reshape(-1, 2)
+    return FakePlan(
+        seq_ids=np.array(ids, dtype=np.int64), block_tables=block_tables,
+        context_lens=np.array([lens[i] for i in ids], dtype=np.int32),
+        input_ids=np.arange(n, dtype=np.int64) + 11, positions=np.array([lens[i] - 1 for i in ids], dtype=np.int64),
+        slot_mapping=np.arange(n, dtype=np.int64) * 3, query_start_loc=np.arange(n + 1, dtype=np.int32),
+        sample_token_indices=np.arange(n, dtype=np.int64), blocks_to_swap_out=pairs, blocks_to_swap_in=pairs[:1],
+        blocks_to_copy=pairs[1:], max_context_len=max(lens.values(), default=0))
+
+
+def roundtrip(sender: StepSender, receiver: StepReceiver, plan: FakePlan):
+    header, payload = sender.pack(plan)
+    assert len(payload) == receiver.payload_size(header)
+    return receiver.unpack(header, payload.copy()), header[8]
+
+
+def test_workers_rebuild_every_plan_through_random_traces():
+    rng = random.Random(0)
+    cpu = torch.device("cpu")
+    sender, receiver = StepSender(cpu, BLOCK), StepReceiver(cpu, BLOCK)
+    tables: dict[int, list[int]] = {}
+    lens: dict[int, int] = {}
+    next_id, next_block = 0, 0
+    for step in range(300):
+        for seq in list(tables):
+            action = rng.random()
+            if action < 0.05:  # finished
+                del tables[seq], lens[seq]
+            elif action < 0.1:  # copy-on-write of the last block / swapped back in elsewhere
+                tables[seq][-1] = next_block
+                next_block += 1
+            else:  # one more token, sometimes into a new block
+                lens[seq] += 1
+                if (lens[seq] + BLOCK - 1) // BLOCK > len(tables[seq]):
+                    tables[seq].append(next_block)
+                    next_block += 1
+        for _ in range(rng.randrange(3)):  # new sequences (some prompts of several blocks)
+            length = rng.randrange(1, 30)
+            tables[next_id] = list(range(next_block, next_block + (length + BLOCK - 1) // BLOCK))
+            next_block += len(tables[next_id])
+            lens[next_id] = length
+            next_id += 1
+        plan = plan_of(tables, lens, rng)
+        got, _ = roundtrip(sender, receiver, plan)
+        for name in ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc",
+                     "sample_token_indices", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
+            assert np.array_equal(getattr(got, name), getattr(plan, name)), (step, name)
+            assert getattr(got, name).dtype == getattr(plan, name).dtype, name
+        assert got.block_tables.shape == plan.block_tables.shape and got.block_tables.dtype == np.int32
+        for r, seq in enumerate(plan.seq_ids.tolist()):
+            used = (lens[seq] + BLOCK - 1) // BLOCK
+            assert got.block_tables[r, :used].tolist() == tables[seq][:used], (step, seq)
+        assert got.max_context_len == plan.max_context_len and got.num_seqs == len(tables)
+
+
+def test_a_steady_decode_batch_sends_only_new_blocks():
+    rng = random.Random(1)
+    cpu = torch.device("cpu")
+    sender, receiver = StepSender(cpu, BLOCK), StepReceiver(cpu, BLOCK)
+    tables = {i: [10 * i] for i in range(8)}
+    lens = {i: 1 for i in range(8)}
+    sent = []
+    for step in range(16):
+        plan = plan_of(tables, lens, rng)
+        _, entries = roundtrip(sender, receiver, plan)
+        sent.append(entries)
+        for seq in tables:
+            lens[seq] += 1
+            if (lens[seq] + BLOCK - 1) // BLOCK > len(tables[seq]):
+                tables[seq].append(tables[seq][-1] + 1)
+    # The first step sends every table; then a block per sequence every BLOCK steps, nothing else.
+    assert sent[0] == 8
+    assert sent[1:] == [8 if step % BLOCK == 0 else 0 for step in range(1, 16)]
