@@ -1,4 +1,6 @@
-// Minimal test harness for the ctest executables (no framework is downloaded at build time).
+// The test harness of every ctest executable (no framework is downloaded at build time):
+// TEST_CASE registers a case, EXPECT, EXPECT_MSG and EXPECT_THROWS fail it, TEST_MAIN runs
+// them all.
 #pragma once
 
 #include <cstdio>
@@ -63,11 +65,38 @@ inline int run_all() {
     }                                                                          \
   } while (0)
 
-#define EXPECT_THROWS(stmt)                                                    \
+/// Fails the current case with `message` (a std::string expression) and the location when
+/// `cond` is false.
+#define EXPECT_MSG(cond, message)                                              \
   do {                                                                         \
-    bool vpage_thrown_ = false;                                                \
-    try { stmt; } catch (const std::exception&) { vpage_thrown_ = true; }      \
-    EXPECT(vpage_thrown_);                                                     \
+    if (!(cond)) {                                                             \
+      throw ::vpage_test::Failure(std::string(message) + " at " + __FILE__ + ":" + std::to_string(__LINE__)); \
+    }                                                                          \
   } while (0)
 
+/// Fails the current case unless `stmt` throws `type` (or a type derived from it) whose
+/// what() contains `text` ("" matches any message). Another exception, or none, fails.
+#define EXPECT_THROWS_WITH(stmt, type, text)                                   \
+  do {                                                                         \
+    const std::string vpage_where_ = std::string(" at ") + __FILE__ + ":" + std::to_string(__LINE__); \
+    bool vpage_thrown_ = false;                                                \
+    std::string vpage_what_;                                                   \
+    try {                                                                      \
+      stmt;                                                                    \
+    } catch (const type& e) {                                                  \
+      vpage_thrown_ = true;                                                    \
+      vpage_what_ = e.what();                                                  \
+    } catch (const std::exception& e) {                                        \
+      throw ::vpage_test::Failure(std::string(#stmt) + " threw another type than " #type ": " + e.what() + vpage_where_); \
+    }                                                                          \
+    if (!vpage_thrown_) throw ::vpage_test::Failure(std::string(#stmt) + " did not throw " #type + vpage_where_); \
+    if (vpage_what_.find(text) == std::string::npos) {                         \
+      throw ::vpage_test::Failure(std::string(#stmt) + " threw '" + vpage_what_ + "', without '" + (text) + "'" + vpage_where_); \
+    }                                                                          \
+  } while (0)
+
+/// Fails the current case unless `stmt` throws `type` (or a type derived from it).
+#define EXPECT_THROWS(stmt, type) EXPECT_THROWS_WITH(stmt, type, "")
+
+/// The executable's main: runs every case, exit code 0 when all passed.
 #define TEST_MAIN() int main() { return ::vpage_test::run_all(); }

@@ -18,12 +18,12 @@ TEST_CASE("pool: allocate, refcount, double free") {
   pool.decref(a);
   pool.decref(a);
   EXPECT(pool.num_free() == 3);
-  EXPECT_THROWS(pool.decref(a));
-  EXPECT_THROWS(pool.incref(a));
+  EXPECT_THROWS_WITH(pool.decref(a), CheckError, "double free");
+  EXPECT_THROWS(pool.incref(a), CheckError);
   pool.allocate();
   pool.allocate();
   pool.allocate();
-  EXPECT_THROWS(pool.allocate());
+  EXPECT_THROWS(pool.allocate(), CheckError);
 }
 
 TEST_CASE("pool: LRU eviction takes the least recently freed cached block") {

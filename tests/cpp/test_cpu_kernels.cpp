@@ -8,28 +8,23 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
-#include "vpage/common.h"
 #include <string>
 #include <vector>
 
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "check.h"
+#include "cpu_isas.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 #include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/sampler_ops.h"
 
+using namespace vpage_test;
+
 namespace {
-
-int g_failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    ++g_failures;
-    std::fprintf(stderr, "FAIL: %s\n", what.c_str());
-  }
-}
 
 // Values stored in a byte buffer of the given dtype.
 struct Buffer {
@@ -57,7 +52,7 @@ struct Buffer {
   }
 };
 
-struct Case {
+struct AttentionCase {
   vpage::DType dtype;
   int num_heads, num_kv_heads, head_size, block_size;
   std::vector<int> context_lens;
@@ -72,7 +67,7 @@ double stored(vpage::DType dtype, float f) {
   return one.get(0);
 }
 
-void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
+void run_case(const AttentionCase& c, std::mt19937& rng, const std::string& isa) {
   const int num_seqs = static_cast<int>(c.context_lens.size());
   const bool decode = c.query_lens.empty();
   const int hs = c.head_size, bs = c.block_size, nkv = c.num_kv_heads;
@@ -181,11 +176,44 @@ void run_case(const Case& c, std::mt19937& rng, const std::string& isa) {
                 "%s %s dtype=%d%s heads=%d/%d hs=%d bs=%d seqs=%d max_len=%d: max error %.3g (tol %.1g)", isa.c_str(),
                 decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.float_io ? " (float32 io)" : "", c.num_heads,
                 nkv, hs, bs, num_seqs, max_len, worst, tol);
-  expect(worst <= tol, what);
-  std::printf("%s %s\n", worst <= tol ? "ok  " : "FAIL", what);
+  EXPECT_MSG(worst <= tol, what);
 }
 
-void test_copy_and_swap(std::mt19937& rng) {
+}  // namespace
+
+TEST_CASE("paged_attention: decode and chunked prefill against float64 in every instruction set") {
+  const AutoIsaOnExit restore_isa;
+  std::mt19937 rng(1234);
+  const std::vector<AttentionCase> cases = {
+      {vpage::DType::kFloat32, 4, 4, 64, 16, {1, 17, 54}, {}},
+      {vpage::DType::kFloat32, 9, 3, 64, 8, {97, 1030}, {}},
+      {vpage::DType::kFloat16, 8, 1, 128, 32, {33, 300}, {}},
+      {vpage::DType::kBFloat16, 6, 2, 80, 16, {5, 1200}, {}},
+      {vpage::DType::kFloat32, 9, 3, 64, 16, {17, 60}, {17, 7}},
+      {vpage::DType::kBFloat16, 8, 1, 96, 8, {40}, {40}},
+      {vpage::DType::kFloat16, 4, 2, 256, 12, {30, 19}, {3, 19}},
+      // Decode at block boundaries, GQA groups 1/3/8 (1 or 3 rows per pass, 2 passes of 4).
+      {vpage::DType::kFloat32, 3, 3, 64, 16, {1, 15, 16, 17, 1000}, {}},
+      {vpage::DType::kBFloat16, 9, 3, 64, 32, {1, 15, 16, 17, 1000}, {}},
+      {vpage::DType::kFloat16, 16, 2, 128, 8, {1, 15, 16, 17, 1000}, {}},
+      // One long sequence: context partitions (tasks starting mid-context), groups 5 and 12.
+      {vpage::DType::kFloat32, 5, 1, 64, 16, {2000}, {}},
+      {vpage::DType::kBFloat16, 12, 1, 64, 32, {700}, {}},
+      {vpage::DType::kFloat32, 4, 2, 256, 16, {63, 64, 65}, {}},
+      // float32 activations with a 16-bit cache: decode (fast and old paths, partitions), prefill.
+      {vpage::DType::kFloat16, 9, 3, 64, 16, {1, 17, 300, 2000}, {}, true},
+      {vpage::DType::kBFloat16, 8, 2, 64, 12, {40, 5}, {}, true},
+      {vpage::DType::kFloat16, 9, 3, 64, 16, {17, 60}, {17, 7}, true},
+      {vpage::DType::kBFloat16, 4, 1, 128, 32, {33, 70}, {33, 1}, true},
+  };
+  for (const std::string& isa : supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    for (const AttentionCase& c : cases) run_case(c, rng, isa);
+  }
+}
+
+TEST_CASE("copy_blocks and swap_blocks are bit-exact; swap_blocks rejects a block id out of range") {
+  std::mt19937 rng(99);
   const vpage::CacheShape shape{6, 2, 64, 16, vpage::DType::kBFloat16};
   const size_t block_bytes = 2 * 64 * 16 * 2;
   std::vector<uint8_t> a(6 * block_bytes), b(6 * block_bytes), original;
@@ -198,67 +226,44 @@ void test_copy_and_swap(std::mt19937& rng) {
   const std::vector<uint8_t> b_before = b;
   vpage::CopyBlocksArgs copy{keys, values, 1, mapping, 2, shape};
   vpage::cpu::copy_blocks(copy, 2);
-  expect(std::memcmp(a.data() + 3 * block_bytes, original.data(), block_bytes) == 0, "copy_blocks key 0->3");
-  expect(std::memcmp(b.data() + 1 * block_bytes, b_before.data() + 5 * block_bytes, block_bytes) == 0,
-         "copy_blocks value 5->1");
+  EXPECT_MSG(std::memcmp(a.data() + 3 * block_bytes, original.data(), block_bytes) == 0, "copy_blocks key 0->3");
+  EXPECT_MSG(std::memcmp(b.data() + 1 * block_bytes, b_before.data() + 5 * block_bytes, block_bytes) == 0,
+             "copy_blocks value 5->1");
   std::vector<uint8_t> pool(4 * block_bytes, 0);
   vpage::SwapBlocksArgs out{a.data(), pool.data(), static_cast<int64_t>(block_bytes), mapping, 2, 6, 4};
   const int64_t bad[] = {0, 4};
   vpage::SwapBlocksArgs wrong = out;
   wrong.block_mapping = bad;
   wrong.num_pairs = 1;
-  bool threw = false;
-  try {
-    vpage::cpu::swap_blocks(wrong, 2);
-  } catch (const vpage::CheckError&) {
-    threw = true;
-  }
-  expect(threw, "swap_blocks rejects an out-of-range block id");
+  EXPECT_THROWS_WITH(vpage::cpu::swap_blocks(wrong, 2), vpage::CheckError, "out of range");
   out.num_pairs = 1;
   vpage::cpu::swap_blocks(out, 2);
-  expect(std::memcmp(pool.data() + 3 * block_bytes, a.data(), block_bytes) == 0, "swap_blocks 0->3");
+  EXPECT_MSG(std::memcmp(pool.data() + 3 * block_bytes, a.data(), block_bytes) == 0, "swap_blocks 0->3");
 }
 
-void test_bad_arguments() {
+TEST_CASE("paged_attention and reshape_and_cache reject bad heads and dtype pairs") {
   vpage::PagedAttentionArgs a;
   a.num_heads = 3;
   a.cache = {4, 2, 64, 16, vpage::DType::kFloat32};
   a.query_stride = 192;
-  bool threw = false;
-  try {
-    vpage::cpu::paged_attention(a, 1);
-  } catch (const vpage::CheckError& e) {
-    threw = std::string(e.what()).find("multiple of num_kv_heads") != std::string::npos;
-  }
-  expect(threw, "paged_attention rejects num_heads not a multiple of num_kv_heads");
+  EXPECT_THROWS_WITH(vpage::cpu::paged_attention(a, 1), vpage::CheckError, "multiple of num_kv_heads");
 
   // Activations meet a cache of their own dtype, or float32 a 16-bit one; nothing else.
-  const auto rejects = [](auto&& call, const char* what) {
-    bool dtype_error = false;
-    try {
-      call();
-    } catch (const vpage::CheckError& e) {
-      dtype_error = std::string(e.what()).find("dtype") != std::string::npos;
-    }
-    expect(dtype_error, what);
-  };
   a.num_heads = 4;
   a.dtype = vpage::DType::kBFloat16;
-  a.cache.dtype = vpage::DType::kFloat16;
-  rejects([&] { vpage::cpu::paged_attention(a, 1); }, "paged_attention rejects a bfloat16 query with a float16 cache");
+  a.cache.dtype = vpage::DType::kFloat16;  // a bfloat16 query with a float16 cache
+  EXPECT_THROWS_WITH(vpage::cpu::paged_attention(a, 1), vpage::CheckError, "dtype");
   a.dtype = vpage::DType::kFloat16;
-  a.cache.dtype = vpage::DType::kFloat32;
-  rejects([&] { vpage::cpu::paged_attention(a, 1); }, "paged_attention rejects a float16 query with a float32 cache");
+  a.cache.dtype = vpage::DType::kFloat32;  // a float16 query with a float32 cache
+  EXPECT_THROWS_WITH(vpage::cpu::paged_attention(a, 1), vpage::CheckError, "dtype");
   vpage::ReshapeAndCacheArgs r;
   r.dtype = vpage::DType::kFloat16;
-  r.cache = {4, 2, 64, 16, vpage::DType::kFloat32};
-  rejects([&] { vpage::cpu::reshape_and_cache(r, 1); }, "reshape_and_cache rejects float16 rows into a float32 cache");
+  r.cache = {4, 2, 64, 16, vpage::DType::kFloat32};  // float16 rows into a float32 cache
+  EXPECT_THROWS_WITH(vpage::cpu::reshape_and_cache(r, 1), vpage::CheckError, "dtype");
 }
 
-// float32 RMSNorm (with residual) and SiLU-and-multiply against double, odd sizes (vector
-// remainders), 2 threads, NaN-poisoned outputs.
-// logsumexp_argmax against double: vocab sizes around the vector widths, -inf entries, ties.
-void test_logsumexp_argmax(std::mt19937& rng) {
+TEST_CASE("logsumexp_argmax against double: vocab sizes around the vector widths, -inf entries, ties") {
+  std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-20.0f, 20.0f);
   const int64_t rows = 5;
   for (const int64_t vocab : {1, 15, 16, 17, 513, 1000}) {
@@ -285,13 +290,16 @@ void test_logsumexp_argmax(std::mt19937& rng) {
       for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(x[i]) - x[best]);
       const double ref = x[best] + std::log(sum);
       const std::string where = "logsumexp_argmax vocab " + std::to_string(vocab) + " row " + std::to_string(r);
-      expect(argmax[r] == best, where + ": argmax " + std::to_string(argmax[r]) + " != " + std::to_string(best));
-      expect(std::fabs(log_norm[r] - ref) <= 1e-6 * std::max(1.0, std::fabs(ref)), where + ": log_norm");
+      EXPECT_MSG(argmax[r] == best, where + ": argmax " + std::to_string(argmax[r]) + " != " + std::to_string(best));
+      EXPECT_MSG(std::fabs(log_norm[r] - ref) <= 1e-6 * std::max(1.0, std::fabs(ref)), where + ": log_norm");
     }
   }
 }
 
-void test_layer_ops(std::mt19937& rng) {
+// float32 RMSNorm (with residual) and SiLU-and-multiply against double, odd sizes (vector
+// remainders), 2 threads, NaN-poisoned outputs.
+TEST_CASE("rms_norm with residual and silu_and_mul against double") {
+  std::mt19937 rng(5);
   std::uniform_real_distribution<float> dist(-4.0f, 4.0f);
   const int64_t tokens = 19;
   for (const int32_t hidden : {1, 23, 576}) {
@@ -324,8 +332,8 @@ void test_layer_ops(std::mt19937& rng) {
         worst = std::max(worst, std::fabs(out[t * hidden + i] - ref) / (std::fabs(ref) + 1e-6));
       }
     }
-    expect(residual_ok, "rms_norm: residual += x, hidden " + std::to_string(hidden));
-    expect(worst < 2e-6, "rms_norm vs double, hidden " + std::to_string(hidden) + ": " + std::to_string(worst));
+    EXPECT_MSG(residual_ok, "rms_norm: residual += x, hidden " + std::to_string(hidden));
+    EXPECT_MSG(worst < 2e-6, "rms_norm vs double, hidden " + std::to_string(hidden) + ": " + std::to_string(worst));
 
     const int32_t d = hidden;
     std::vector<float> gate_up(tokens * 2 * d), act(tokens * d, NAN);
@@ -344,29 +352,23 @@ void test_layer_ops(std::mt19937& rng) {
         worst = std::max(worst, std::fabs(act[t * d + i] - ref) / (std::fabs(ref) + 1e-30));
       }
     }
-    expect(worst < 2e-6, "silu_and_mul vs double, d " + std::to_string(d) + ": " + std::to_string(worst));
+    EXPECT_MSG(worst < 2e-6, "silu_and_mul vs double, d " + std::to_string(d) + ": " + std::to_string(worst));
   }
 }
 
 // This test binary loads no OpenMP runtime: "openmp" falls back to the own pool (the kernels
-// then still run, see test_fork); an unknown source is rejected.
-void test_thread_source() {
-  expect(vpage::cpu::set_thread_source("openmp").empty(), "no OpenMP runtime is loaded here");
-  bool threw = false;
-  try {
-    vpage::cpu::set_thread_source("tbb");
-  } catch (const vpage::CheckError&) {
-    threw = true;
-  }
-  expect(threw, "set_thread_source rejects an unknown source");
-  expect(vpage::cpu::set_thread_source("own").empty(), "own pool");
+// then still run, see the fork case); an unknown source is rejected.
+TEST_CASE("set_thread_source: openmp falls back to the own pool here; unknown sources throw") {
+  EXPECT(vpage::cpu::set_thread_source("openmp").empty());
+  EXPECT_THROWS_WITH(vpage::cpu::set_thread_source("tbb"), vpage::CheckError, "expected 'own' or 'openmp'");
+  EXPECT(vpage::cpu::set_thread_source("own").empty());
 }
 
 // The thread pool survives fork(): a child whose parent already ran a multi-threaded kernel
 // (so the pool has workers, which do not exist in the child) runs one too. Without the
 // atfork handler the child waits forever for the missing workers; alarm() turns that into
 // a failure instead of a hung test.
-void test_fork() {
+TEST_CASE("the thread pool survives fork(): a child runs multi-threaded kernels") {
   const int num_seqs = 8, heads = 2, hs = 16, bs = 16, context = 40, blocks_per_seq = 3;
   const int64_t num_blocks = static_cast<int64_t>(num_seqs) * blocks_per_seq;
   // Zero keys: uniform attention, so every output equals the (constant) value 2.
@@ -393,7 +395,7 @@ void test_fork() {
     return std::all_of(out.begin(), out.end(), [](float v) { return std::fabs(v - 2.0f) < 1e-5f; });
   };
   vpage::cpu::paged_attention(a, 2);
-  expect(all_two(), "fork test: parent result before fork");
+  EXPECT_MSG(all_two(), "parent result before fork");
   std::fflush(nullptr);
   const pid_t pid = fork();
   if (pid == 0) {
@@ -403,63 +405,14 @@ void test_fork() {
     vpage::cpu::paged_attention(a, 2);
     _exit(all_two() ? 0 : 1);
   }
-  expect(pid > 0, "fork test: fork() failed");
-  if (pid > 0) {
-    int status = 0;
-    expect(waitpid(pid, &status, 0) == pid, "fork test: waitpid");
-    expect(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-           "fork test: multi-threaded paged_attention in a forked child (status " + std::to_string(status) + ")");
-  }
+  EXPECT_MSG(pid > 0, "fork() failed");
+  int status = 0;
+  EXPECT(waitpid(pid, &status, 0) == pid);
+  EXPECT_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+             "multi-threaded paged_attention in a forked child (status " + std::to_string(status) + ")");
   std::fill(out.begin(), out.end(), 0.0f);
   vpage::cpu::paged_attention(a, 2);
-  expect(all_two(), "fork test: parent result after fork");
+  EXPECT_MSG(all_two(), "parent result after fork");
 }
 
-}  // namespace
-
-int main() {
-  std::mt19937 rng(1234);
-  std::vector<std::string> isas = {"generic"};
-  for (const char* isa : {"avx2", "avx2vnni", "avx512", "avx512vnni"}) {
-    try {
-      vpage::cpu::set_cpu_isa(isa);
-      isas.push_back(isa);
-    } catch (const vpage::CheckError&) {
-    }
-  }
-  const std::vector<Case> cases = {
-      {vpage::DType::kFloat32, 4, 4, 64, 16, {1, 17, 54}, {}},
-      {vpage::DType::kFloat32, 9, 3, 64, 8, {97, 1030}, {}},
-      {vpage::DType::kFloat16, 8, 1, 128, 32, {33, 300}, {}},
-      {vpage::DType::kBFloat16, 6, 2, 80, 16, {5, 1200}, {}},
-      {vpage::DType::kFloat32, 9, 3, 64, 16, {17, 60}, {17, 7}},
-      {vpage::DType::kBFloat16, 8, 1, 96, 8, {40}, {40}},
-      {vpage::DType::kFloat16, 4, 2, 256, 12, {30, 19}, {3, 19}},
-      // Decode at block boundaries, GQA groups 1/3/8 (1 or 3 rows per pass, 2 passes of 4).
-      {vpage::DType::kFloat32, 3, 3, 64, 16, {1, 15, 16, 17, 1000}, {}},
-      {vpage::DType::kBFloat16, 9, 3, 64, 32, {1, 15, 16, 17, 1000}, {}},
-      {vpage::DType::kFloat16, 16, 2, 128, 8, {1, 15, 16, 17, 1000}, {}},
-      // One long sequence: context partitions (tasks starting mid-context), groups 5 and 12.
-      {vpage::DType::kFloat32, 5, 1, 64, 16, {2000}, {}},
-      {vpage::DType::kBFloat16, 12, 1, 64, 32, {700}, {}},
-      {vpage::DType::kFloat32, 4, 2, 256, 16, {63, 64, 65}, {}},
-      // float32 activations with a 16-bit cache: decode (fast and old paths, partitions), prefill.
-      {vpage::DType::kFloat16, 9, 3, 64, 16, {1, 17, 300, 2000}, {}, true},
-      {vpage::DType::kBFloat16, 8, 2, 64, 12, {40, 5}, {}, true},
-      {vpage::DType::kFloat16, 9, 3, 64, 16, {17, 60}, {17, 7}, true},
-      {vpage::DType::kBFloat16, 4, 1, 128, 32, {33, 70}, {33, 1}, true},
-  };
-  for (const std::string& isa : isas) {
-    vpage::cpu::set_cpu_isa(isa);
-    for (const Case& c : cases) run_case(c, rng, isa);
-  }
-  vpage::cpu::set_cpu_isa("auto");
-  test_copy_and_swap(rng);
-  test_bad_arguments();
-  test_thread_source();
-  test_layer_ops(rng);
-  test_logsumexp_argmax(rng);
-  test_fork();
-  std::printf("%s (%d failures)\n", g_failures == 0 ? "PASSED" : "FAILED", g_failures);
-  return g_failures == 0 ? 0 : 1;
-}
+TEST_MAIN()

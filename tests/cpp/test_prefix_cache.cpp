@@ -79,7 +79,7 @@ TEST_CASE("pool: a hit is verified against the recorded tokens, parent and salt"
   // Content ids are never reused: after eviction, a child recorded under `cid` stays unreachable.
   pool.decref(a);
   pool.decref(b);
-  while (pool.num_free() > 0) pool.allocate();
+  for (int i = 0; i < pool.num_blocks(); ++i) pool.allocate();  // all 4 blocks: both evicted
   EXPECT(pool.lookup(same, BlockContent{ta, kFirstBlock, nullptr}, false) == -1);
 }
 
@@ -139,7 +139,7 @@ TEST_CASE("a failing commit changes nothing; the step then commits normally") {
   std::vector<TokenId> toks(ids.size(), 9);
   const auto expect_throws_unchanged = [&](std::vector<SeqId> bad_ids, std::vector<TokenId> bad_toks) {
     const int used = used_gpu_blocks(s);
-    EXPECT_THROWS(s.commit(bad_ids.data(), bad_toks.data(), static_cast<int64_t>(bad_ids.size())));
+    EXPECT_THROWS(s.commit(bad_ids.data(), bad_toks.data(), static_cast<int64_t>(bad_ids.size())), CheckError);
     EXPECT(used_gpu_blocks(s) == used);
     EXPECT(s.find_group("a")->seqs[0].num_computed_tokens == 0);
     s.check_invariants();

@@ -11,11 +11,12 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
-#include "vpage/common.h"
 #include <string>
 #include <vector>
 
 #include "check.h"
+#include "cpu_isas.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 #include "vpage/kernels/quant_matmul.h"
@@ -23,19 +24,6 @@
 namespace {
 
 using vpage::QuantType;
-
-std::vector<std::string> isas() {
-  std::vector<std::string> out = {"generic"};
-  for (const char* isa : {"avx2", "avx2vnni", "avx512", "avx512vnni"}) {
-    try {
-      vpage::cpu::set_cpu_isa(isa);
-      out.push_back(isa);
-    } catch (const vpage::CheckError&) {
-    }
-  }
-  vpage::cpu::set_cpu_isa("auto");
-  return out;
-}
 
 void put_f16(uint8_t* p, float v) {
   const uint16_t h = vpage::float_to_half(v);
@@ -170,8 +158,9 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
 }
 
 TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
+  const vpage_test::AutoIsaOnExit restore_isa;
   std::mt19937 rng(7);
-  for (const std::string& isa : isas()) {
+  for (const std::string& isa : vpage_test::supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);
     EXPECT(std::string(vpage::cpu::quant_matmul_isa()) == isa);
     check_type(QuantType::kQ8_0, 13, 96, rng, true);
@@ -185,7 +174,6 @@ TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
     }
     for (QuantType t : {QuantType::kQ4_K, QuantType::kQ5_K, QuantType::kQ6_K}) check_type(t, 13, 512, rng, false);
   }
-  vpage::cpu::set_cpu_isa("auto");
 }
 
 TEST_CASE("quant_matmul: bad arguments throw") {
@@ -203,10 +191,10 @@ TEST_CASE("quant_matmul: bad arguments throw") {
   a.type = QuantType::kQ8_0;
   vpage::cpu::quant_matmul(a, 1);
   a.k = 48;  // not whole blocks
-  EXPECT_THROWS(vpage::cpu::quant_matmul(a, 1));
+  EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "bad sizes");
   a.k = 64;
   a.type = static_cast<QuantType>(6);  // Q5_0: not kept quantized
-  EXPECT_THROWS(vpage::cpu::quant_matmul(a, 1));
+  EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "unsupported quantization type");
   EXPECT(!vpage::quant_type_supported(6) && vpage::quant_type_supported(14));
 }
 

@@ -8,12 +8,13 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
-#include "vpage/common.h"
 #include <string>
 #include <vector>
 
 #include "check.h"
+#include "cpu_isas.h"
 #include "quant_task.h"
+#include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
 
@@ -26,16 +27,7 @@ namespace {
 
 using vpage::QuantType;
 using vpage::cpu::QuantKernels;
-
-bool has_isa(const char* isa) {
-  try {
-    vpage::cpu::set_cpu_isa(isa);
-  } catch (const vpage::CheckError&) {
-    return false;
-  }
-  vpage::cpu::set_cpu_isa("auto");
-  return true;
-}
+using vpage_test::has_isa;
 
 // Random blocks: every byte random, then moderate f16 scales (and Q4_1 offsets) in the header.
 std::vector<uint8_t> random_rows(QuantType type, int n, int k, std::mt19937& rng) {
@@ -89,12 +81,7 @@ TEST_CASE("set_cpu_isa: levels by name, auto = the best supported, unknown names
     if (isa == best) break;  // levels above the best one are unsupported here
     EXPECT(!has_isa(isa));
   }
-  EXPECT_THROWS(vpage::cpu::set_cpu_isa("avx1024"));
-  try {
-    vpage::cpu::set_cpu_isa("avx1024");
-  } catch (const vpage::CheckError& e) {
-    EXPECT(std::string(e.what()).find("generic") != std::string::npos);
-  }
+  EXPECT_THROWS_WITH(vpage::cpu::set_cpu_isa("avx1024"), vpage::CheckError, "generic");  // names the levels
   EXPECT(vpage::cpu::cpu_isa() == best);  // unchanged by the refusal
 }
 
@@ -140,12 +127,10 @@ TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and 
             const std::vector<float> want = integer_path(vpage::cpu::avx2::kQuantKernels, gemm, type, w, x, m, n, k);
             for (const QuantKernels* kernels : vnni) {
               const std::vector<float> got = integer_path(*kernels, gemm, type, w, x, m, n, k);
-              if (std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) != 0) {
-                throw vpage_test::Failure(std::string(kernels->name) + (gemm ? " gemm" : " decode") + " type " +
-                                          std::to_string(static_cast<int>(type)) + " m " + std::to_string(m) +
-                                          " n " + std::to_string(n) + " k " + std::to_string(k) +
-                                          ": not bitwise the avx2 result");
-              }
+              EXPECT_MSG(std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) == 0,
+                         std::string(kernels->name) + (gemm ? " gemm" : " decode") + " type " +
+                             std::to_string(static_cast<int>(type)) + " m " + std::to_string(m) + " n " +
+                             std::to_string(n) + " k " + std::to_string(k) + ": not bitwise the avx2 result");
             }
           }
         }

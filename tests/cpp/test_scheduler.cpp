@@ -45,17 +45,15 @@ TEST_CASE("chunked prefill: the token budget holds and decodes go first") {
   Scheduler s(cfg, pools(64, 0));
   s.add_sequence_group("short", tokens(3), 1, stop(20), 0.0);
   s.add_sequence_group("long", tokens(30), 1, stop(20), 1.0);
-  int steps = 0;
-  while (s.has_unfinished() && steps < 100) {
-    const bool short_decoding = s.find_group("short") &&
-                                s.find_group("short")->seqs[0].num_computed_tokens > 0;
+  for (int steps = 0; steps < 100 && s.has_unfinished(); ++steps) {
+    const auto before = s.find_group("short");
+    const bool short_decoding = before && before->seqs[0].num_computed_tokens > 0;
     auto plan = step(s, 5);
     EXPECT(plan->num_tokens() <= 8);
     if (short_decoding && s.find_group("short")) {
       // The running decode gets its token in every step while the long prompt is prefilled.
       EXPECT(std::find(plan->seq_ids.begin(), plan->seq_ids.end(), 0) != plan->seq_ids.end());
     }
-    ++steps;
   }
   EXPECT(!s.has_unfinished());
   EXPECT(s.usage().free_gpu_blocks == 64);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "check.h"
+#include "vpage/common.h"
 #include "vpage/kernels/half.h"
 #include "vpage/shm_allreduce.h"
 
@@ -79,7 +80,9 @@ size_t result_bytes_per_rank() {
   return n;
 }
 
-// One rank's whole run: every (dtype, size) case in the same order, results copied out.
+// One rank's whole run: every (dtype, size) case in the same order, results copied out. A
+// forked rank reports through its exit code (the harness lives in the parent): 0 done, 2 a
+// peer timed out, 3 a call threw.
 int run_rank(void* segment, size_t segment_bytes, int rank, int world_size, uint8_t* results) {
   try {
     ShmAllReduce comm(segment, segment_bytes, rank, world_size, kSlotBytes);
@@ -147,7 +150,7 @@ TEST_CASE("a call that times out waiting for a peer resumes where it stopped") {
   ShmAllReduce rank1(segment.data, segment_bytes, 1, 2, kSlotBytes);
   std::vector<float> a(100, 1.5f), b(100, 2.25f);  // two chunks
   EXPECT(rank1.all_reduce(b.data(), 100, DType::kFloat32, 0.01) == ShmWait::kTimedOut);
-  EXPECT_THROWS(rank1.all_reduce(b.data(), 99, DType::kFloat32, 0.01));  // must resume the same call
+  EXPECT_THROWS(rank1.all_reduce(b.data(), 99, DType::kFloat32, 0.01), vpage::CheckError);  // must resume the same call
   // rank 0 sums the first chunk, then waits for rank 1's second one.
   EXPECT(rank0.all_reduce(a.data(), 100, DType::kFloat32, 0.01) == ShmWait::kTimedOut);
   EXPECT(rank1.all_reduce(b.data(), 100, DType::kFloat32, 0.01) == ShmWait::kDone);
@@ -162,15 +165,15 @@ TEST_CASE("ranks that disagree on the size or dtype throw") {
   ShmAllReduce rank1(segment.data, segment_bytes, 1, 2, kSlotBytes);
   std::vector<float> a(5, 1.0f), b(6, 1.0f);
   EXPECT(rank1.all_reduce(b.data(), 6, DType::kFloat32, 0.01) == ShmWait::kTimedOut);
-  EXPECT_THROWS(rank0.all_reduce(a.data(), 5, DType::kFloat32, 0.01));
+  EXPECT_THROWS(rank0.all_reduce(a.data(), 5, DType::kFloat32, 0.01), vpage::CheckError);
 }
 
 TEST_CASE("bad arguments throw") {
   Mapping segment(4096);
-  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 2, 2, 256));     // rank out of range
-  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 0, 2, 100));     // slot not a multiple of 64
-  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 0, 2, 4096));    // segment too small
-  EXPECT_THROWS(ShmAllReduce(nullptr, 4096, 0, 2, 256));
+  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 2, 2, 256), vpage::CheckError);  // rank out of range
+  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 0, 2, 100), vpage::CheckError);  // slot not a multiple of 64
+  EXPECT_THROWS(ShmAllReduce(segment.data, 4096, 0, 2, 4096), vpage::CheckError);  // segment too small
+  EXPECT_THROWS(ShmAllReduce(nullptr, 4096, 0, 2, 256), vpage::CheckError);
   ShmAllReduce one(segment.data, 4096, 0, 1, 256);
   std::vector<float> x = {1.0f, -2.0f};
   EXPECT(one.all_reduce(x.data(), 2, DType::kFloat32, 0.0) == ShmWait::kDone);
