@@ -113,8 +113,10 @@ class Scheduler {
   /// A copy of the sequence `seq_id` of an unfinished group, or std::nullopt.
   std::optional<SequenceSnapshot> find_sequence(SeqId seq_id) const;
 
+  /// The configurations the Scheduler was built with.
   const SchedulerConfig& config() const;
   const BlockManagerConfig& block_config() const;
+  /// Running totals since construction.
   const SchedulerStats& stats() const;
   /// Occupancy of both pools and the prefix-cache counters.
   BlockUsage usage() const;
