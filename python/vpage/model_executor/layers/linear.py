@@ -6,18 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    """A frozen parameter of ``shape`` on the current default device, not initialised."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+from vpage.model_executor.layers.weight_utils import empty_parameter
 
 
 class Linear(nn.Module):
-    """``y = x @ weight.T + bias``; weight ``[out_features, in_features]``.
-
-    Fused projections (QKV, gate/up) are one ``Linear`` whose rows are the parts stacked
-    in order; the loader fills each part's row range.
-    """
+    """``y = x @ weight.T + bias``; weight ``[out_features, in_features]``, each parameter
+    loaded whole (the tensor-parallel and fused layers are in ``parallel_linear``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()

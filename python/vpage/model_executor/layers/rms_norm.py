@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vpage import ops
-from vpage.model_executor.layers.linear import empty_parameter
+from vpage.model_executor.layers.weight_utils import empty_parameter
 
 
 class RMSNorm(nn.Module):

@@ -9,12 +9,15 @@ and cut back to the vocabulary. With one rank they are plain embeddings.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vpage.distributed.parallel_state import all_reduce, gather_to_driver, tp_rank, tp_size
 from vpage.model_executor.layers.linear import Embedding
+from vpage.model_executor.layers.weight_utils import ShardId, copy_checked, float_tensor, set_weight_loader
 
 
 class VocabParallelEmbedding(Embedding):
@@ -27,16 +30,21 @@ class VocabParallelEmbedding(Embedding):
         self.rows = math.ceil(vocab_size / self.size)
         self.start = tp_rank() * self.rows
         super().__init__(self.rows if self.size > 1 else vocab_size, hidden_size, dtype)
+        set_weight_loader(self.weight, self.weight_loader)
 
-    def shard_checkpoint(self, tensor: torch.Tensor, part: int, is_bias: bool) -> torch.Tensor:
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: ShardId) -> None:
+        """This rank's rows of the whole table (past the vocabulary: zeros)."""
+        if shard_id is not None:
+            raise ValueError(f"is part {shard_id!r} of a parameter that has no parts")
+        loaded = float_tensor(loaded)
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, expected {(self.vocab_size, param.shape[1])}")
         if self.size == 1:
-            return tensor
-        mine = tensor[self.start:self.start + self.rows]
-        if mine.shape[0] == self.rows:
-            return mine
-        padded = mine.new_zeros(self.rows, *mine.shape[1:])
-        padded[:mine.shape[0]] = mine
-        return padded
+            param.data.copy_(loaded)
+            return
+        mine = loaded[self.start:self.start + self.rows]
+        param.data[mine.shape[0]:].zero_()
+        copy_checked(param.data[:mine.shape[0]], mine)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

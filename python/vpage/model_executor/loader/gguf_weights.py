@@ -1,39 +1,24 @@
-"""Weights of a GGUF file, renamed to Hugging Face's convention: dequantized to float32, or
-(for the names the model asks for) kept as their raw GGUF block rows."""
+"""Weights of a GGUF file, renamed to Hugging Face's convention through the architecture's
+description (``GgufArch``): tensors in a block format vpage's kernels read come as their raw
+GGUF rows (``QuantizedTensor``, which a float layer dequantizes when it loads it), the others
+dequantized to float32."""
 
 from __future__ import annotations
 
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Collection, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from vpage.model_executor.layers.quant_linear import QuantizedTensor
+from vpage import ops
+from vpage.model_executor.layers.weight_utils import QuantizedTensor
+from vpage.model_executor.models.arch import GgufArch
 
-# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-
-# GGUF architectures whose converter permuted the Q/K rows for llama.cpp's rotary layout.
-_PERMUTED_ARCHS = {"llama"}
+_RAW_TYPE_IDS = {type_id for type_id, _, _ in ops.QUANT_TYPES.values()}
 
 
 def open_gguf(path: Path) -> Any:
@@ -54,20 +39,21 @@ def gguf_architecture(reader: Any) -> str:
     return bytes(field.parts[field.data[0]]).decode()
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: GgufArch) -> str | None:
     """Hugging Face name for a GGUF tensor name, or None for tensors vpage does not use."""
     m = _LAYER_RE.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        hf = _LAYER_NAMES.get(part)
+        hf = arch.layer_names.get(part)
         return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
-    hf = _GLOBAL_NAMES.get(base)
+    hf = arch.global_names.get(base)
     return None if hf is None else f"{hf}.{kind}"
 
 
 def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's per-head row interleave of a Q or K projection (weight or bias).
+    """Undo llama.cpp's per-head row interleave of a Q or K projection (weight or bias; float
+    or raw block rows: a row moves whole).
 
     llama.cpp stores each head's rows as (pairs, 2) where Hugging Face stores (2, pairs);
     w ``[num_heads * head_size, ...]``.
@@ -76,48 +62,50 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensor_types(reader: Any) -> dict[str, int]:
+def gguf_tensor_types(reader: Any, arch: GgufArch) -> dict[str, int]:
     """Hugging Face name -> ggml type id of every used tensor of the GGUF file."""
-    names = ((hf_tensor_name(t.name), int(t.tensor_type)) for t in reader.tensors)
+    names = ((hf_tensor_name(t.name, arch), int(t.tensor_type)) for t in reader.tensors)
     return {name: type_id for name, type_id in names if name is not None}
 
 
-def _raw_rows(tensor: Any) -> QuantizedTensor:
-    """A GGUF tensor's block rows as a QuantizedTensor (a view of the file mapping)."""
+def _raw_rows(tensor: Any, permuted_heads: int | None) -> QuantizedTensor:
+    """A GGUF tensor's block rows as a QuantizedTensor (a view of the file mapping, or a copy
+    with the Q/K rows un-permuted)."""
     cols = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+    if permuted_heads is not None:
+        rows = np.ascontiguousarray(unpermute_rotary_rows(tensor.data, permuted_heads))
+        return QuantizedTensor(torch.from_numpy(rows), int(tensor.tensor_type), cols)
     with warnings.catch_warnings():  # a read-only file mapping, only ever copied from
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(tensor.data)
     return QuantizedTensor(data, int(tensor.tensor_type), cols)
 
 
-def iterate_gguf(reader: Any, path: Path, num_heads: int, num_kv_heads: int,
-                 keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """Yield (Hugging Face name, float32 tensor) for each used tensor of the GGUF file, or
-    (name, QuantizedTensor of its raw rows) for the names in ``keep_quantized``. Q/K rows
-    permuted by llama.cpp's converter are un-permuted either way (quantization is per row)."""
+def iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
+                 num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (Hugging Face name, tensor) for each used tensor of the GGUF file: raw rows for
+    the block formats of ``ops.QUANT_TYPES``, float32 for the others. Q/K rows permuted by
+    llama.cpp's converter are un-permuted either way (quantization is per row)."""
     from gguf.quants import dequantize
 
-    permuted = gguf_architecture(reader) in _PERMUTED_ARCHS
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             continue
-        if name in keep_quantized:
-            raw = _raw_rows(tensor)
-            if permuted and (".q_proj." in name or ".k_proj." in name):
-                heads = num_heads if ".q_proj." in name else num_kv_heads
-                raw.data = torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(tensor.data, heads)))
-            yield name, raw
+        heads = None
+        if arch.permuted_qk and ".q_proj." in name:
+            heads = num_heads
+        elif arch.permuted_qk and ".k_proj." in name:
+            heads = num_kv_heads
+        if int(tensor.tensor_type) in _RAW_TYPE_IDS:
+            yield name, _raw_rows(tensor, heads)
             continue
         try:
             w = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {tensor.name} ({e})") from e
-        if permuted and ".q_proj." in name:
-            w = unpermute_rotary_rows(w, num_heads)
-        elif permuted and ".k_proj." in name:
-            w = unpermute_rotary_rows(w, num_kv_heads)
+        if heads is not None:
+            w = unpermute_rotary_rows(w, heads)
         if not w.flags.writeable:  # unquantized tensors come as read-only file mappings
             w = w.copy()
         yield name, torch.from_numpy(np.ascontiguousarray(w))

@@ -16,13 +16,13 @@ from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
 from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf, open_gguf
+from vpage.model_executor.layers.quantization import GgufQuantConfig, QuantConfig
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
-from vpage.model_executor.models import get_model_class
+from vpage.model_executor.models import architecture_of, get_model_class
 from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
 from vpage.tokenizer import get_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MODEL_TYPE_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 QUANTIZATION_MODES = ("auto", "none")
 logger = logging.getLogger("vpage")
@@ -84,16 +84,6 @@ def _load_hf_config(source: _Source, reader: Any) -> Any:
         raise ValueError(f"{source.path}: cannot read model config ({type(e).__name__}: {e})") from e
 
 
-def _architecture(hf_config: Any) -> str:
-    archs = getattr(hf_config, "architectures", None)
-    if archs:
-        return archs[0]
-    model_type = getattr(hf_config, "model_type", "")
-    if model_type not in _MODEL_TYPE_ARCHS:
-        raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(_MODEL_TYPE_ARCHS)}")
-    return _MODEL_TYPE_ARCHS[model_type]
-
-
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,10 +134,25 @@ def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]
     return sorted(set(ids))
 
 
-def _weights(source: _Source, hf_config: Any, reader: Any, keep_quantized: set[str]) -> Iterator[tuple[str, Any]]:
+def _quant_config(reader: Any, model_class: type[LlamaForCausalLM], quantization: str,
+                  device: torch.device) -> QuantConfig:
+    """Which weights the model keeps in their GGUF block format: those ``GgufQuantConfig``
+    takes, for a GGUF file loaded with quantization "auto" on one CPU rank; none otherwise."""
+    if reader is None or quantization != "auto" or device.type != "cpu":
+        return QuantConfig()
+    if tp_size() > 1:
+        if tp_rank() == 0:
+            logger.info("vpage: tensor parallelism dequantizes the GGUF weights (quantization forced to none)")
+        return QuantConfig()
+    return GgufQuantConfig.from_tensor_types(gguf_tensor_types(reader, model_class.arch.gguf),
+                                             model_class.arch.param_for)
+
+
+def _weights(source: _Source, hf_config: Any, reader: Any,
+             model_class: type[LlamaForCausalLM]) -> Iterator[tuple[str, Any]]:
     if reader is not None:
-        return iterate_gguf(reader, source.path, hf_config.num_attention_heads, num_kv_heads_of(hf_config),
-                            keep_quantized)
+        return iterate_gguf(reader, source.path, model_class.arch.gguf, hf_config.num_attention_heads,
+                            num_kv_heads_of(hf_config))
     return iterate_safetensors(safetensors_files(source.folder))
 
 
@@ -185,18 +190,14 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     torch_device = _resolve_device(device)
     reader = open_gguf(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
-    architecture = _architecture(hf_config)
+    architecture = architecture_of(hf_config)
     model_class = get_model_class(architecture)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
     try:
+        quant = _quant_config(reader, model_class, quantization, torch_device)
         with torch.device(torch_device):
-            net = model_class(hf_config, torch_dtype)
-        keep = set()
-        if reader is not None and quantization == "auto" and tp_size() > 1 and tp_rank() == 0:
-            logger.info("vpage: tensor parallelism dequantizes the GGUF weights (quantization forced to none)")
-        if reader is not None and quantization == "auto" and torch_device.type == "cpu" and tp_size() == 1:
-            keep = net.keep_quantized(gguf_tensor_types(reader))
-        net.load_weights(_weights(source, hf_config, reader, keep))
+            net = model_class(hf_config, torch_dtype, quant)
+        net.load_weights(_weights(source, hf_config, reader, model_class))
     except ValueError as e:
         if str(source.path) in str(e):  # already names the file
             raise

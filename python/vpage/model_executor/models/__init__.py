@@ -1,33 +1,53 @@
-"""Model classes by Hugging Face architecture name."""
+"""The model registry: classes by Hugging Face architecture name and by GGUF architecture name.
+
+Each class describes itself in ``arch`` (models/arch.py); adding a family is its model file
+and one entry in ``_MODELS``.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from vpage.model_executor.models.llama import LlamaForCausalLM
+from vpage.model_executor.models.qwen2 import Qwen2ForCausalLM
 
+_MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM)
 
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: the Llama structure with biases on the Q, K and V projections."""
-
-    qkv_bias = True
-
-
-_REGISTRY = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
+_BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}
+_BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS if cls.arch.gguf is not None}
+_BY_MODEL_TYPE = {model_type: arch for cls in _MODELS for model_type, arch in cls.arch.model_types.items()}
 
 
 def supported_architectures() -> list[str]:
-    """Architecture names ``get_model_class`` accepts."""
-    return sorted(_REGISTRY)
+    """Hugging Face architecture names, then GGUF architecture names, ``get_model_class`` accepts."""
+    return sorted(_BY_NAME) + sorted(_BY_GGUF_NAME)
 
 
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
-    """The class for ``architecture``; ValueError naming the supported ones otherwise."""
-    try:
-        return _REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}; supported: {supported_architectures()}"
-        ) from None
+    """The class for a Hugging Face (``LlamaForCausalLM``) or GGUF (``llama``) architecture
+    name; ValueError naming the supported ones otherwise."""
+    cls = _BY_NAME.get(architecture) or _BY_GGUF_NAME.get(architecture)
+    if cls is None:
+        raise ValueError(f"unsupported model architecture {architecture!r}; supported: {supported_architectures()}")
+    return cls
+
+
+def architecture_of(hf_config: Any) -> str:
+    """The Hugging Face architecture name of a transformers config: its ``architectures``, or
+    the one its ``model_type`` stands for; ValueError naming the supported model types."""
+    archs = getattr(hf_config, "architectures", None)
+    if archs:
+        return archs[0]
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(f"unsupported model type {model_type!r}; supported: {sorted(_BY_MODEL_TYPE)}")
+    return _BY_MODEL_TYPE[model_type]
+
+
+def gguf_model_class(name: str) -> type[LlamaForCausalLM]:
+    """The class of a GGUF file whose ``general.architecture`` is ``name`` (its description in
+    ``arch.gguf``); ValueError naming the supported GGUF architectures otherwise."""
+    cls = _BY_GGUF_NAME.get(name)
+    if cls is None:
+        raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {sorted(_BY_GGUF_NAME)}")
+    return cls

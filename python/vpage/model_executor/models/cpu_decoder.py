@@ -1,10 +1,15 @@
-"""The C++ layer loop (``vpage._core._CpuDecoder``) for a Llama-family model on the CPU.
+"""The C++ layer loop (``vpage._core._CpuDecoder``) for a Llama-structured model on the CPU.
 
-It applies when every projection is kept in a GGUF block format (``QuantizedLinear``), the
+It implements one structure, the plain Llama decoder layer (RMSNorm, fused QKV with optional
+biases, rotary, paged attention, SiLU-gated MLP): only a model whose
+``has_cpu_decoder_structure()`` says so takes it (the class opts in and its parts are exactly
+those), so a family that adds a norm or changes the MLP runs its Python layers. Then it
+applies when every projection is kept in a GGUF block format (``QuantizedLinear``), the
 activations are float32 (KV caches float32, float16 or bfloat16) on the CPU and there is no
-tensor parallelism: the default model's case. It calls the kernels the Python layers call, in the same order, so the
-hidden states are bitwise the Python path's; what it saves is the interpreter's time
-between ~10 kernels per layer, most of a single-stream decode step (see bench/RESULTS-llamacpp.md).
+tensor parallelism: the default model's case. It calls the kernels the Python layers call, in
+the same order, so the hidden states are bitwise the Python path's; what it saves is the
+interpreter's time between ~10 kernels per layer, most of a single-stream decode step (see
+bench/RESULTS-llamacpp.md).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
 
 
 def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
-    """Whether ``model`` (a LlamaForCausalLM) with these caches can run on the C++ loop."""
+    """Whether ``model`` (of the structure the loop implements) with these caches can run on
+    the C++ loop: dtypes, device, tensor parallelism and quantized projections."""
     if model.dtype != torch.float32 or tp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]

@@ -1,36 +1,32 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) over a flattened, paged batch."""
+"""Llama-family decoder (Llama, SmolLM2, Mistral) over a flattened, paged batch; the base that
+other dense families (models/qwen2.py) build on by swapping parts.
+
+A decoder layer is assembled from the parts of ``DecoderParts`` (attention, MLP, norm); each
+linear and embedding layer is quantized or float from construction (``QuantConfig``), named
+by its module path so the config can tell them apart.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from vpage import ops
-from vpage.distributed.parallel_state import tp_rank, tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
-from vpage.model_executor.layers.linear import Embedding, Linear
-from vpage.model_executor.layers.parallel_linear import (ColumnParallelLinear, RowParallelLinear, check_head_split,
-                                                         kv_head_start, local_kv_heads)
-from vpage.model_executor.layers.quant_linear import (QuantizedEmbedding, QuantizedLinear, QuantizedTensor,
-                                                      QuantizedWeight)
+from vpage.model_executor.layers.parallel_linear import OutputRows
+from vpage.model_executor.layers.quant_linear import QuantizedWeight
+from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding
-from vpage.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from vpage.model_executor.layers.weight_utils import shard_ids_of, weight_loader_of
+from vpage.model_executor.models.arch import GgufArch, ModelArch
 from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-# (fused parameter, checkpoint part, shard index) for projections stored fused here.
-_STACKED = (
-    ("qkv_proj", "q_proj", 0),
-    ("qkv_proj", "k_proj", 1),
-    ("qkv_proj", "v_proj", 2),
-    ("gate_up_proj", "gate_proj", 0),
-    ("gate_up_proj", "up_proj", 1),
-)
 
 
 def head_size_of(hf_config: Any) -> int:
@@ -65,64 +61,60 @@ def _check_caches(kv_caches: list[KVCache], num_layers: int) -> None:
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, rotary, paged attention, output projection.
+    """Fused QKV projection, rotary on the query and key heads, paged attention, output
+    projection.
 
-    Under tensor parallelism (``tp_size() > 1``) this rank holds its query heads and its KV
-    heads (a share, or one replicated head) in ``qkv_proj`` (column-parallel) and the
-    matching input columns of ``o_proj`` (row-parallel: one all-reduce)."""
+    Under tensor parallelism this rank holds its query heads and its KV heads (a share, or one
+    replicated head) in ``qkv_proj`` (column-parallel) and the matching input columns of
+    ``o_proj`` (row-parallel: one all-reduce)."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, layer_index: int = 0):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int,
+                 qkv_bias: bool = False):
+        """qkv_bias: biases on Q, K and V (Qwen2); Llama's ``attention_bias`` turns on every
+        attention bias."""
         super().__init__()
-        rank, size = tp_rank(), tp_size()
-        total_heads, total_kv_heads = hf_config.num_attention_heads, num_kv_heads_of(hf_config)
-        check_head_split(total_heads, total_kv_heads, size)
-        self.num_heads = total_heads // size
-        self.num_kv_heads = local_kv_heads(total_kv_heads, size)
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
         self.head_size = head_size_of(hf_config)
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
-        kv_start = kv_head_start(total_kv_heads, rank, size) * self.head_size
-        self.qkv_proj = ColumnParallelLinear(
-            hf_config.hidden_size, [(rank * self.q_size, self.q_size), (kv_start, self.kv_size),
-                                    (kv_start, self.kv_size)], qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(total_heads * self.head_size, hf_config.hidden_size, o_bias, dtype)
+        rows = OutputRows.qkv(self.head_size, hf_config.num_attention_heads, num_kv_heads_of(hf_config))
+        self.q_size, self.kv_size, _ = rows.sizes
+        self.num_heads = self.q_size // self.head_size
+        self.num_kv_heads = self.kv_size // self.head_size
+        self.qkv_proj = quant.column_linear(f"{prefix}.qkv_proj", hf_config.hidden_size, rows,
+                                            qkv_bias or attention_bias, dtype)
+        self.o_proj = quant.row_linear(f"{prefix}.o_proj", hf_config.num_attention_heads * self.head_size,
+                                       hf_config.hidden_size, attention_bias, dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
                                    layer_index)
-
-    def shard_sizes(self) -> list[int]:
-        """Rows of the q, k and v parts inside ``qkv_proj``."""
-        return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
         n = x.shape[0]
-        qkv = self.qkv_proj(x)
-        rotary.rotate_(qkv, batch.positions, self.num_heads + self.num_kv_heads)  # q and k heads lead each row
-        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
-        q = q.view(n, self.num_heads, self.head_size)
-        k = k.view(n, self.num_kv_heads, self.head_size)
-        v = v.view(n, self.num_kv_heads, self.head_size)
-        return self.o_proj(self.attn(q, k, v, batch, kv_cache))
+        # Views of the QKV rows (row-strided, contiguous columns): the steps below work in place.
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        self.position_qk(q, k, rotary, batch.positions)
+        return self.o_proj(self.attn(q.view(n, self.num_heads, self.head_size),
+                                     k.view(n, self.num_kv_heads, self.head_size),
+                                     v.view(n, self.num_kv_heads, self.head_size), batch, kv_cache))
+
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+        """Rotate the query and key heads in place (a family with a per-head q/k norm, like
+        Qwen3, normalises them here first). Rotating q and k apart is bitwise rotating them
+        together: the kernel works head by head."""
+        rotary.rotate_(q, positions, self.num_heads)
+        rotary.rotate_(k, positions, self.num_kv_heads)
 
 
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, bias: bool):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str):
         super().__init__()
-        size = tp_size()
-        if hf_config.intermediate_size % size:
-            raise ValueError(f"tensor_parallel_size {size} does not divide the intermediate size "
-                             f"{hf_config.intermediate_size}")
-        self.intermediate_size = hf_config.intermediate_size // size  # this rank's slice
-        start = tp_rank() * self.intermediate_size
-        part = (start, self.intermediate_size)
-        self.gate_up_proj = ColumnParallelLinear(hf_config.hidden_size, [part, part], bias, dtype)
-        self.down_proj = RowParallelLinear(hf_config.intermediate_size, hf_config.hidden_size, bias, dtype)
-
-    def shard_sizes(self) -> list[int]:
-        """Rows of the gate and up parts inside ``gate_up_proj``."""
-        return [self.intermediate_size, self.intermediate_size]
+        bias = bool(getattr(hf_config, "mlp_bias", False))
+        size = hf_config.intermediate_size
+        rows = OutputRows.split([size, size], [0, 1])
+        self.intermediate_size = rows.sizes[0]  # this rank's slice
+        self.gate_up_proj = quant.column_linear(f"{prefix}.gate_up_proj", hf_config.hidden_size, rows, bias, dtype)
+        self.down_proj = quant.row_linear(f"{prefix}.down_proj", size, hf_config.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
@@ -132,17 +124,35 @@ class LlamaMLP(nn.Module):
         return self.down_proj(h)
 
 
+def llama_norm(hf_config: Any, dtype: torch.dtype) -> nn.Module:
+    """The hidden-state norm of a layer (and the final one): RMSNorm with a fused residual add."""
+    return RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """What a decoder layer is made of; a family changes the parts it does differently.
+
+    attention(hf_config, dtype, quant, prefix, layer_index) and mlp(hf_config, dtype, quant,
+    prefix) map ``[num_tokens, hidden]`` to the same (attention also takes the rotary, the
+    batch and the layer's KV cache); norm(hf_config, dtype) is called as ``norm(x, residual)
+    -> (normed, residual)`` like :class:`RMSNorm`."""
+
+    attention: Callable[..., nn.Module] = LlamaAttention
+    mlp: Callable[..., nn.Module] = LlamaMLP
+    norm: Callable[[Any, torch.dtype], nn.Module] = llama_norm
+
+
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, residual adds fused into the norms."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 layer_index: int = 0):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int,
+                 parts: DecoderParts):
         super().__init__()
-        eps = hf_config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(hf_config, dtype, qkv_bias, o_bias, layer_index)
-        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(hf_config, dtype, mlp_bias)
+        self.input_layernorm = parts.norm(hf_config, dtype)
+        self.self_attn = parts.attention(hf_config, dtype, quant, f"{prefix}.self_attn", layer_index)
+        self.post_attention_layernorm = parts.norm(hf_config, dtype)
+        self.mlp = parts.mlp(hf_config, dtype, quant, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -162,14 +172,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, parts: DecoderParts):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.embed_tokens = quant.embedding(f"{prefix}.embed_tokens", hf_config.vocab_size, hf_config.hidden_size,
+                                            dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, dtype, qkv_bias, o_bias, mlp_bias, i)
+            LlamaDecoderLayer(hf_config, dtype, quant, f"{prefix}.layers.{i}", i, parts)
             for i in range(hf_config.num_hidden_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps, dtype)
+        self.norm = parts.norm(hf_config, dtype)
         theta, scaling = rope_settings(hf_config)
         self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), theta, scaling,
                                           int(getattr(hf_config, "max_position_embeddings", 2048)))
@@ -178,31 +189,35 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model the engine calls: ``model(batch, kv_caches)`` then ``compute_logits``.
 
-    Parameter names mirror Hugging Face's, except the fused ``qkv_proj``/``gate_up_proj``.
+    Parameter names mirror Hugging Face's, except the fused ``qkv_proj``/``gate_up_proj``
+    (and ``qweight`` for a weight kept quantized).
     """
 
-    qkv_bias = False
+    arch = ModelArch(
+        architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+        model_types={"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"},
+        gguf=GgufArch("llama", "LlamaConfig", permuted_qk=True),
+    )
+    parts = DecoderParts()
+    # The C++ layer loop (models/cpu_decoder.py) implements exactly this structure; it runs only
+    # for a class that keeps this True and whose layers are the plain parts above (a family
+    # with other parts or extra modules runs the Python layers).
+    supports_cpu_decoder = True
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig | None = None):
         super().__init__()
+        quant = quant or QuantConfig()
         self.dtype = dtype
-        # Whether forward may run the C++ layer loop (models/cpu_decoder.py) when the model
-        # qualifies; tests turn it off to compare with the layer-by-layer path.
+        # Whether forward may run the C++ layer loop when the model qualifies; tests turn it
+        # off to compare with the layer-by-layer path.
         self.use_cpu_decoder = True
         self._cpu_decoder: tuple[Any, Optional[CpuDecoder]] = (None, None)  # (caches it was built for, loop)
-        attention_bias = bool(getattr(hf_config, "attention_bias", False))
-        self.model = LlamaModel(
-            hf_config,
-            dtype,
-            qkv_bias=self.qkv_bias or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        )
+        self.model = LlamaModel(hf_config, dtype, quant, "model", self.parts)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+            self.lm_head = quant.lm_head("lm_head", hf_config.vocab_size, hf_config.hidden_size, dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
@@ -228,6 +243,15 @@ class LlamaForCausalLM(nn.Module):
             h, _ = model.norm(h, residual)
         return h
 
+    def has_cpu_decoder_structure(self) -> bool:
+        """Whether this model is the structure the C++ layer loop implements: the class opts
+        in and every module is the plain Llama part (exact types, no extra children)."""
+        model = self.model
+        if (not self.supports_cpu_decoder or type(model) is not LlamaModel or type(model.norm) is not RMSNorm
+                or set(model._modules) != {"embed_tokens", "layers", "norm", "rotary_emb"}):
+            return False
+        return all(_is_plain_llama_layer(layer) for layer in model.layers)
+
     def _decoder_for(self, kv_caches: list[KVCache]) -> Optional[CpuDecoder]:
         """The C++ layer loop for these caches (built on first use, kept while the caller
         passes the same list), or None when the model does not qualify."""
@@ -236,7 +260,8 @@ class LlamaForCausalLM(nn.Module):
         caches, decoder = self._cpu_decoder
         if caches is not kv_caches:
             _check_caches(kv_caches, len(self.model.layers))
-            decoder = CpuDecoder(self, kv_caches) if eligible_for_cpu_decoder(self, kv_caches) else None
+            eligible = self.has_cpu_decoder_structure() and eligible_for_cpu_decoder(self, kv_caches)
+            decoder = CpuDecoder(self, kv_caches) if eligible else None
             self._cpu_decoder = (kv_caches, decoder)
         return decoder
 
@@ -248,95 +273,40 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head.linear(hidden).float()
         return self.lm_head.logits(hidden)
 
-    def keep_quantized(self, tensor_types: dict[str, int]) -> set[str]:
-        """Swap each Linear/Embedding whose checkpoint weights (``tensor_types``: checkpoint
-        name -> ggml type id) all have one type of ``ops.QUANT_TYPES`` for its quantized
-        twin; a fused projection whose parts differ in type stays float (dequantized at load).
-        Call before ``load_weights``; returns the checkpoint names to deliver as
-        ``QuantizedTensor``s (the others come as float tensors, as before)."""
-        by_id = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
-        raw: set[str] = set()
-        for module_name, module in list(self.named_modules()):
-            if not isinstance(module, (Linear, Embedding)):
-                continue
-            parent_name, _, leaf = module_name.rpartition(".")
-            parts = [part for fused, part, _ in _STACKED if fused == leaf] or [leaf]
-            names = [f"{parent_name}.{part}.weight" if parent_name else f"{part}.weight" for part in parts]
-            type_ids = {tensor_types.get(name) for name in names}
-            qtype = by_id.get(type_ids.pop()) if len(type_ids) == 1 else None
-            rows, cols = module.weight.shape
-            if qtype is None or cols % ops.QUANT_TYPES[qtype][1]:
-                continue
-            if isinstance(module, Embedding):
-                new: nn.Module = QuantizedEmbedding(rows, cols, self.dtype, qtype)
-                if self.lm_head is module:
-                    self.lm_head = new
-            else:
-                new = QuantizedLinear(cols, rows, module.bias is not None, self.dtype, qtype)
-            setattr(self.get_submodule(parent_name) if parent_name else self, leaf, new)
-            raw.update(names)
-        return raw
-
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names, any float dtype, or QuantizedTensor
-        rows for the modules ``keep_quantized`` swapped) into the parameters.
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load checkpoint tensors (Hugging Face names; float tensors of any dtype, or
+        ``QuantizedTensor``s) through each parameter's weight loader.
 
         Raises ValueError on an unknown name, a shape or type mismatch, or a parameter left unloaded.
         """
         params = dict(self.named_parameters())
-        needed = set()
-        for name in params:
-            shards = [shard for fused, _, shard in _STACKED if f".{fused}." in name]
-            needed.update((name, shard) for shard in shards or [None])
+        loaded: dict[str, set] = {name: set() for name in params}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            target = self.arch.param_for(name)
+            if target is None or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if isinstance(tensor, QuantizedTensor):
-                name = name.removesuffix("weight") + "qweight"
-            param, rows, key = self._target(name, params)
-            if isinstance(tensor, QuantizedTensor):
-                tensor = self._quantized_rows(name, key[0], tensor)
-            else:
-                tensor = self._shard(key, tensor)
-            dest = param.data if rows is None else param.data.narrow(0, *rows)
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-            needed.discard(key)
-        if needed:
-            names = sorted({name for name, _ in needed})
-            raise ValueError(f"checkpoint lacks {len(needed)} tensors, e.g. for {names[:4]}")
+            param_name, shard_id = target
+            if param_name not in params and param_name.endswith(".weight"):
+                param_name = param_name.removesuffix("weight") + "qweight"  # a weight kept quantized
+            if param_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
+            param = params[param_name]
+            try:
+                weight_loader_of(param)(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r} {e}") from e
+            loaded[param_name].add(shard_id)
+        missing = [name for name, param in params.items() if None not in loaded[name]
+                   for shard_id in shard_ids_of(param) if shard_id not in loaded[name]]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. for {sorted(set(missing))[:4]}")
 
-    def _shard(self, key: tuple[str, int | None], tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a whole checkpoint tensor for the parameter ``key[0]``
-        (part ``key[1]`` of a fused projection); the tensor itself without tensor parallelism."""
-        param_name, part = key
-        module = self.get_submodule(param_name.rpartition(".")[0])
-        shard = getattr(module, "shard_checkpoint", None)
-        if shard is None or tp_size() == 1:
-            return tensor
-        return shard(tensor, part or 0, param_name.endswith(".bias"))
 
-    def _quantized_rows(self, name: str, param_name: str, tensor: QuantizedTensor) -> torch.Tensor:
-        """The raw rows of ``tensor`` after checking its type against the module of ``param_name``."""
-        module = self.get_submodule(param_name.rpartition(".")[0])
-        if not isinstance(module, QuantizedWeight) or module.type_id != tensor.type_id or module.cols != tensor.cols:
-            raise ValueError(f"checkpoint tensor {name!r} (ggml type {tensor.type_id}, {tensor.cols} columns) does "
-                             f"not match the quantized parameter {param_name!r}")
-        return tensor.data
-
-    def _target(
-        self, name: str, params: dict[str, nn.Parameter]
-    ) -> tuple[nn.Parameter, tuple[int, int] | None, tuple[str, int | None]]:
-        """(parameter, (row offset, rows) or None, loaded key) for a checkpoint tensor name."""
-        for fused, part, shard in _STACKED:
-            fused_name = name.replace(f".{part}.", f".{fused}.")
-            if fused_name != name and fused_name in params:
-                sizes = self.get_submodule(fused_name.rsplit(".", 2)[0]).shard_sizes()
-                return params[fused_name], (sum(sizes[:shard]), sizes[shard]), (fused_name, shard)
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
-        return params[name], None, (name, None)
+def _is_plain_llama_layer(layer: nn.Module) -> bool:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
+            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and set(layer._modules) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"}
+            and set(mlp._modules) == {"gate_up_proj", "down_proj"})

@@ -1,0 +1,87 @@
+"""Which weights a model keeps in a GGUF block format, decided before it is built: the model
+asks this config for each linear and embedding layer by its name (the module path, e.g.
+``model.layers.0.self_attn.qkv_proj``) and gets a quantized or a float layer."""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from vpage import ops
+from vpage.distributed.parallel_state import tp_size
+from vpage.model_executor.layers.parallel_linear import ColumnParallelLinear, OutputRows, RowParallelLinear
+from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
+from vpage.model_executor.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from vpage.model_executor.layers.weight_utils import ShardId
+
+_NAMES_BY_ID = {type_id: name for name, (type_id, _, _) in ops.QUANT_TYPES.items()}
+
+
+class QuantConfig:
+    """Float weights everywhere: the base, and any load that dequantizes (CUDA, tensor
+    parallelism, ``quantization="none"``, a safetensors folder)."""
+
+    def qtype(self, prefix: str, cols: int) -> Optional[str]:
+        """The block format to keep layer ``prefix``'s weight in (rows of ``cols`` values),
+        None to keep it float."""
+        return None
+
+    def column_linear(self, prefix: str, in_features: int, rows: OutputRows, bias: bool,
+                      dtype: torch.dtype) -> nn.Module:
+        qtype = self.qtype(prefix, in_features)
+        if qtype is not None:
+            return QuantizedLinear(in_features, rows.size, bias, dtype, qtype, rows)
+        return ColumnParallelLinear(in_features, rows, bias, dtype)
+
+    def row_linear(self, prefix: str, in_features: int, out_features: int, bias: bool,
+                   dtype: torch.dtype) -> nn.Module:
+        qtype = self.qtype(prefix, in_features)
+        if qtype is not None:
+            return QuantizedLinear(in_features, out_features, bias, dtype, qtype)
+        return RowParallelLinear(in_features, out_features, bias, dtype)
+
+    def embedding(self, prefix: str, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Module:
+        qtype = self.qtype(prefix, hidden_size)
+        if qtype is not None:
+            return QuantizedEmbedding(vocab_size, hidden_size, dtype, qtype)
+        return VocabParallelEmbedding(vocab_size, hidden_size, dtype)
+
+    def lm_head(self, prefix: str, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Module:
+        """An untied output projection (quantized: used through ``QuantizedEmbedding.linear``)."""
+        qtype = self.qtype(prefix, hidden_size)
+        if qtype is not None:
+            return QuantizedEmbedding(vocab_size, hidden_size, dtype, qtype)
+        return ParallelLMHead(vocab_size, hidden_size, dtype)
+
+
+class GgufQuantConfig(QuantConfig):
+    """Keeps a layer's weight in a GGUF block format when every checkpoint tensor that fills
+    it has one type of ``ops.QUANT_TYPES`` and its rows split into whole blocks; a fused
+    projection whose parts differ in type stays float (dequantized at load). One rank only:
+    blocks cannot be split by columns."""
+
+    def __init__(self, weight_types: Mapping[str, set[int]]):
+        if tp_size() > 1:
+            raise ValueError("GGUF blocks cannot be split over tensor-parallel ranks (load them dequantized)")
+        self.weight_types = dict(weight_types)
+
+    @classmethod
+    def from_tensor_types(cls, tensor_types: Mapping[str, int],
+                          param_for: Callable[[str], Optional[tuple[str, ShardId]]]) -> "GgufQuantConfig":
+        """From checkpoint name -> ggml type id, and the model's map of a checkpoint name to
+        (parameter name, shard) (None: a tensor the model skips)."""
+        by_layer: dict[str, set[int]] = {}
+        for name, type_id in tensor_types.items():
+            target = param_for(name)
+            if target is not None and target[0].endswith(".weight"):
+                by_layer.setdefault(target[0].removesuffix(".weight"), set()).add(type_id)
+        return cls(by_layer)
+
+    def qtype(self, prefix: str, cols: int) -> Optional[str]:
+        types = self.weight_types.get(prefix, set())
+        qtype = _NAMES_BY_ID.get(next(iter(types))) if len(types) == 1 else None
+        if qtype is None or cols % ops.QUANT_TYPES[qtype][1]:
+            return None
+        return qtype

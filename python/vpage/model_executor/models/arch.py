@@ -1,0 +1,126 @@
+"""What the loader needs to know about one model architecture beside its class: the names it
+goes by, how checkpoint tensors map onto its parameters, and how a GGUF file describes it.
+
+A model class carries its description as ``arch``; the registry (``models/__init__.py``)
+indexes the classes by every name of their descriptions. The defaults are the Llama-shaped
+ones, so a dense family that only changes layers states its names and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+from vpage.model_executor.layers.weight_utils import ShardId
+
+# (fused parameter, checkpoint part, shard id): projections a Llama-shaped model stores fused.
+# A checkpoint that ships them fused already (Phi-3's qkv_proj) names the parameter itself.
+LLAMA_STACKED_PARAMS: tuple[tuple[str, str, ShardId], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
+LLAMA_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+LLAMA_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+class GgufMetadata(Protocol):
+    """The view of a GGUF file's metadata a config mapping reads (``loader/gguf_config.py``)."""
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        """``{architecture}.{key}``; ValueError when missing and no default is given."""
+
+    def get_global(self, key: str, default: Any = ...) -> Any:
+        """A key outside the architecture's namespace (``tokenizer.ggml.*``)."""
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file holds a tensor of that GGUF name."""
+
+
+def _gguf_rope_scaling(meta: GgufMetadata) -> dict | None:
+    """The rope scaling of the metadata; ValueError for kinds vpage does not implement."""
+    if meta.has_tensor("rope_freqs.weight"):
+        raise ValueError("GGUF per-frequency rope factors (rope_freqs) are not supported")
+    kind = meta.get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear)")
+    return {"rope_type": "linear", "factor": float(meta.get("rope.scaling.factor"))}
+
+
+def llama_gguf_config(meta: GgufMetadata) -> dict[str, Any]:
+    """transformers config fields of a Llama-shaped model from llama.cpp's metadata keys."""
+    heads = int(meta.get("attention.head_count"))
+    hidden = int(meta.get("embedding_length"))
+    vocab = meta.get("vocab_size", None)
+    if vocab is None:
+        vocab = len(meta.get_global("tokenizer.ggml.tokens"))
+    return dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta.get("feed_forward_length")),
+        num_hidden_layers=int(meta.get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta.get("context_length")),
+        rms_norm_eps=float(meta.get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get("rope.freq_base", 10000.0)),
+        rope_scaling=_gguf_rope_scaling(meta),
+        tie_word_embeddings=not meta.has_tensor("output.weight"),
+        bos_token_id=meta.get_global("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=meta.get_global("tokenizer.ggml.eos_token_id", None),
+    )
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """How a GGUF file (``general.architecture == name``) holds the architecture."""
+
+    name: str  # e.g. "llama", "qwen2"
+    config_class: str  # the transformers config class its metadata fills, e.g. "LlamaConfig"
+    # Whether llama.cpp's converter interleaved the Q/K rows of each head (it does for "llama").
+    permuted_qk: bool = False
+    config_fields: Callable[[GgufMetadata], dict[str, Any]] = llama_gguf_config
+    layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
+    global_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_GLOBAL_NAMES)
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """One architecture family: its Hugging Face names and how its checkpoints load."""
+
+    architectures: tuple[str, ...]  # Hugging Face ``architectures`` names the class serves
+    model_types: Mapping[str, str]  # HF model_type -> architecture, for a config without ``architectures``
+    gguf: Optional[GgufArch] = None
+    stacked_params: tuple[tuple[str, str, ShardId], ...] = LLAMA_STACKED_PARAMS
+    ignored_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)  # checkpoint names containing these are skipped
+
+    def param_for(self, name: str) -> Optional[tuple[str, ShardId]]:
+        """(parameter name, shard id) a Hugging Face checkpoint tensor loads into, or None
+        for a tensor the model does not use."""
+        if any(ignored in name for ignored in self.ignored_weights):
+            return None
+        for fused, part, shard_id in self.stacked_params:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard_id
+        return name, None
