@@ -1,11 +1,13 @@
 """The C++ layer loop (models/cpu_decoder.py) against the layer-by-layer Python path on tiny
 quantized Llama and Qwen2 (biased QKV) models: the same hidden states and KV caches bit for
 bit over prefill, chunked prefill and decode steps; models that do not qualify stay on the
-Python path; a malformed batch is refused before anything runs."""
+Python path (float weights; a family built on Llama with an extra norm, or one that does not
+opt in); a malformed batch is refused before anything runs."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -13,7 +15,12 @@ import torch
 
 from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
 from quant_fixtures import quantized_rows
+from vpage import ops
 from vpage.model_executor import load_model
+from vpage.model_executor import models as registry
+from vpage.model_executor.layers.quant_linear import QuantizedLinear
+from vpage.model_executor.layers.rms_norm import RMSNorm
+from vpage.model_executor.models.llama import DecoderParts, LlamaAttention, LlamaForCausalLM
 
 # Steps over three sequences: whole prompts of awkward lengths, a chunk that continues a
 # prompt (its context is longer than its query), then decode steps, one mixed with a chunk.
@@ -113,3 +120,50 @@ def test_malformed_batch_is_refused_and_the_loop_stays_usable(tmp_path):
     with pytest.raises(ValueError, match="position"):
         net(type(batch)(**{**batch.__dict__, "positions": far}), cache.caches)
     assert torch.isfinite(net(batch, cache.caches)).all()
+
+
+class _QNormAttention(LlamaAttention):
+    """Llama's attention with a per-head RMSNorm of the queries before rotary (Qwen3's shape)."""
+
+    def __init__(self, hf_config, dtype, quant, prefix, layer_index):
+        super().__init__(hf_config, dtype, quant, prefix, layer_index)
+        self.q_norm = RMSNorm(self.head_size, hf_config.rms_norm_eps, dtype)
+
+    def position_qk(self, q, k, rotary, positions):
+        heads = q.reshape(-1, self.head_size)
+        normed = torch.empty_like(heads)
+        ops.rms_norm(normed, heads, self.q_norm.weight, self.q_norm.eps)
+        q.copy_(normed.view(q.shape))
+        super().position_qk(q, k, rotary, positions)
+
+
+class _QNormLlama(LlamaForCausalLM):
+    parts = DecoderParts(attention=_QNormAttention)
+
+    def load_weights(self, weights):
+        norms = [(f"model.layers.{i}.self_attn.q_norm.weight", torch.full((layer.self_attn.head_size,), 1.5))
+                 for i, layer in enumerate(self.model.layers)]
+        super().load_weights(itertools.chain(weights, norms))
+
+
+class _OptedOutLlama(LlamaForCausalLM):
+    supports_cpu_decoder = False
+
+
+@pytest.mark.parametrize("model_class", [_QNormLlama, _OptedOutLlama])
+def test_a_family_the_loop_does_not_implement_stays_on_python_layers(model_class, tmp_path, monkeypatch):
+    path = _tiny_gguf("llama", "Q4_1", tmp_path)
+    plain = load_model(path, device="cpu")
+    monkeypatch.setitem(registry._BY_NAME, "LlamaForCausalLM", model_class)
+    loaded = load_model(path, device="cpu")
+    net = loaded.model
+    assert type(net) is model_class and isinstance(net.model.layers[0].self_attn.qkv_proj, QuantizedLinear)
+    assert plain.model.has_cpu_decoder_structure() and not net.has_cpu_decoder_structure()
+    net_config[id(net)] = net_config[id(plain.model)] = loaded.config
+    hidden, _ = _run(net, False)
+    net.use_cpu_decoder = True
+    cache = PagedKVCache(loaded.config, seed=3)
+    assert torch.equal(net(cache.step(_STEPS[0]), cache.caches), hidden[0])
+    assert net._cpu_decoder == (cache.caches, None)
+    plain_hidden, _ = _run(plain.model, True)  # the plain model takes the loop on the same file
+    assert torch.equal(plain_hidden[0], hidden[0]) == (model_class is _OptedOutLlama)
