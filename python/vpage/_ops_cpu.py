@@ -128,8 +128,9 @@ def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows
     _core._cpu_quant_dequantize_rows(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)
 
 
-def logsumexp_argmax(logits: torch.Tensor, log_norm: torch.Tensor, argmax: torch.Tensor) -> None:
-    """CPU only; see vpage.ops.logsumexp_argmax."""
+def logsumexp_argmax(logits: torch.Tensor, log_norm: torch.Tensor, argmax: torch.Tensor,
+                     want_log_norm: Optional[torch.Tensor]) -> None:
+    """CPU only; see vpage.ops.logsumexp_argmax (``want_log_norm``: contiguous bool or None)."""
     _core._cpu_logsumexp_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1],
                                 max(logits.stride(0), logits.shape[1]), log_norm.data_ptr(), argmax.data_ptr(),
-                                get_num_threads())
+                                0 if want_log_norm is None else want_log_norm.data_ptr(), get_num_threads())

@@ -32,10 +32,19 @@ class SamplerOutput:
     """
 
     token_ids: torch.Tensor  # [n] int64, the chosen tokens
-    logprobs: torch.Tensor  # [n] float32, log-probability of each chosen token
+    # [n] float32, log-probability of each chosen token; NaN for rows that need none
+    # (``needs_logprob``: the sampler skips their log-normaliser)
+    logprobs: torch.Tensor
     # Per row: the top (token id, logprob) pairs, best first, when the row asked for them
     # (``params.logprobs``; beam rows get beam_candidates(best_of) candidates), else None.
     top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def needs_logprob(params: SamplingParams) -> bool:
+    """Whether a request's chosen tokens need their log-probabilities: it asked for logprobs,
+    or ranks its sequences by them (beam search, best_of > n). Others report no
+    cumulative_logprob, as in vLLM."""
+    return params.logprobs is not None or params.use_beam_search or params.best_of > params.n
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -118,7 +127,8 @@ class Sampler:
         raw = logits.float()  # the model's own distribution; not modified
         # logprob = logit - log_norm, without a softmax copy; the argmax of the raw rows is the
         # greedy token of every row that no ban or penalty changes.
-        log_norm, token_ids = ops.logsumexp_argmax(raw)
+        want = [needs_logprob(r.params) for r in rows]
+        log_norm, token_ids = ops.logsumexp_argmax(raw, None if all(want) else torch.tensor(want))
         early = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)

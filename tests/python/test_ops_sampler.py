@@ -1,6 +1,6 @@
 """vpage.ops.logsumexp_argmax (the sampler's fused row statistics) against float64 torch:
 awkward vocab sizes, -inf entries, ties (the first maximum, like torch.argmax), inf/NaN rows,
-strided rows, and the greedy tokens of Sampler.sample equal to torch's argmax."""
+strided rows, rows that want only the argmax, and the greedy tokens of Sampler.sample equal to torch's argmax."""
 
 import pytest
 import torch
@@ -52,6 +52,22 @@ def test_infinite_and_nan_rows():
     check(x)
 
 
+@pytest.mark.parametrize("vocab", [1, 17, 1000, 49153])
+def test_rows_left_out_of_want_log_norm_get_the_argmax_only(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=gen) * 4
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("nan")
+    x[3, vocab - 1] = float("inf")
+    want = torch.tensor([True, False, False, False, True, False, True, False, False])
+    log_norm, argmax = ops.logsumexp_argmax(x, want)
+    assert torch.equal(argmax, x.argmax(dim=-1))  # every row, NaN and inf rows included
+    full, _ = ops.logsumexp_argmax(x)
+    assert torch.equal(log_norm[want], full[want]) and log_norm[~want].isnan().all()
+    with pytest.raises(ValueError):
+        ops.logsumexp_argmax(x, want[:3])
+
+
 def test_strided_rows_and_empty_batch():
     base = torch.randn(6, 50)
     check(base[:, :37])
@@ -68,12 +84,14 @@ def test_sampler_greedy_tokens_equal_torch_argmax():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(9, 1001, generator=gen)
     logits[3, 10] = logits[3, 20] = logits[3].max() + 1  # a tie
-    greedy = SamplingParams(temperature=0.0)
-    rows = [SamplingRow(greedy, [1, 2], []) for _ in range(9)]
+    greedy, with_logprobs = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0)
+    rows = [SamplingRow(with_logprobs if i % 3 else greedy, [1, 2], []) for i in range(9)]
     rows[5].banned_token_ids = [int(logits[5].argmax())]  # a row whose argmax the ban changes
     out = Sampler().sample(logits, rows)
     expected = logits.argmax(dim=-1)
     expected[5] = logits[5].clone().index_fill_(0, torch.tensor(rows[5].banned_token_ids), float("-inf")).argmax()
     assert torch.equal(out.token_ids, expected)
     ref = logits.double().log_softmax(dim=-1).gather(1, expected[:, None])[:, 0]
-    assert torch.allclose(out.logprobs.double(), ref, atol=2e-6)
+    asked = torch.tensor([i % 3 != 0 for i in range(9)])
+    assert torch.allclose(out.logprobs.double()[asked], ref[asked], atol=2e-6)
+    assert out.logprobs[~asked].isnan().all()  # rows that need no logprob skip the normaliser

@@ -24,11 +24,15 @@ constexpr int kLanes = 16;
 // 6 alternating runs; one row 75 -> 62 us).
 typedef float Lanes8 __attribute__((vector_size(32)));
 
-// The largest value of x[0, n) (NaNs ignored: a comparison with NaN is false; -inf for none).
+typedef int32_t Mask8 __attribute__((vector_size(32)));
+
+// The largest value of x[0, n) (NaNs ignored: a comparison with NaN is false; -inf for none);
+// *has_nan tells whether x holds a NaN (x != x), found in the same pass.
 VPAGE_TARGET_CLONES
-float row_max(const float* x, int64_t n) {
+float row_max(const float* x, int64_t n, bool* has_nan) {
   const float low = -std::numeric_limits<float>::infinity();
   Lanes8 acc0 = {low, low, low, low, low, low, low, low}, acc1 = acc0;
+  Mask8 nan = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     Lanes8 a, b;
@@ -36,13 +40,20 @@ float row_max(const float* x, int64_t n) {
     std::memcpy(&b, x + i + 8, sizeof(b));
     acc0 = a > acc0 ? a : acc0;
     acc1 = b > acc1 ? b : acc1;
+    nan |= (a != a) | (b != b);
   }
   float best = low;
-  for (; i < n; ++i) best = x[i] > best ? x[i] : best;
+  bool any_nan = false;
+  for (; i < n; ++i) {
+    best = x[i] > best ? x[i] : best;
+    any_nan |= std::isnan(x[i]);
+  }
   for (int l = 0; l < 8; ++l) {
     best = acc0[l] > best ? acc0[l] : best;
     best = acc1[l] > best ? acc1[l] : best;
+    any_nan |= nan[l] != 0;
   }
+  *has_nan = any_nan;
   return best;
 }
 
@@ -98,19 +109,14 @@ int64_t find_first(const float* x, int64_t n, float m) {
 void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
   const float* x = a.logits + r * a.row_stride;
   const int64_t n = a.vocab;
-  const float m = row_max(x, n);
   bool has_nan = false;
-  float log_norm;
-  if (m == -std::numeric_limits<float>::infinity()) {  // every entry -inf (or NaN)
-    log_norm = m;
-    for (int64_t i = 0; i < n && !has_nan; ++i) has_nan = std::isnan(x[i]);
-  } else if (m == std::numeric_limits<float>::infinity()) {
-    log_norm = m;
-    for (int64_t i = 0; i < n && !has_nan; ++i) has_nan = std::isnan(x[i]);
-  } else {
-    const float sum = row_sum_exp(x, n, m);
-    has_nan = std::isnan(sum);  // exp of a NaN entry is NaN
-    log_norm = m + std::log(sum);
+  const float m = row_max(x, n, &has_nan);
+  float log_norm = std::numeric_limits<float>::quiet_NaN();  // rows that do not want it
+  const bool wanted = a.want_log_norm == nullptr || a.want_log_norm[r] != 0;
+  if (wanted && !has_nan && std::isfinite(m)) {
+    log_norm = m + std::log(row_sum_exp(x, n, m));
+  } else if (wanted && !has_nan) {
+    log_norm = m;  // every entry -inf, or a +inf entry
   }
   int64_t index = 0;
   if (has_nan) {

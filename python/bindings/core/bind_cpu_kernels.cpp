@@ -62,7 +62,7 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "_cpu_logsumexp_argmax",
       [](uintptr_t logits, int64_t num_rows, int64_t vocab, int64_t row_stride, uintptr_t log_norm,
-         uintptr_t argmax, int num_threads) {
+         uintptr_t argmax, uintptr_t want_log_norm, int num_threads) {
         LogsumexpArgmaxArgs args;
         args.logits = ptr<const float>(logits);
         args.num_rows = num_rows;
@@ -70,13 +70,15 @@ void bind_cpu_kernels(py::module_& m) {
         args.row_stride = row_stride;
         args.log_norm = ptr<float>(log_norm);
         args.argmax = ptr<int64_t>(argmax);
+        args.want_log_norm = ptr<const uint8_t>(want_log_norm);
         py::gil_scoped_release release;
         cpu::logsumexp_argmax(args, num_threads);
       },
       py::arg("logits"), py::arg("num_rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("log_norm"),
-      py::arg("argmax"), py::arg("num_threads"),
+      py::arg("argmax"), py::arg("want_log_norm"), py::arg("num_threads"),
       "Per row of float32 logits [num_rows, vocab] (rows row_stride apart): log_norm (float32) =\n"
-      "logsumexp, argmax (int64) = index of the first maximum, as torch.argmax.");
+      "logsumexp (NaN for rows whose uint8 want_log_norm entry is 0; 0 pointer: every row),\n"
+      "argmax (int64) = index of the first maximum, as torch.argmax.");
   m.def(
       "_cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,

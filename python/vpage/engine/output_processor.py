@@ -168,7 +168,8 @@ class OutputProcessor:
         """Records a committed token and the stop rules' verdict on it. Returns True when a
         stop string matched (the caller finishes the sequence in the scheduler)."""
         seq.output_token_ids.append(token)
-        seq.cumulative_logprob += logprob
+        if seq.cumulative_logprob is not None:
+            seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
             entry = {tid: Logprob(lp, rank + 1, seq.decode_one(tid)) for rank, (tid, lp) in enumerate(top or [])}
             if token not in entry:

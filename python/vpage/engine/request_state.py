@@ -13,7 +13,7 @@ import torch
 
 from vpage.engine.beam_search import BeamSearch
 from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from vpage.sampler import SamplingRow, make_generator
+from vpage.sampler import SamplingRow, make_generator, needs_logprob
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 from vpage.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
@@ -32,7 +32,8 @@ class SequenceState:
         self.seq_id = seq_id
         self.params = params
         self.output_token_ids: list[int] = []
-        self.cumulative_logprob = 0.0
+        # None when the request needs no logprobs (the sampler computes none for it).
+        self.cumulative_logprob: Optional[float] = 0.0 if needs_logprob(params) else None
         self.logprobs: Optional[list[dict[int, Logprob]]] = [] if params.logprobs is not None else None
         self.tokenizer = tokenizer
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)

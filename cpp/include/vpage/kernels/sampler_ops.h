@@ -17,6 +17,9 @@ struct LogsumexpArgmaxArgs {
   int64_t row_stride = 0;      // elements, >= vocab
   float* log_norm = nullptr;   // [num_rows] out: log(sum(exp(row)))
   int64_t* argmax = nullptr;   // [num_rows] out: index of the row's first maximum
+  // [num_rows] or null (every row): rows with 0 skip the sum of exponentials (one pass over
+  // the row instead of two) and get a NaN log_norm.
+  const uint8_t* want_log_norm = nullptr;
 };
 
 namespace cpu {
@@ -25,7 +28,8 @@ namespace cpu {
 /// first of equal maxima; a NaN counts as the maximum), log_norm = max + log(sum(exp(x - max)))
 /// with exp by a polynomial within ~1 ulp of expf (float32 lanes, so within a few 1e-7
 /// relative of a float64 logsumexp). A row of -inf gives -inf and index 0; a row holding +inf
-/// gives +inf; a row holding NaN gives NaN and the first NaN's index. One row per task,
+/// gives +inf; a row holding NaN gives NaN and the first NaN's index. Rows that
+/// ``want_log_norm`` leaves out get only the argmax (log_norm NaN). One row per task,
 /// multi-threaded over rows. Throws vpage::CheckError on bad sizes.
 void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads);
 
