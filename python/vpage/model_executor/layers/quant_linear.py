@@ -42,9 +42,10 @@ class QuantizedWeight(nn.Module):
             raise ValueError(f"({got}) does not match the quantized parameter ({self.qtype}, {self.cols} columns)")
         self.layout.load(param.data, loaded.data, shard_id)
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[num_tokens, cols]`` -> ``x @ W.T`` ``[num_tokens, rows]``, x's dtype."""
-        return ops.quant_matmul(x, self.qweight, self.qtype, self.rows, self.cols)
+    def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[num_tokens, cols]`` -> ``x @ W.T`` ``[num_tokens, rows]``, x's dtype (into ``out``
+        when given: contiguous, that shape and dtype)."""
+        return ops.quant_matmul(x, self.qweight, self.qtype, self.rows, self.cols, out)
 
     def extra_repr(self) -> str:
         return f"rows={self.rows}, cols={self.cols}, qtype={self.qtype}"

@@ -55,8 +55,11 @@ class VocabParallelEmbedding(Embedding):
         h.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None elsewhere."""
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None elsewhere;
+        written into ``out`` (float32 ``[n, vocab_size]``) on one rank with float32 weights."""
+        if out is not None and self.size == 1 and self.weight.dtype == hidden.dtype == torch.float32:
+            return torch.matmul(hidden, self.weight.t(), out=out)  # what F.linear computes, in place
         local = F.linear(hidden, self.weight).float()
         if self.size == 1:
             return local

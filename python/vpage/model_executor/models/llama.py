@@ -266,12 +266,17 @@ class LlamaForCausalLM(nn.Module):
         return decoder
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden ``[n, hidden_size]`` (rows to sample) -> logits ``[n, vocab_size]`` float32
-        (under tensor parallelism: on rank 0; None on the other ranks)."""
+        (under tensor parallelism: on rank 0; None on the other ranks). ``out``: a contiguous
+        float32 ``[n, vocab_size]`` buffer the logits are written into when the activations are
+        float32 on one rank (a caller's reused buffer saves allocating, faulting in and freeing
+        n x vocab floats every step); the result is ``out`` or a new tensor."""
+        if out is not None and hidden.dtype != torch.float32:
+            out = None
         if isinstance(self.lm_head, QuantizedWeight):
-            return self.lm_head.linear(hidden).float()
-        return self.lm_head.logits(hidden)
+            return self.lm_head.linear(hidden, out).float()
+        return self.lm_head.logits(hidden, out)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
