@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bounded_loops import bounded
 from vpage import LLM, SamplingParams
 
 PROMPTS = [
@@ -166,7 +167,7 @@ def test_request_metrics_record_queue_time():
     engine.add_request("first", "hello", params)
     engine.add_request("second", "world", params)
     finished = {}
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests, 100, "requests still unfinished"):
         finished.update({o.request_id: o.metrics for o in engine.step() if o.finished})
     a, b = finished["first"], finished["second"]
     for m in (a, b):

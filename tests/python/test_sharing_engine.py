@@ -14,6 +14,7 @@ import math
 
 import pytest
 
+from bounded_loops import bounded
 from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams, _core
 
@@ -56,7 +57,7 @@ def drain(engine: LLMEngine, on_step=None) -> tuple[dict, list[int]]:
     """Steps until nothing is left; returns the final outputs by request id and the used
     block count after each step. Invariants are checked after every step."""
     finished, used = {}, []
-    while engine.has_unfinished_requests():
+    for _ in bounded(engine.has_unfinished_requests, 10_000, "requests still unfinished"):
         outs = engine.step()
         engine.scheduler.check_invariants()
         used.append(used_blocks(engine))
@@ -293,15 +294,18 @@ def test_a_long_prompt_does_not_stall_running_decodes(folder):
     recorder = engine.scheduler = PlanRecorder(engine.scheduler)
     for i in range(3):
         engine.add_request(f"d{i}", [11 + i, 12, 13], greedy(60))
-    while True:  # until all three decode
+    for _ in range(20):  # until all three decode
         outs = engine.step()
         if len(outs) == 3 and all(len(o.outputs[0].token_ids) >= 1 for o in outs):
             break
+    else:
+        pytest.fail("the three requests did not all decode within 20 steps")
     long_prompt = list(range(20, 220))
     engine.add_request("long", long_prompt, greedy(4))
     lengths = {o.request_id: len(o.outputs[0].token_ids) for o in outs}
     prefill_steps = 0
-    while not engine.scheduler.find_group("long").seq(0).num_output_tokens:
+    for _ in bounded(lambda: not engine.scheduler.find_group("long").seq(0).num_output_tokens, 1000,
+                     "the long prompt has no output token"):
         outs = {o.request_id: o for o in engine.step()}
         engine.scheduler.check_invariants()
         prefill_steps += 1
@@ -374,7 +378,7 @@ def test_aborting_a_swapped_request_frees_everything(folder):
     engine = make_engine(folder, max_model_len=96, kv_cache_memory=pool(12), preemption_mode="swap")
     for i, p in enumerate(PRESSURE):
         engine.add_request(str(i), p, greedy(40))
-    while not engine.scheduler.num_swapped:
+    for _ in bounded(lambda: not engine.scheduler.num_swapped, 1000, "nothing swapped out"):
         engine.step()
         engine.scheduler.check_invariants()
     swapped = [r for r in engine.requests
