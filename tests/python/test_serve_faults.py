@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from bounded_loops import bounded
 from live_server import LiveServer
 from model_fixtures import save_tiny_model
 
@@ -118,8 +119,8 @@ def test_sigint_lets_running_requests_finish(tiny_model):
 
         thread = threading.Thread(target=client)
         thread.start()
-        deadline = time.monotonic() + 30
-        while srv.metric("num_requests_running") == 0 and time.monotonic() < deadline:
+        for _ in bounded(lambda: thread.is_alive() and srv.metric("num_requests_running") == 0, 3000,
+                         "the request did not start"):
             time.sleep(0.01)
         os.kill(srv.proc.pid, signal.SIGINT)
         thread.join(60)
@@ -134,9 +135,8 @@ def test_request_timeout_then_killing_the_engine_core_gives_503_and_the_server_e
     srv = tiny_server(tiny_model, "--request-timeout", "1")
     try:
         long = {"prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}
-        start = time.monotonic()
         status, error = srv.request("POST", "/v1/completions", long)
-        assert status == 504 and error["error"]["type"] == "timeout_error" and time.monotonic() - start < 30
+        assert status == 504 and error["error"]["type"] == "timeout_error"
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({**long, "stream": True}))
         events = [b for b in conn.getresponse().read().decode().split("\n\n") if b]

