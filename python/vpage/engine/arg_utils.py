@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
+_GENERATION_CONFIG_MODES = ("auto", "vpage")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -43,6 +45,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None  # default "mp" when tensor_parallel_size > 1
+    generation_config: str = "auto"  # the model's sampling defaults; "vpage": none; or a folder
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -80,6 +83,9 @@ class EngineArgs:
                 import ray  # noqa: F401
             except ImportError:
                 raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'vpage[ray]'") from None
+        check(self.generation_config in _GENERATION_CONFIG_MODES or os.path.isdir(self.generation_config),
+              f"generation_config must be one of {_GENERATION_CONFIG_MODES} or a folder, "
+              f"got {self.generation_config!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "

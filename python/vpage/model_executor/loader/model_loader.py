@@ -52,7 +52,7 @@ class _Source:
         return self.folder / self.gguf_file if self.gguf_file else self.folder
 
 
-def _resolve(model: str | None) -> _Source:
+def resolve_model_source(model: str | None) -> _Source:
     """Map a model argument (None/"smollm2", a folder, or a .gguf file) to its files."""
     if model is None or model == DEFAULT_MODEL_NAME:
         path = default_model_path()
@@ -164,7 +164,7 @@ def _load_tokenizer(source: _Source) -> Any:
 
 def load_hf_config(model: str | None = None) -> Any:
     """The transformers config of ``model`` without loading its weights (to validate options)."""
-    source = _resolve(model)
+    source = resolve_model_source(model)
     reader = open_gguf(source.path) if source.gguf_file else None
     return _load_hf_config(source, reader)
 
@@ -186,7 +186,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     """
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
-    source = _resolve(model)
+    source = resolve_model_source(model)
     torch_device = _resolve_device(device)
     reader = open_gguf(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
