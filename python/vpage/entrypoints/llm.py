@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine, PromptType
+from vpage.model_executor.loader.generation_config import generation_defaults
 from vpage.outputs import RequestOutput
 from vpage.sampling_params import SamplingParams
 
@@ -21,7 +22,9 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        engine_args = EngineArgs(model=model, **kwargs)
+        self._generation_defaults = generation_defaults(engine_args.model, engine_args.generation_config)
+        self.engine = LLMEngine(engine_args)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -37,21 +40,28 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation defaults (``generation_config="auto"``)
+        over SamplingParams' own; what ``generate`` and ``chat`` use when given none."""
+        return SamplingParams(**self._generation_defaults)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt (text or token ids) to completion; outputs in prompt order.
-        A single SamplingParams applies to all prompts; a list gives one per prompt."""
+        A single SamplingParams applies to all prompts; a list gives one per prompt; None
+        takes ``get_default_sampling_params()``."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        default = self.get_default_sampling_params()
         order = {}
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p or SamplingParams())
+                self.engine.add_request(request_id, prompt, p or default)
                 order[request_id] = len(order)
             return self._run(order, use_tqdm)
         except BaseException:
