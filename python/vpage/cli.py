@@ -160,32 +160,33 @@ def _serve(args: argparse.Namespace) -> int:
     return run(engine_args, options)
 
 
-def _params(args: argparse.Namespace):
-    """The flags that are set, over the model's generation defaults, over the CLI's."""
-    from vpage.model_executor.loader.generation_config import generation_defaults
-    from vpage.sampling_params import SamplingParams
+def _params(args: argparse.Namespace, model_defaults: dict):
+    """The flags that are set, over the model's generation defaults, over the CLI's; DELTA
+    outputs (the CLI prints each step's new text)."""
+    from vpage.sampling_params import RequestOutputKind, SamplingParams
 
     flags = {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
-    return SamplingParams(**{**_CLI_SAMPLING_DEFAULTS, **generation_defaults(args.model, args.generation_config),
-                             **flags})
+    return SamplingParams(**{**_CLI_SAMPLING_DEFAULTS, **model_defaults, **flags},
+                          output_kind=RequestOutputKind.DELTA)
 
 
 def _stream(engine, prompt, params) -> str:
-    """Runs one request, printing text as it is produced; returns the whole text."""
+    """Runs one request (``params`` asks for DELTA outputs), printing text as it is produced;
+    returns the whole text."""
     request_id = uuid.uuid4().hex
     engine.add_request(request_id, prompt, params)
-    printed = ""
+    pieces = []
     try:
         while engine.has_unfinished_requests():
             for out in engine.step():
-                text = out.outputs[0].text
-                sys.stdout.write(text[len(printed):])
+                for c in out.outputs:
+                    sys.stdout.write(c.text)
+                    pieces.append(c.text)
                 sys.stdout.flush()
-                printed = text
     except KeyboardInterrupt:
         engine.abort_request(request_id)
     sys.stdout.write("\n")
-    return printed
+    return "".join(pieces)
 
 
 def _generate_prompt(engine, args: argparse.Namespace):
@@ -215,9 +216,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"vpage: error: {e}", file=sys.stderr)
             return 2
     try:
-        params = _params(args)
         engine = _engine(args)
     except (ValueError, FileNotFoundError) as e:
+        print(f"vpage: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        params = _params(args, engine.config.model.generation_defaults)
+    except ValueError as e:
+        engine.shutdown()
         print(f"vpage: error: {e}", file=sys.stderr)
         return 2
     logging.info("%s", params)

@@ -4,6 +4,7 @@ generate`` sends for a chat model (its chat template) and with --no-chat-templat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from vpage.cli import main as cli_main
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine
 from vpage.model_executor.loader.generation_config import generation_defaults
+from vpage.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -138,7 +140,9 @@ def test_llm_uses_the_defaults_unless_given_params(folder):
 
 def test_cli_sampling_flags_override_the_model_defaults(folder):
     def params(*flags: str) -> SamplingParams:
-        return _params(_parser().parse_args(["generate", "x", "--model", str(folder), *flags]))
+        args = _parser().parse_args(["generate", "x", "--model", str(folder), *flags])
+        return dataclasses.replace(_params(args, generation_defaults(args.model, args.generation_config)),
+                                   output_kind=RequestOutputKind.CUMULATIVE)
 
     assert params() == SamplingParams(**_DEFAULTS)
     assert params("--top-k", "5", "--max-tokens", "50", "--seed", "1") == \

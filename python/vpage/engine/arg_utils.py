@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from vpage.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 _GENERATION_CONFIG_MODES = ("auto", "vpage")
@@ -90,3 +92,44 @@ class EngineArgs:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                   f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolves the arguments once, reading the model's config but not its weights: the
+        device, the context limit (``max_model_len`` capped at what the model supports), the
+        model's sampling defaults (``generation_config``) and, with tensor parallelism, whether
+        the model splits over the ranks. ValueError names
+        what does not fit; nothing has been started then."""
+        from vpage.model_executor import inspect_model, resolve_device
+        from vpage.model_executor.loader.generation_config import generation_defaults
+
+        device = resolve_device(self.device)
+        facts = inspect_model(self.model)
+        max_model_len = min(self.max_model_len or facts.max_model_len, facts.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({max_model_len})")
+        if self.tensor_parallel_size > 1:
+            facts.check_tensor_parallel(self.tensor_parallel_size)
+            if device.type == "cuda" and self.distributed_executor_backend == "mp":
+                import torch
+
+                if torch.cuda.device_count() < self.tensor_parallel_size:
+                    raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs "
+                                     f"{self.tensor_parallel_size} GPUs on this machine; "
+                                     f"{torch.cuda.device_count()} visible")
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
+                              device=device.type, max_model_len=max_model_len, seed=self.seed,
+                              generation_defaults=generation_defaults(self.model, self.generation_config)),
+            cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                              kv_cache_memory=self.kv_cache_memory,
+                              gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
+                              enable_prefix_caching=self.enable_prefix_caching),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend,
+                                    num_threads=self.num_threads),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                                      preemption_mode=self.preemption_mode),
+            enforce_eager=self.enforce_eager)

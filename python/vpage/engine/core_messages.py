@@ -40,6 +40,7 @@ class CoreReady:
     max_prompt_tokens: int  # longest prompt that leaves room for one generated token
     vocab_size: int
     max_num_seqs: int
+    generation_defaults: dict[str, Any]  # the model's sampling defaults (--generation-config)
 
 
 @dataclass

@@ -156,7 +156,8 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
         push.close(linger=2000)
         sys.exit(1)
     push.send(encode(CoreReady(engine.tokenizer, engine.max_model_len, engine.max_model_len - 1,
-                               engine.model_config.vocab_size, engine.config.scheduler.max_num_seqs)))
+                               engine.model_config.vocab_size, engine.config.scheduler.max_num_seqs,
+                               engine.config.model.generation_defaults)))
     _busy_loop(EngineCore(engine), pull, push, parent_pid)
 
 

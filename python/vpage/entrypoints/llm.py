@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Optional, Sequence, Union
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine, PromptType
-from vpage.model_executor.loader.generation_config import generation_defaults
 from vpage.outputs import RequestOutput
-from vpage.sampling_params import SamplingParams
+from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
 
@@ -22,9 +22,7 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        engine_args = EngineArgs(model=model, **kwargs)
-        self._generation_defaults = generation_defaults(engine_args.model, engine_args.generation_config)
-        self.engine = LLMEngine(engine_args)
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -43,7 +41,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (``generation_config="auto"``)
         over SamplingParams' own; what ``generate`` and ``chat`` use when given none."""
-        return SamplingParams(**self._generation_defaults)
+        return SamplingParams(**self.engine.config.model.generation_defaults)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -61,7 +59,8 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, p or default)
+                final_only = dataclasses.replace(p or default, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, final_only)
                 order[request_id] = len(order)
             return self._run(order, use_tqdm)
         except BaseException:

@@ -135,12 +135,18 @@ class OpenAIServing:
             raise ApiError(400, f"this model's maximum context length is {info.max_model_len} tokens; the prompt "
                                 f"has {prompt_len} tokens and leaves no room to generate",
                            param="messages" if chat else "prompt")
+        defaults = dict(info.generation_defaults)  # the model's, for the fields the request leaves unset
         max_tokens = req.max_completion_tokens if chat else None
-        max_tokens = max_tokens or req.max_tokens or (None if chat else 16)
+        max_tokens = max_tokens or req.max_tokens
         if max_tokens is not None and prompt_len + max_tokens > info.max_model_len:
             raise ApiError(400, f"this model's maximum context length is {info.max_model_len} tokens; the request "
                                 f"has {prompt_len} prompt tokens and asks for {max_tokens} more", param="max_tokens")
-        kwargs = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        if max_tokens is None:  # the model's default, or 16 for completions, within the context left
+            default = defaults.get("max_tokens", None if chat else 16)
+            max_tokens = None if default is None else min(default, info.max_model_len - prompt_len)
+        defaults.pop("max_tokens", None)
+        kwargs = {**defaults,
+                  **{name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}}
         if kwargs.get("top_k", 0) >= info.vocab_size:
             kwargs["top_k"] = -1  # every token: the same as no top-k
         if chat and req.logprobs:
