@@ -84,7 +84,9 @@ def _load_hf_config(source: _Source, reader: Any) -> Any:
         raise ValueError(f"{source.path}: cannot read model config ({type(e).__name__}: {e})") from e
 
 
-def _resolve_device(device: str) -> torch.device:
+def resolve_device(device: str) -> torch.device:
+    """"auto" is CUDA when a device is usable, else the CPU; ValueError for anything but
+    auto/cpu/cuda, or for cuda without a device."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
@@ -187,7 +189,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     source = resolve_model_source(model)
-    torch_device = _resolve_device(device)
+    torch_device = resolve_device(device)
     reader = open_gguf(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
     architecture = architecture_of(hf_config)
