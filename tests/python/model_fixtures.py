@@ -122,74 +122,9 @@ class PagedKVCache:
         )
 
 
-_GGUF_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
-def _llama_cpp_permute(w, num_heads: int):
-    """llama.cpp's converter layout of a Q/K projection: per head, rows (2, pairs) -> (pairs, 2)."""
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def save_tiny_gguf(hf_model, folder: Path, path: Path, quantize=None) -> None:
-    """Write ``hf_model`` (a tiny llama or qwen2) and the tokenizer of ``folder`` as an F32
-    GGUF file the way llama.cpp's converter does (llama: Q/K rows permuted).
+    """Write ``hf_model`` and the tokenizer of ``folder`` as a GGUF file the way llama.cpp's
+    converter does (``gguf_writer.write_gguf``)."""
+    from gguf_writer import write_gguf
 
-    ``quantize(hf_name, float32 array)`` may return ``(uint8 block rows in the same row order,
-    GGMLQuantizationType)`` to store a tensor quantized, or None to keep it F32."""
-    import json
-
-    import gguf
-
-    cfg = hf_model.config
-    arch = cfg.model_type
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    vocab_model = json.loads((folder / "tokenizer.json").read_text())["model"]
-    tokens = sorted(vocab_model["vocab"], key=vocab_model["vocab"].get)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab_model["merges"]])
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    for name, tensor in hf_model.state_dict().items():
-        w = tensor.float().numpy()
-        stored = quantize(name, w) if quantize is not None else None
-        raw_dtype = None
-        if stored is not None:
-            w, raw_dtype = stored
-        if name.startswith("model.layers."):
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            module, kind = rest.rsplit(".", 1)
-            gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
-            if arch == "llama" and module == "self_attn.q_proj":
-                w = _llama_cpp_permute(w, cfg.num_attention_heads)
-            elif arch == "llama" and module == "self_attn.k_proj":
-                w = _llama_cpp_permute(w, cfg.num_key_value_heads)
-        else:
-            module, kind = name.rsplit(".", 1)
-            gguf_name = f"{_GGUF_GLOBAL_NAMES[module]}.{kind}"
-        writer.add_tensor(gguf_name, w.copy(), raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(hf_model, folder, path, quantize)

@@ -1,0 +1,139 @@
+"""A GGUF writer for the tests, following llama.cpp's converter (convert_hf_to_gguf.py): its
+tensor names, its Q/K row permutation and its metadata keys, one table entry per family.
+
+It is written from llama.cpp's conventions, not from vpage's reader (models/arch.py), so a
+GGUF test checks the reader against an independent description of the format. A family adds a
+``GgufFamily`` to ``FAMILIES`` under its Hugging Face ``model_type``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import numpy as np
+
+# Hugging Face module (after "model.layers.N.") -> GGUF tensor (after "blk.N."), Llama-shaped.
+LLAMA_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+LLAMA_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter layout of a Q/K projection: per head, rows (2, pairs) -> (pairs, 2)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_theta_of(cfg: Any) -> float:
+    """The rope base of a transformers 5 config (``rope_parameters``), or of a 4.x one."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+
+
+def write_common_metadata(writer: Any, cfg: Any) -> None:
+    """The keys every Llama-shaped family writes (``{arch}.block_count`` and so on)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None)
+    if head_dim and head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(rope_theta_of(cfg))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+
+
+@dataclass(frozen=True)
+class GgufFamily:
+    """How llama.cpp's converter writes one family."""
+
+    arch: str  # general.architecture
+    layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_LAYER_NAMES)
+    global_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GLOBAL_NAMES)
+    permute_qk: bool = False  # the converter interleaves each head's Q/K rows (llama)
+    # writer, hf config -> None: every metadata key of the family but the tokenizer's
+    metadata: Callable[[Any, Any], None] = write_common_metadata
+    # (hf name, float32 array, hf config) -> array as the converter stores it (e.g. norms + 1)
+    transform: Optional[Callable[[str, np.ndarray, Any], np.ndarray]] = None
+    # (writer, hf model) -> None: tensors the converter adds beyond the checkpoint's (rope_freqs)
+    extra_tensors: Optional[Callable[[Any, Any], None]] = None
+
+
+FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily("llama", permute_qk=True),
+    "qwen2": GgufFamily("qwen2"),
+}
+
+
+def _write_tokenizer(writer: Any, folder: Path, cfg: Any) -> None:
+    """The byte-level BPE tokenizer of ``folder`` (tokenizer.json) as ``tokenizer.ggml.*`` keys."""
+    vocab_model = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab_model["vocab"], key=vocab_model["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab_model["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0])
+
+
+def _gguf_name(name: str, family: GgufFamily) -> str:
+    if name.startswith("model.layers."):
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{layer}.{family.layer_names[module]}.{kind}"
+    module, kind = name.rsplit(".", 1)
+    return f"{family.global_names[module]}.{kind}"
+
+
+def write_gguf(hf_model: Any, folder: Path, path: Path, quantize=None) -> None:
+    """Write ``hf_model`` (a tiny transformers model of a family in ``FAMILIES``) and the
+    tokenizer of ``folder`` as a GGUF file the way llama.cpp's converter does.
+
+    ``quantize(hf_name, float32 array)`` may return ``(uint8 block rows in the same row order,
+    GGMLQuantizationType)`` to store a tensor quantized, or None to keep it F32."""
+    import gguf
+
+    cfg = hf_model.config
+    family = FAMILIES[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch=family.arch)
+    family.metadata(writer, cfg)
+    _write_tokenizer(writer, folder, cfg)
+    for name, tensor in hf_model.state_dict().items():
+        if name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
+            continue  # the converter writes no output.weight for tied embeddings
+        w = tensor.float().numpy()
+        if family.transform is not None:
+            w = family.transform(name, w, cfg)
+        # Quantized first, then permuted: the permutation moves whole rows, and ``quantize``
+        # sees the rows in Hugging Face's order.
+        stored = quantize(name, w) if quantize is not None else None
+        raw_dtype = None
+        if stored is not None:
+            w, raw_dtype = stored
+        if family.permute_qk and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif family.permute_qk and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        writer.add_tensor(_gguf_name(name, family), np.ascontiguousarray(w).copy(), raw_dtype=raw_dtype)
+    if family.extra_tensors is not None:
+        family.extra_tensors(writer, hf_model)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
