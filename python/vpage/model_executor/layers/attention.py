@@ -10,15 +10,24 @@ from vpage.model_executor.forward_batch import ForwardBatch
 
 
 class PagedAttention(nn.Module):
-    """Multi-head attention (MHA/GQA/MQA) over the paged KV cache of layer ``layer_index``."""
+    """Multi-head attention (MHA/GQA/MQA) over the paged KV cache of layer ``layer_index``.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, layer_index: int = 0):
+    sliding_window W: a query at position p sees keys p - W < j <= p (None: every earlier key);
+    logits_soft_cap c: scores become c * tanh(score / c) before the softmax (None: off)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, layer_index: int = 0,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # Passed only when set, so a plain layer calls the kernels exactly as before.
+        self._options = {key: value for key, value in (("sliding_window", sliding_window),
+                                                        ("logits_soft_cap", logits_soft_cap)) if value is not None}
 
     def forward(
         self,
@@ -42,11 +51,11 @@ class PagedAttention(nn.Module):
         if batch.is_decode:
             ops.paged_attention(
                 query, key_cache, value_cache, batch.block_tables, batch.context_lens,
-                self.scale, max_context_len=batch.max_context_len, out=out,
+                self.scale, max_context_len=batch.max_context_len, out=out, **self._options,
             )
         else:
             ops.paged_prefill_attention(
                 query, key_cache, value_cache, batch.block_tables, batch.query_start_loc,
-                batch.context_lens, self.scale, max_context_len=batch.max_context_len, out=out,
+                batch.context_lens, self.scale, max_context_len=batch.max_context_len, out=out, **self._options,
             )
         return out.view(query.shape[0], self.num_heads * self.head_size)
