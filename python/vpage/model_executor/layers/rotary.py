@@ -52,7 +52,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
         self.head_size = head_size
 
-    def rotate_(self, qk: torch.Tensor, positions: torch.Tensor, num_heads: int) -> None:
+    def rotate_(self, qk: torch.Tensor, batch: Any, num_heads: int) -> None:
         """Rotate, in place, the first ``num_heads`` heads of each row of ``qk``
-        ``[num_tokens, width]`` (query then key heads of a fused QKV output)."""
-        ops.rotary_embedding(qk, positions, self.cos_sin, num_heads, self.head_size)
+        ``[num_tokens, width]`` (query then key heads of a fused QKV output) for the tokens of
+        ``batch`` (a ``ForwardBatch``: their positions, and for rope kinds that depend on a
+        sequence's length, its context length)."""
+        ops.rotary_embedding(qk, batch.positions, self.cos_sin, num_heads, self.head_size)

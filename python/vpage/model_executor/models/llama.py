@@ -91,17 +91,17 @@ class LlamaAttention(nn.Module):
         n = x.shape[0]
         # Views of the QKV rows (row-strided, contiguous columns): the steps below work in place.
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        self.position_qk(q, k, rotary, batch.positions)
+        self.position_qk(q, k, rotary, batch)
         return self.o_proj(self.attn(q.view(n, self.num_heads, self.head_size),
                                      k.view(n, self.num_kv_heads, self.head_size),
                                      v.view(n, self.num_kv_heads, self.head_size), batch, kv_cache))
 
-    def position_qk(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryEmbedding, positions: torch.Tensor) -> None:
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch) -> None:
         """Rotate the query and key heads in place (a family with a per-head q/k norm, like
         Qwen3, normalises them here first). Rotating q and k apart is bitwise rotating them
         together: the kernel works head by head."""
-        rotary.rotate_(q, positions, self.num_heads)
-        rotary.rotate_(k, positions, self.num_kv_heads)
+        rotary.rotate_(q, batch, self.num_heads)
+        rotary.rotate_(k, batch, self.num_kv_heads)
 
 
 class LlamaMLP(nn.Module):
