@@ -74,9 +74,21 @@ class GgufFamily:
     extra_tensors: Optional[Callable[[Any, Any], None]] = None
 
 
+def write_qwen3_metadata(writer: Any, cfg: Any) -> None:
+    """Qwen3's keys: the converter writes the key/value lengths whenever the config has a
+    ``head_dim``, which Qwen3's always has."""
+    write_common_metadata(writer, cfg)
+    if cfg.head_dim == cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+
+
 FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen2": GgufFamily("qwen2"),
+    "qwen3": GgufFamily("qwen3", layer_names={**LLAMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",
+                                              "self_attn.k_norm": "attn_k_norm"},
+                        metadata=write_qwen3_metadata),
 }
 
 

@@ -32,12 +32,13 @@ _CORPUS = [
 
 
 def tiny_hf_config(kind: str, **overrides):
-    """A tiny transformers config of ``kind`` (llama, mistral, qwen2), float32."""
+    """A tiny transformers config of ``kind`` (llama, mistral, qwen2, qwen3), float32."""
     import transformers
 
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
     cls = getattr(transformers, classes[kind])
-    extra = {"rope_theta": 500.0} if kind == "llama" else {}
+    # Qwen3: a head_dim other than hidden / heads, as its real sizes have.
+    extra = {"rope_theta": 500.0} if kind == "llama" else {"head_dim": 32} if kind == "qwen3" else {}
     return cls(**{**_TINY, **extra, **overrides})
 
 
