@@ -7,6 +7,7 @@ query and key heads apart equals rotating them together; bad tensors are refused
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,12 +125,12 @@ def test_rotating_q_and_k_apart_equals_rotating_them_together(dtype):
     heads, kv_heads, n = 9, 3, 37
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(n, (heads + 2 * kv_heads) * 64, generator=gen).to(dtype)
-    positions = torch.randint(0, 256, (n,), generator=gen)
+    batch = SimpleNamespace(positions=torch.randint(0, 256, (n,), generator=gen))  # all a static rope reads
     together, apart = qkv.clone(), qkv.clone()
-    rotary.rotate_(together, positions, heads + kv_heads)
+    rotary.rotate_(together, batch, heads + kv_heads)
     q, k, _ = apart.split([heads * 64, kv_heads * 64, kv_heads * 64], dim=-1)
-    rotary.rotate_(q, positions, heads)
-    rotary.rotate_(k, positions, kv_heads)
+    rotary.rotate_(q, batch, heads)
+    rotary.rotate_(k, batch, kv_heads)
     assert not torch.equal(together, qkv) and torch.equal(together, apart)
 
 

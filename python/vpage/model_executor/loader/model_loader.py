@@ -19,7 +19,8 @@ from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_
 from vpage.model_executor.layers.quantization import GgufQuantConfig, QuantConfig
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
 from vpage.model_executor.models import architecture_of, get_model_class
-from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
+from vpage.model_executor.layers.rotary import rope_max_positions
+from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of, rope_settings
 from vpage.tokenizer import get_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,8 +112,9 @@ def _resolve_dtype(dtype: str, hf_config: Any, source: _Source, device: torch.de
 
 
 def _max_model_len(hf_config: Any) -> int:
-    """``max_position_embeddings``, capped at the sliding window the kernels do not implement."""
-    max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    """``max_position_embeddings`` (stretched by dynamic NTK or YaRN rope scaling), capped at the
+    sliding window the kernels do not implement."""
+    max_len = rope_max_positions(int(getattr(hf_config, "max_position_embeddings", 2048)), rope_settings(hf_config)[1])
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):
         max_len = min(max_len, int(window))

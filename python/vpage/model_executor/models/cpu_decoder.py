@@ -46,7 +46,8 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantizedLinear) for p in parts):
             return False
-    return model.model.rotary_emb.cos_sin.dtype == torch.float32
+    cos_sin = model.model.rotary_emb.cos_sin  # None for rope kinds without a static table (longrope, dynamic)
+    return cos_sin is not None and cos_sin.dtype == torch.float32 and cos_sin.shape[1] == attn.head_size
 
 
 class CpuDecoder:
