@@ -83,12 +83,70 @@ def write_qwen3_metadata(writer: Any, cfg: Any) -> None:
         writer.add_value_length(cfg.head_dim)
 
 
+# Gemma (the converter's Gemma2Model / Gemma3Model): the pre-feedforward norm is "ffn_norm",
+# every norm weight is stored + 1, no Q/K permutation, no output tensor when tied.
+GEMMA_LAYER_NAMES = {
+    **LLAMA_LAYER_NAMES,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gemma_norms_plus_one(name: str, w: np.ndarray, cfg: Any) -> np.ndarray:
+    return w + 1 if name.endswith("norm.weight") else w
+
+
+def _write_gemma_shape(writer: Any, cfg: Any) -> None:
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+
+
+def write_gemma2_metadata(writer: Any, cfg: Any) -> None:
+    """Gemma 2's keys: no rope base (llama.cpp's default 10000 is Gemma 2's), no layer pattern
+    and no attention scale (llama.cpp derives both)."""
+    _write_gemma_shape(writer, cfg)
+    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+
+
+def write_gemma3_metadata(writer: Any, cfg: Any) -> None:
+    """Gemma 3's keys: the global layers' rope base and linear scaling, the sliding layers'
+    base (rope.freq_base_swa), the final soft-cap when set, the window; no vocab size (the
+    converter takes it from the tokenizer)."""
+    _write_gemma_shape(writer, cfg)
+    full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_rope_freq_base_swa(local["rope_theta"])
+    if cfg.final_logit_softcapping:
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+
+
 FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("llama", permute_qk=True),
     "qwen2": GgufFamily("qwen2"),
     "qwen3": GgufFamily("qwen3", layer_names={**LLAMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",
                                               "self_attn.k_norm": "attn_k_norm"},
                         metadata=write_qwen3_metadata),
+    "gemma2": GgufFamily("gemma2", layer_names=GEMMA_LAYER_NAMES, metadata=write_gemma2_metadata,
+                         transform=gemma_norms_plus_one),
+    "gemma3_text": GgufFamily("gemma3", layer_names={**GEMMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",
+                                                     "self_attn.k_norm": "attn_k_norm"},
+                              metadata=write_gemma3_metadata, transform=gemma_norms_plus_one),
 }
 
 

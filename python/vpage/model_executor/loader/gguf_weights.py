@@ -85,7 +85,15 @@ def iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
                  num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (Hugging Face name, tensor) for each used tensor of the GGUF file: raw rows for
     the block formats of ``ops.QUANT_TYPES``, float32 for the others. Q/K rows permuted by
-    llama.cpp's converter are un-permuted either way (quantization is per row)."""
+    llama.cpp's converter are un-permuted either way (quantization is per row), and
+    ``arch.tensor_transform`` (if any) applies last."""
+    transform = arch.tensor_transform
+    for name, tensor in _iterate_gguf(reader, path, arch, num_heads, num_kv_heads):
+        yield name, tensor if transform is None else transform(name, tensor)
+
+
+def _iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
+                  num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from vpage.model_executor.models.gemma2 import Gemma2ForCausalLM
+from vpage.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vpage.model_executor.models.llama import LlamaForCausalLM
 from vpage.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vpage.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-_MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+_MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                               Gemma2ForCausalLM, Gemma3ForCausalLM)
 
 _BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}
 _BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS if cls.arch.gguf is not None}

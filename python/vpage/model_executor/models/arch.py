@@ -103,6 +103,9 @@ class GgufArch:
     config_fields: Callable[[GgufMetadata], dict[str, Any]] = llama_gguf_config
     layer_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     global_names: Mapping[str, str] = field(default_factory=lambda: LLAMA_GGUF_GLOBAL_NAMES)
+    # (Hugging Face name, tensor) -> the tensor as the Hugging Face checkpoint holds it, undoing
+    # what the converter changed beyond names and the Q/K permutation (Gemma: norms stored + 1).
+    tensor_transform: Optional[Callable[[str, Any], Any]] = None
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,9 @@ class LlamaForCausalLM(nn.Module):
         gguf=GgufArch("llama", "LlamaConfig", permuted_qk=True),
     )
     parts = DecoderParts()
+    # Builds ``self.model`` as ``model_class(hf_config, dtype, quant, "model", parts)``: a family
+    # whose layer stack differs from Llama's (Gemma) swaps the whole stack.
+    model_class: Callable[..., nn.Module] = LlamaModel
     # The C++ layer loop (models/cpu_decoder.py) implements exactly this structure; it runs only
     # for a class that keeps this True and whose layers are the plain parts above (a family
     # with other parts or extra modules runs the Python layers).
@@ -212,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         # off to compare with the layer-by-layer path.
         self.use_cpu_decoder = True
         self._cpu_decoder: tuple[Any, Optional[CpuDecoder]] = (None, None)  # (caches it was built for, loop)
-        self.model = LlamaModel(hf_config, dtype, quant, "model", self.parts)
+        self.model = self.model_class(hf_config, dtype, quant, "model", self.parts)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
