@@ -16,6 +16,7 @@ from torch import nn
 
 from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.layer_types import sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.parallel_linear import OutputRows
 from vpage.model_executor.layers.quant_linear import QuantizedWeight
@@ -46,6 +47,15 @@ def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
     if params:
         return float(params.get("rope_theta", 10000.0)), dict(params)
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index`` (``layer_types.sliding_windows``), or None
+    when it has none or one no shorter than ``max_position_embeddings``, which then masks
+    nothing (tiny Mistral configs keep transformers' default of 4096)."""
+    window = sliding_windows(hf_config)[layer_index]
+    max_position = getattr(hf_config, "max_position_embeddings", None)
+    return None if window is None or (max_position and window >= max_position) else window
 
 
 def _check_caches(kv_caches: list[KVCache], num_layers: int) -> None:
@@ -84,7 +94,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = quant.row_linear(f"{prefix}.o_proj", hf_config.num_attention_heads * self.head_size,
                                        hf_config.hidden_size, attention_bias, dtype)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
-                                   layer_index)
+                                   layer_index, sliding_window=layer_sliding_window(hf_config, layer_index))
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
@@ -317,4 +327,5 @@ def _is_plain_llama_layer(layer: nn.Module) -> bool:
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and set(layer._modules) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
             and set(attn._modules) == {"qkv_proj", "o_proj", "attn"}
+            and attn.attn.sliding_window is None and attn.attn.logits_soft_cap is None  # the C++ loop has neither
             and set(mlp._modules) == {"gate_up_proj", "down_proj"})
