@@ -37,10 +37,12 @@ def _longrope(pairs: int, seed: int) -> dict:
 
 
 # head 16: Phi-3.5-mini-like (longrope over the whole head), Phi-4-mini-like (3/4 of it, tied
-# embeddings), Phi-3-mini-4k-like (plain rope, a sliding window of 16).
+# embeddings, a window longer than any context, left off), Phi-3-mini-4k-like (plain rope, a
+# sliding window of 16).
 CASES = {
     "phi3.5": dict(rope_parameters=_longrope(8, 1)),
-    "phi4-mini": dict(rope_parameters={**_longrope(6, 2), "partial_rotary_factor": 0.75}, tie_word_embeddings=True),
+    "phi4-mini": dict(rope_parameters={**_longrope(6, 2), "partial_rotary_factor": 0.75}, tie_word_embeddings=True,
+                      sliding_window=4096),
     "phi3-4k window": dict(rope_parameters={"rope_type": "default"}, sliding_window=16),
 }
 _MARKS = {"phi4-mini": [_partial_kernel], "phi3-4k window": [_window_kernels]}

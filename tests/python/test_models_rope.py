@@ -264,3 +264,15 @@ def test_engine_dynamic_chunked_prompts_below_the_original_length(dynamic_model)
     prompts = [list(range(3, 27)), list(range(100, 124)), list(range(200, 229))]
     expected = [hf_greedy(copy.deepcopy(hf), p, 32) for p in prompts]
     assert engine_greedy(folder, prompts, 32, **ENGINE_SETTINGS["chunked"]) == expected
+
+
+def test_a_window_inside_the_stretched_context_is_kept():
+    """A YaRN model serves factor x its original length: a window past max_position_embeddings
+    but inside that context still masks."""
+    from model_fixtures import tiny_hf_config
+    from vpage.model_executor.models.llama import layer_sliding_window
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": THETA}
+    for window, kept in ((64, 64), (128, None)):
+        cfg = tiny_hf_config("mistral", max_position_embeddings=32, sliding_window=window, rope_parameters=yarn)
+        assert layer_sliding_window(cfg, 1) == kept

@@ -22,7 +22,7 @@ from vpage.model_executor.layers.parallel_linear import OutputRows
 from vpage.model_executor.layers.quant_linear import QuantizedWeight
 from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.rms_norm import RMSNorm
-from vpage.model_executor.layers.rotary import RotaryEmbedding
+from vpage.model_executor.layers.rotary import RotaryEmbedding, rope_max_positions
 from vpage.model_executor.layers.weight_utils import shard_ids_of, weight_loader_of
 from vpage.model_executor.models.arch import GgufArch, ModelArch
 from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder
@@ -51,10 +51,13 @@ def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
 
 def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
     """The sliding window of layer ``layer_index`` (``layer_types.sliding_windows``), or None
-    when it has none or one no shorter than ``max_position_embeddings``, which then masks
-    nothing (tiny Mistral configs keep transformers' default of 4096)."""
+    when it has none or one no shorter than the longest context (``max_position_embeddings``,
+    stretched by dynamic NTK or YaRN rope), which then masks nothing (tiny Mistral configs keep
+    transformers' default of 4096)."""
     window = sliding_windows(hf_config)[layer_index]
     max_position = getattr(hf_config, "max_position_embeddings", None)
+    if max_position:
+        max_position = rope_max_positions(int(max_position), rope_settings(hf_config)[1])
     return None if window is None or (max_position and window >= max_position) else window
 
 

@@ -1,20 +1,16 @@
 """Phi-3 family (Phi-3, Phi-3.5-mini, Phi-4-mini): the Llama structure with q/k/v and gate/up
 stored fused in the checkpoint (loaded as they are), longrope (short/long factors), partial
-rotary (Phi-4-mini rotates 3/4 of each head) and a sliding window on every layer."""
+rotary (Phi-4-mini rotates 3/4 of each head) and a sliding window on every layer: Llama's
+parts do all of it (the rotary reads the rope kind and partial factor, the attention the
+window)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from vpage.model_executor.layer_types import sliding_windows
-from vpage.model_executor.layers.attention import PagedAttention
-from vpage.model_executor.layers.quantization import QuantConfig
-from vpage.model_executor.layers.rotary import rope_max_positions
 from vpage.model_executor.models.arch import (LLAMA_GGUF_LAYER_NAMES, GgufArch, GgufMetadata, ModelArch,
                                               llama_gguf_config)
-from vpage.model_executor.models.llama import DecoderParts, LlamaAttention, LlamaForCausalLM, rope_settings
+from vpage.model_executor.models.llama import LlamaForCausalLM
 
 # llama.cpp's phi3 tensors: one attn_qkv, and ffn_up holding gate then up (no ffn_gate).
 PHI3_GGUF_LAYER_NAMES = {
@@ -42,25 +38,11 @@ def phi3_gguf_config(meta: GgufMetadata) -> dict[str, Any]:
     return fields
 
 
-class Phi3Attention(LlamaAttention):
-    """Llama's attention, through the config's sliding window (a window no shorter than the
-    longest context the model serves excludes nothing, and is left off)."""
-
-    def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int):
-        super().__init__(hf_config, dtype, quant, prefix, layer_index)
-        window = sliding_windows(hf_config)[layer_index]
-        longest = rope_max_positions(int(hf_config.max_position_embeddings), rope_settings(hf_config)[1])
-        if window is not None and window < longest:
-            self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
-                                       layer_index, sliding_window=window)
-
-
 class Phi3ForCausalLM(LlamaForCausalLM):
     arch = ModelArch(
         architectures=("Phi3ForCausalLM",),
         model_types={"phi3": "Phi3ForCausalLM"},
         gguf=GgufArch("phi3", "Phi3Config", config_fields=phi3_gguf_config, layer_names=PHI3_GGUF_LAYER_NAMES),
     )
-    parts = DecoderParts(attention=Phi3Attention)
     # The C++ layer loop has neither sliding windows nor partial rotary.
     supports_cpu_decoder = False
