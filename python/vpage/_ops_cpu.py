@@ -96,11 +96,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                     head_size: int) -> None:
-    """In place; CPU only (other devices use the torch version in vpage.ops)."""
+                     head_size: int, rotary_dim: int = 0) -> None:
+    """In place; CPU only (other devices use the torch version in vpage.ops); rotary_dim 0:
+    head_size."""
     _core._cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
                                cos_sin.shape[0], x.shape[0], num_heads, head_size, DTYPE_CODES[x.dtype],
-                               get_num_threads())
+                               get_num_threads(), rotary_dim=rotary_dim)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -114,6 +115,18 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """CPU only; see vpage.ops.silu_and_mul."""
     _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], DTYPE_CODES[x.dtype],
                            get_num_threads())
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """CPU only; see vpage.ops.gelu_tanh_and_mul."""
+    _core._cpu_gelu_tanh_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], DTYPE_CODES[x.dtype],
+                                 get_num_threads())
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, num_heads: int, head_size: int) -> None:
+    """In place, CPU only; see vpage.ops.rms_norm_heads_."""
+    _core._cpu_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0],
+                              num_heads, head_size, eps, DTYPE_CODES[x.dtype], get_num_threads())
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int, n: int, k: int) -> None:
