@@ -30,8 +30,9 @@ void rotate_f32(float* row, const float* cos, const float* sin, int32_t num_head
   }
 }
 
+// Cloned too: bfloat16's branch-free conversions vectorise (float16's do not).
 template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
-void rotate_16(uint16_t* row, const float* cos, const float* sin, int32_t num_heads, int32_t head_size,
+VPAGE_TARGET_CLONES void rotate_16(uint16_t* row, const float* cos, const float* sin, int32_t num_heads, int32_t head_size,
                int32_t half) {
   for (int32_t h = 0; h < num_heads; ++h) {
     uint16_t* a = row + static_cast<int64_t>(h) * head_size;
