@@ -114,3 +114,32 @@ def reference_prefill_attention(query, key_cache, value_cache, block_tables, que
             visible = length - (end - b)
             out[a:b] = _attend(query[a:b], k[:visible], v[:visible], scale, sliding_window, logits_soft_cap)
     return out
+
+
+def blocks_before_window(context_len: int, num_queries: int, sliding_window: Optional[int],
+                         block_size: int) -> int:
+    """Logical blocks of a sequence wholly before the window of its earliest query (at
+    position context_len - num_queries): the blocks paged attention never reads."""
+    if sliding_window is None or num_queries == 0:
+        return 0
+    return max(0, context_len - num_queries - sliding_window + 1) // block_size
+
+
+def free_blocks_before_window(key_cache, value_cache, block_tables, context_lens: Sequence[int],
+                              query_lens: Optional[Sequence[int]], sliding_window: Optional[int]):
+    """As the block manager leaves a windowed layer: (key_cache, value_cache, table, count)
+    where the blocks wholly before each sequence's window hold NaN (copies of the caches) and
+    their entries in the copied table are -1; count is the number of such blocks. query_lens
+    None means decode (one query per sequence)."""
+    key_cache, value_cache, table = key_cache.clone(), value_cache.clone(), block_tables.clone()
+    block_size = value_cache.shape[3]
+    count = 0
+    for s, length in enumerate(context_lens):
+        queries = 1 if query_lens is None else query_lens[s]
+        dead = blocks_before_window(length, queries, sliding_window, block_size)
+        ids = block_tables[s, :dead].long()
+        key_cache[ids] = float("nan")
+        value_cache[ids] = float("nan")
+        table[s, :dead] = -1
+        count += dead
+    return key_cache, value_cache, table, count

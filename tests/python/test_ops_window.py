@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from kv_reference import (make_block_tables, make_random_cache, reference_paged_attention,
-                          reference_prefill_attention)
+from kv_reference import (free_blocks_before_window, make_block_tables, make_random_cache,
+                          reference_paged_attention, reference_prefill_attention)
 from vpage import _core, ops
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -74,29 +74,6 @@ def make_case(seed, contexts, queries, num_heads, num_kv_heads, head_size, block
     return query, key_cache, value_cache, tables, torch.tensor(contexts, dtype=torch.int32), starts
 
 
-def blocks_before_window(context, num_queries, window, block_size):
-    """Logical blocks wholly before the window of the earliest query (at context - num_queries)."""
-    if window is None:
-        return 0
-    return max(0, context - num_queries - window + 1) // block_size
-
-
-def freed(key_cache, value_cache, tables, contexts, queries, window, block_size):
-    """(poisoned caches with the intact table, poisoned caches with -1 entries): the blocks
-    wholly before each sequence's window hold NaN; in the second table their entries are -1."""
-    kc, vc, minus_one = key_cache.clone(), value_cache.clone(), tables.clone()
-    count = 0
-    for s, n in enumerate(contexts):
-        q = 1 if queries is None else queries[s]
-        dead = blocks_before_window(n, q, window, block_size) if q > 0 else 0
-        ids = tables[s, :dead].long()
-        kc[ids] = float("nan")
-        vc[ids] = float("nan")
-        minus_one[s, :dead] = -1
-        count += dead
-    return kc, vc, minus_one, count
-
-
 def run(query, kc, vc, tables, lens, starts, window, cap):
     if starts is None:
         return ops.paged_attention(query, kc, vc, tables, lens, SCALE, sliding_window=window, logits_soft_cap=cap)
@@ -112,7 +89,7 @@ def reference(query, kc, vc, tables, lens, starts, window, cap):
                                        logits_soft_cap=cap)
 
 
-def check_case(case, contexts, queries, block_size, window, cap, dtype):
+def check_case(case, contexts, queries, window, cap, dtype):
     """Kernel vs float64 reference, then the same result with freed blocks (bitwise)."""
     query, kc, vc, tables, lens, starts = case
     out = run(query, kc, vc, tables, lens, starts, window, cap)
@@ -120,8 +97,9 @@ def check_case(case, contexts, queries, block_size, window, cap, dtype):
     ref = reference(query, kc, vc, tables, lens, starts, window, cap)
     err = (out.double() - ref).abs().max().item()
     assert err <= TOLERANCE[dtype], f"window {window}, cap {cap}: max error {err}"
-    poisoned_kc, poisoned_vc, minus_one, dead = freed(kc, vc, tables, contexts, queries, window, block_size)
+    poisoned_kc, poisoned_vc, minus_one, dead = free_blocks_before_window(kc, vc, tables, contexts, queries, window)
     if dead:
+        # The intact table over poisoned blocks: any read of them would bring NaN in.
         same_table = run(query, poisoned_kc, poisoned_vc, tables, lens, starts, window, cap)
         assert torch.equal(same_table, out), f"window {window}: a block before the window was read"
         freed_table = run(query, poisoned_kc, poisoned_vc, minus_one, lens, starts, window, cap)
@@ -141,7 +119,7 @@ WINDOWS = [(1, None), (5, None), (13, None), (16, None), (40, CAP), (None, CAP),
 def test_decode(isa, dtype, block_size, head_size, num_heads, num_kv_heads):
     contexts = [1, 7, 17, 54, 97, 200]
     case = make_case(1, contexts, None, num_heads, num_kv_heads, head_size, block_size, dtype)
-    dead = sum(check_case(case, contexts, None, block_size, w, c, dtype) for w, c in WINDOWS)
+    dead = sum(check_case(case, contexts, None, w, c, dtype) for w, c in WINDOWS)
     assert dead > 0  # some case really freed blocks
 
 
@@ -155,7 +133,7 @@ def test_prefill(isa, dtype, block_size, head_size, num_heads, num_kv_heads):
     contexts = [30, 77, 150, 61, 9]
     queries = [30, 20, 64, 1, 9]
     case = make_case(2, contexts, queries, num_heads, num_kv_heads, head_size, block_size, dtype)
-    dead = sum(check_case(case, contexts, queries, block_size, w, c, dtype) for w, c in WINDOWS)
+    dead = sum(check_case(case, contexts, queries, w, c, dtype) for w, c in WINDOWS)
     assert dead > 0
 
 
@@ -166,7 +144,7 @@ def test_large_heads(head_size, prefill):
     queries = [45, 40] if prefill else None
     case = make_case(3, contexts, queries, 4, 2, head_size, 16, torch.bfloat16)
     for w, c in [(20, None), (33, CAP), (None, CAP)]:
-        check_case(case, contexts, queries, 16, w, c, torch.bfloat16)
+        check_case(case, contexts, queries, w, c, torch.bfloat16)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
@@ -176,7 +154,7 @@ def test_float32_activations_16bit_cache(cache_dtype, prefill):
     queries = [25, 33] if prefill else None
     case = make_case(4, contexts, queries, 6, 2, 64, 16, cache_dtype, act_dtype=torch.float32)
     for w, c in [(10, None), (17, CAP), (None, CAP)]:
-        check_case(case, contexts, queries, 16, w, c, cache_dtype)
+        check_case(case, contexts, queries, w, c, cache_dtype)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
@@ -188,11 +166,11 @@ def test_long_contexts_threads(threads, num_threads, dtype):
     contexts = [2000, 1500, 300]
     case = make_case(5, contexts, None, 2, 1, 64, 16, dtype)
     for w, c in [(700, None), (1100, CAP), (None, CAP), (9, None)]:
-        assert check_case(case, contexts, None, 16, w, c, dtype) > 0 or w is None
+        assert check_case(case, contexts, None, w, c, dtype) > 0 or w is None
     prefill_contexts, prefill_queries = [1200, 500], [150, 500]
     case = make_case(6, prefill_contexts, prefill_queries, 2, 1, 64, 16, dtype)
     for w, c in [(300, None), (64, CAP)]:
-        assert check_case(case, prefill_contexts, prefill_queries, 16, w, c, dtype) > 0
+        assert check_case(case, prefill_contexts, prefill_queries, w, c, dtype) > 0
 
 
 def test_cap_and_window_matter():
