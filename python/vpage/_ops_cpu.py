@@ -4,8 +4,9 @@ Backend contract, shared with ``vpage._ops_cuda`` (same functions, same signatur
 
 * ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None``
 * ``paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
-  query_start_loc_or_None, scale, max_context_len) -> None`` (decode when
-  ``query_start_loc_or_None`` is None, causal prefill otherwise)
+  query_start_loc_or_None, scale, max_context_len, sliding_window=0, logits_soft_cap=0.0)
+  -> None`` (decode when ``query_start_loc_or_None`` is None, causal prefill otherwise;
+  sliding_window and logits_soft_cap 0 = off)
 * ``copy_blocks(key_caches, value_caches, block_mapping) -> None``
 * ``swap_blocks(src, dst, block_mapping) -> None``
 
@@ -65,7 +66,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
-                    scale: float, max_context_len: int) -> None:
+                    scale: float, max_context_len: int, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> None:
     _core._cpu_paged_attention(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(),
@@ -74,6 +76,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
         max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
         dtype=DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         **_cache_geometry(key_cache, value_cache))
 
 

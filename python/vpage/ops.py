@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import numbers
 import threading
 from types import ModuleType
 from typing import Iterator, Optional, Sequence, Tuple
@@ -192,16 +193,41 @@ def _check_activation_dtype(name: str, t: torch.Tensor, key_cache: torch.Tensor)
         raise TypeError(f"{name} must have {allowed} ({key_cache.dtype}), got {t.dtype}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_window_args(sliding_window: object, logits_soft_cap: object) -> None:
+    """sliding_window: None or a positive int; logits_soft_cap: None or a positive finite float."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+            raise TypeError(f"sliding_window must be a positive int or None (no window), got {sliding_window!r}")
+        if sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None (no window), got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
+            raise TypeError(f"logits_soft_cap must be a positive finite float or None (no cap), "
+                            f"got {logits_soft_cap!r}")
+        if not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be a positive finite float or None (no cap), "
+                             f"got {logits_soft_cap!r}")
+
+
 def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-               scale, max_context_len, out) -> torch.Tensor:
+               scale, max_context_len, out, sliding_window, logits_soft_cap) -> torch.Tensor:
     device = key_cache.device
+    if _checking():
+        _check_window_args(sliding_window, logits_soft_cap)
+    # The kernels' encoding: 0 = off (a window of at least the context is no window).
+    window = 0 if sliding_window is None else min(int(sliding_window), _INT32_MAX)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
     if not _checking():
         if max_context_len is None:
             max_context_len = int(context_lens.max()) if context_lens.shape[0] else 0
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=device)
         _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
-                                         context_lens, query_start_loc, float(scale), max_context_len)
+                                         context_lens, query_start_loc, float(scale), max_context_len,
+                                         window, cap)
         return out
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     _check_tensor("query", query, device=device, contiguous=False)
@@ -238,37 +264,48 @@ def _attention(query, key_cache, value_cache, block_tables, context_lens, query_
         if out.shape != query.shape:
             raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
-                                     context_lens, query_start_loc, float(scale), max_context_len)
+                                     context_lens, query_start_loc, float(scale), max_context_len,
+                                     window, cap)
     return out
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     max_context_len: Optional[int] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                    logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Decode attention: one query token per sequence over its cached K/V.
 
     query [num_seqs, num_heads, head_size] (cache dtype, or float32 on CPU; num_heads a multiple of
     num_kv_heads), block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs]
     (tokens in the cache, including the query's). Returns out [num_seqs, num_heads, head_size].
+
+    sliding_window (positive int, None = off): a query at position p attends keys at positions
+    j with p - sliding_window < j <= p; blocks wholly before the window are not read, and their
+    block-table entries may hold anything (e.g. -1 for freed blocks). logits_soft_cap (positive
+    float, None = off): each score s = scale * (q . k) becomes cap * tanh(s / cap) before the
+    softmax.
     """
     return _attention(query, key_cache, value_cache, block_tables, context_lens, None, scale,
-                      max_context_len, out)
+                      max_context_len, out, sliding_window, logits_soft_cap)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, max_context_len: Optional[int] = None,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                            logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Causal (chunked) prefill attention over cached K/V.
 
     query [num_tokens, num_heads, head_size]; the tokens of sequence s are rows
     [query_start_loc[s], query_start_loc[s+1]) (int32 [num_seqs + 1]) and are the last
     tokens of its context_lens[s] tokens, whose K/V are already in the cache.
+    sliding_window and logits_soft_cap as in :func:`paged_attention` (blocks wholly before the
+    window of a sequence's first query are not read).
     """
     return _attention(query, key_cache, value_cache, block_tables, context_lens,
-                      query_start_loc, scale, max_context_len, out)
+                      query_start_loc, scale, max_context_len, out, sliding_window, logits_soft_cap)
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
