@@ -6,7 +6,7 @@ models without downloading any.
 writes ``DIR/SHAPE[-LN]-TYPE.gguf`` and prints its path and size; a file already there with
 the same settings (shape table entry, type, layers, seed) is kept. SHAPE is one of ``SHAPES``:
 smollm2-360m, smollm2-1.7b, llama-0.6b (arch llama), qwen3-0.6b (arch qwen3), gemma3-1b
-(arch gemma3). ``--layers`` shrinks the layer count (tests, quick checks).
+(arch gemma3), llama-gemma3-1b (arch llama). ``--layers`` shrinks the layer count (tests, quick checks).
 
 What the file holds:
 - the tokenizer of vpage's default model (SmolLM2-135M-Instruct): its ``tokenizer.*``
@@ -95,6 +95,10 @@ SHAPES = {
     "gemma3-1b": Shape("gemma3", hidden=1152, layers=26, heads=4, kv_heads=1, head_dim=256,
                        intermediate=6912, context=32768, rope_theta=1000000.0, rms_eps=1e-6,
                        sliding_window=512),
+    # No published model: gemma-3-1b's dimensions (above) as a plain Llama (no window, no
+    # post-norms, SiLU MLP): the peer a Gemma 3 1B is compared with at equal parameter count.
+    "llama-gemma3-1b": Shape("llama", hidden=1152, layers=26, heads=4, kv_heads=1, head_dim=256,
+                             intermediate=6912, context=32768, rope_theta=1000000.0, rms_eps=1e-6),
 }
 
 
