@@ -16,6 +16,7 @@ from torch import nn
 
 from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.layer_types import kernels_have_sliding_window, sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.parallel_linear import OutputRows
 from vpage.model_executor.layers.quant_linear import QuantizedWeight
@@ -83,8 +84,11 @@ class LlamaAttention(nn.Module):
                                             qkv_bias or attention_bias, dtype)
         self.o_proj = quant.row_linear(f"{prefix}.o_proj", hf_config.num_attention_heads * self.head_size,
                                        hf_config.hidden_size, attention_bias, dtype)
+        # The layer's sliding window (Mistral), once the kernels take one (until then the
+        # context is capped at it).
+        window = sliding_windows(hf_config)[layer_index] if kernels_have_sliding_window() else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
-                                   layer_index)
+                                   layer_index, sliding_window=window)
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
@@ -313,8 +317,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _is_plain_llama_layer(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    # (The C++ layer loop has no sliding window: a windowed layer runs in Python.)
     return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and set(layer._modules) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"}
+            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"} and attn.attn.sliding_window is None
             and set(mlp._modules) == {"gate_up_proj", "down_proj"})
