@@ -21,6 +21,10 @@
 //  output, its max logit and exp sum to the workspace for paged_attention_reduce_kernel.
 // Tokens past the context are never loaded: their keys are skipped, chunks of values past
 // the end are skipped, and the one chunk that crosses the end is read element by element.
+// With a sliding window the partitions start at the block holding the row's first windowed
+// key (window_read_begin), so blocks wholly before the window are never read; the tokens of
+// that block before the window get logit -inf. The soft cap, when set, maps each logit
+// through soft_cap * tanh(logit / soft_cap) before the mask.
 //
 // paged_attention_reduce_kernel, per (row, head): 128 threads combine the partitions
 // (rescaled by exp(max_p - max)) and write `out`; threads map onto head-dim elements.
@@ -84,7 +88,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
   const int partition = static_cast<int>(blockIdx.z);
   const int64_t out_index = row * p.num_heads + head;
   const AttentionRow r = resolve_row(p, row);
-  const int start = partition * p.partition_size;
+  const int window_begin = p.sliding_window > 0 ? max(0, r.context_len - p.sliding_window) : 0;
+  const int start = window_read_begin(p.sliding_window, kBlockSize, r.context_len) + partition * p.partition_size;
   if (start >= r.context_len) {
     if (!p.split && r.context_len <= 0) {
       T* out = static_cast<T*>(p.out) + out_index * kHeadSize;
@@ -131,6 +136,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(cons
 #pragma unroll
     for (int mask = kBlockSize; mask < kWarpSize; mask <<= 1) qk += __shfl_xor_sync(kFullMask, qk, mask);
     if (token < end) {
+      if (p.soft_cap > 0.0f) qk = p.soft_cap * tanhf(qk * p.inv_soft_cap);
+      if (token < window_begin) qk = -INFINITY;  // only in the window's first block
       if (frag_group == 0) logits[token - start] = qk;
       max_logit = fmaxf(max_logit, qk);
     }
@@ -225,7 +232,8 @@ __global__ void __launch_bounds__(kAttentionThreads) paged_attention_reduce_kern
   const int64_t out_index = row * p.num_heads + head;
   T* out = static_cast<T*>(p.out) + out_index * p.head_size;
   const AttentionRow r = resolve_row(p, row);
-  const int num_parts = r.context_len > 0 ? (r.context_len + p.partition_size - 1) / p.partition_size : 0;
+  const int read = r.context_len - window_read_begin(p.sliding_window, p.block_size, r.context_len);
+  const int num_parts = read > 0 ? (read + p.partition_size - 1) / p.partition_size : 0;
   if (num_parts == 0) {
     for (int d = threadIdx.x; d < p.head_size; d += kAttentionThreads) out[d] = from_float<T>(0.0f);
     return;

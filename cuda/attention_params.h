@@ -36,7 +36,17 @@ struct AttentionParams {
   int32_t num_partitions = 1;  // gridDim.z
   bool split = false;          // v2: write partials and run the reduce kernel
   float scale = 1.0f;
+  int32_t sliding_window = 0;  // > 0: a row at position p sees (p - sliding_window, p]
+  float soft_cap = 0.0f;       // > 0: logits become soft_cap * tanh(logit * inv_soft_cap)
+  float inv_soft_cap = 0.0f;
 };
+
+/// First token a row of `context_len` tokens reads (host and device): the start of the block
+/// holding its first windowed key; partitions start there. 0 without a window.
+__host__ __device__ inline int window_read_begin(int sliding_window, int block_size, int context_len) {
+  if (sliding_window <= 0 || context_len <= sliding_window) return 0;
+  return (context_len - sliding_window) / block_size * block_size;
+}
 
 /// Geometry of the tiled prefill kernel (prefill_attention_kernel.cuh): kPrefillRows query
 /// rows (query tokens x query heads of one GQA group) per thread block, 16 per warp, and
@@ -84,6 +94,9 @@ struct PrefillParams {
   int32_t head_chunks = 1;     // ceil(group_size / heads_per_tile)
   int32_t q_per_tile = 1;      // kPrefillRows / heads_per_tile
   float scale_log2 = 1.0f;     // softmax scale * log2(e) (the kernel uses exp2)
+  int32_t sliding_window = 0;  // > 0: a query at position p sees (p - sliding_window, p]
+  float cap_log2 = 0.0f;       // soft cap > 0: scores = cap_log2 * tanh(qk * scale_over_cap)
+  float scale_over_cap = 0.0f; // softmax scale / soft cap
 };
 
 /// Launches the attention kernel(s) for element type T (float, __half, __nv_bfloat16);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 
 #include "attention_params.h"
 
@@ -30,11 +31,20 @@ bool supported_shape(const PagedAttentionArgs& a) {
   const bool dtype_ok = a.cache.dtype == DType::kFloat32 || a.cache.dtype == DType::kFloat16 ||
                         a.cache.dtype == DType::kBFloat16;
   return head_ok && block_ok && dtype_ok && a.cache.num_kv_heads > 0 && a.num_heads > 0 &&
-         a.num_heads % a.cache.num_kv_heads == 0 && a.max_context_len >= 0;
+         a.num_heads % a.cache.num_kv_heads == 0 && a.max_context_len >= 0 && a.sliding_window >= 0 &&
+         a.logits_soft_cap >= 0.0f && std::isfinite(a.logits_soft_cap);
 }
 
 int64_t num_rows(const PagedAttentionArgs& a) {
   return a.query_start_loc == nullptr ? a.num_seqs : a.num_query_tokens;
+}
+
+/// The most tokens one row reads: max_context_len, or with a sliding window W at most the
+/// W keys plus the tokens before them in their first block. Sizes v1's logits, v2's partitions.
+int32_t max_read_len(const PagedAttentionArgs& a) {
+  const int64_t window_span = int64_t{a.sliding_window} + a.cache.block_size - 1;
+  if (a.sliding_window <= 0 || window_span >= a.max_context_len) return a.max_context_len;
+  return static_cast<int32_t>(window_span);
 }
 
 int num_partitions(int32_t max_context_len) {
@@ -81,6 +91,7 @@ void copy_common_params(const PagedAttentionArgs& a, Params* p) {
   p->num_kv_heads = a.cache.num_kv_heads;
   p->head_size = a.cache.head_size;
   p->max_blocks_per_seq = a.max_blocks_per_seq;
+  p->sliding_window = a.sliding_window;
 }
 
 /// Whether the tiled prefill kernel can run for `a` on a device with `limits`: 16-bit
@@ -105,6 +116,10 @@ cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, cudaStream_t strea
   p.head_chunks = (p.group_size + p.heads_per_tile - 1) / p.heads_per_tile;
   p.q_per_tile = detail::kPrefillRows / p.heads_per_tile;
   p.scale_log2 = a.scale * 1.4426950408889634f;  // log2(e)
+  if (a.logits_soft_cap > 0.0f) {
+    p.cap_log2 = a.logits_soft_cap * 1.4426950408889634f;
+    p.scale_over_cap = a.scale / a.logits_soft_cap;
+  }
   // Sequence s owns virtual tiles from query_start_loc[s] / q_per_tile + s: enough for
   // ceil(query_len / q_per_tile) tiles each (see prefill_attention_kernel.cuh).
   const int64_t num_tiles = a.num_query_tokens / p.q_per_tile + a.num_seqs;
@@ -121,7 +136,7 @@ cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, cudaStream_t strea
 
 size_t v1_smem_bytes(const PagedAttentionArgs& a) {
   const int b = std::max(a.cache.block_size, 1);
-  return static_cast<size_t>((std::max(a.max_context_len, 1) + b - 1) / b * b) * sizeof(float);
+  return static_cast<size_t>((std::max(max_read_len(a), 1) + b - 1) / b * b) * sizeof(float);
 }
 
 cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion requested, AttentionVersion* out) {
@@ -137,14 +152,14 @@ cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion reques
     *out = AttentionVersion::kTiled;
     return cudaSuccess;
   }
-  *out = choose_attention_version(num_rows(a), a.num_heads, a.max_context_len, limits.num_sms,
+  *out = choose_attention_version(num_rows(a), a.num_heads, max_read_len(a), limits.num_sms,
                                   limits.max_smem_bytes);
   return cudaSuccess;
 }
 
 size_t workspace_bytes_for(const PagedAttentionArgs& a, AttentionVersion version) {
   if (version != AttentionVersion::kV2) return 0;
-  const size_t slots = static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(a.max_context_len);
+  const size_t slots = static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(max_read_len(a));
   return align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
 }
 
@@ -163,6 +178,10 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
   p.num_rows = rows;
   p.block_size = a.cache.block_size;
   p.scale = a.scale;
+  if (a.logits_soft_cap > 0.0f) {
+    p.soft_cap = a.logits_soft_cap;
+    p.inv_soft_cap = 1.0f / a.logits_soft_cap;
+  }
   if (version == AttentionVersion::kV1) {
     DeviceLimits limits;
     err = query_device_limits(&limits);
@@ -173,7 +192,7 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
   } else {
     const size_t needed = workspace_bytes_for(a, version);
     if (workspace == nullptr || workspace_bytes < needed) return cudaErrorInvalidValue;
-    const size_t slots = static_cast<size_t>(rows) * a.num_heads * num_partitions(a.max_context_len);
+    const size_t slots = static_cast<size_t>(rows) * a.num_heads * num_partitions(max_read_len(a));
     char* base = static_cast<char*>(workspace);
     p.partial_out = reinterpret_cast<float*>(base);
     base += align_up(slots * a.cache.head_size * sizeof(float));
@@ -181,7 +200,7 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
     base += align_up(slots * sizeof(float));
     p.partial_sum = reinterpret_cast<float*>(base);
     p.partition_size = kAttentionPartitionSize;
-    p.num_partitions = num_partitions(a.max_context_len);
+    p.num_partitions = num_partitions(max_read_len(a));
     p.split = true;
   }
   switch (a.cache.dtype) {

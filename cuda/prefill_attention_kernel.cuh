@@ -15,16 +15,21 @@
 // (g = lane / 4, t = lane % 4) holds rows g and g + 8, columns 8 j + 2 t and 8 j + 2 t + 1.
 //
 // Per thread block: Q [64][hs] -> shared memory once; then for each KV tile of kTile tokens
-// (64; 32 for head size 256) up to the last query's causal end:
+// (64; 32 for head size 256) up to the last query's causal end, from the tile holding the
+// first query's first windowed key when there is a sliding window (earlier tiles lie wholly
+// outside every row's window and are skipped):
 //  1. K tile -> shared [kTile][hs], V tile -> shared [hs][kTile], 16-byte loads from the
 //     paged layout (each physical block is contiguous per kv head); tokens past the visible
-//     end are not loaded but zero-filled (the cache may hold anything there);
+//     end, and those of blocks before the first query's window block (whose table entries may
+//     be -1), are not loaded but zero-filled (the cache may hold anything there);
 //  2. S = Q K^T: fp16/bf16 with tensor cores (mma.sync m16n8k16, fp32 accumulate, fragments
 //     read from shared memory by 32-bit loads); fp32 with CUDA cores in the same register
 //     layout;
-//  3. online softmax in fp32, base 2 (scale * log2 e folded into S), causal mask only on
-//     tiles that cross the first query's visible end; per-row max across the 4 lanes of a
-//     row by shuffles; the running sum stays per lane until the end;
+//  3. online softmax in fp32, base 2 (scale * log2 e folded into S, after the soft cap
+//     cap * tanh(s / cap) when one is set), causal mask only on tiles that cross the first
+//     query's visible end, window mask only on tiles starting before the last query's window;
+//     per-row max across the 4 lanes of a row by shuffles; the running sum stays per lane
+//     until the end;
 //  4. O = O * alpha + P V: P is converted in registers into the A operand (fp16/bf16), or
 //     staged through per-warp shared rows (fp32).
 // 16-bit types need sm_80 (mma.sync m16n8k16); on older GPUs the host runs the per-row
@@ -112,11 +117,12 @@ __device__ __forceinline__ void store2(T* dst, float a, float b, bool vec) {
 }
 
 /// K tile -> k_s [kTile][hs + pad] and V tile -> v_s [hs][kTile + pad] for tokens
-/// [tile0, tile0 + kTile); tokens at or past kv_end are zero-filled, never read.
+/// [tile0, tile0 + kTile); tokens outside [kv_begin, kv_end) are zero-filled, never read
+/// (kv_begin is a multiple of the block size, so a value chunk is wholly in or out).
 /// `kc`/`vc` point at the kv head's slice of physical block 0.
 template <typename T, int kHeadSize, int kTile>
 __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* kc, const T* vc, const int32_t* table,
-                                             int64_t block_stride, int shift, int tile0, int kv_end) {
+                                             int64_t block_stride, int shift, int tile0, int kv_begin, int kv_end) {
   constexpr int kX = kPack<T>;
   constexpr int kXShift = kX == 8 ? 3 : 2;
   constexpr int kFrags = kHeadSize / kX;
@@ -129,7 +135,7 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* kc, const 
     const int within = c - blk * (kFrags << shift);
     const int tok = (blk << shift) + (within & ((1 << shift) - 1));
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (tile0 + tok < kv_end) {
+    if (tile0 + tok < kv_end && tile0 + tok >= kv_begin) {
       v = *reinterpret_cast<const uint4*>(kc + table[first_block + blk] * block_stride + within * kX);
     }
     *reinterpret_cast<uint4*>(k_s + tok * kKStride + (within >> shift) * kX) = v;
@@ -141,7 +147,7 @@ __device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* kc, const 
     const int within = c - blk * (kHeadSize << vshift);
     const int tok = (blk << shift) + ((within & ((1 << vshift) - 1)) << kXShift);
     T* dst = v_s + (within >> vshift) * kVStride + tok;
-    const int valid = kv_end - (tile0 + tok);
+    const int valid = tile0 + tok >= kv_begin ? kv_end - (tile0 + tok) : 0;
     if (valid >= kX) {
       *reinterpret_cast<uint4*>(dst) =
           *reinterpret_cast<const uint4*>(vc + table[first_block + blk] * block_stride + within * kX);
@@ -270,6 +276,12 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(cons
     const int first_pos = p.context_lens[seq] - q_len;  // position of the sequence's first query
     const int kv_end = min(p.context_lens[seq], first_pos + q0 + nq);
     const int min_vis = first_pos + q0 + 1;  // visible end of the tile's first query
+    // Sliding window W: row of query position p sees [p + 1 - W, p + 1). kv_begin: start of
+    // the block holding the first query's first windowed key; last_win_begin: the last
+    // query's window start (tiles starting before it need the window mask).
+    const int window = p.sliding_window;
+    const int kv_begin = window > 0 ? (max(0, min_vis - window) >> p.block_shift) << p.block_shift : 0;
+    const int last_win_begin = window > 0 ? first_pos + q0 + nq - window : 0;
     const int kv_head = static_cast<int>(blockIdx.y) / p.head_chunks;
     const int chunk = static_cast<int>(blockIdx.y) % p.head_chunks;
     const int hpt = p.heads_per_tile;
@@ -303,16 +315,18 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(cons
     const int lane = threadIdx.x % kWarpSize;
     const int g = lane >> 2;
     const int t = lane & 3;
-    // The two rows of this lane: valid flag and causal visible end (padding rows see the
-    // whole tile range, so that their running max is finite like every real row's).
+    // The two rows of this lane: valid flag, causal visible end and window start (padding
+    // rows see the whole tile range).
     bool row_valid[2];
     int vis[2];
+    int vis_begin[2];
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
       const int r = warp * 16 + g + 8 * rh;
       const int q = r / hpt;
       row_valid[rh] = q < nq && r - q * hpt < nh;
       vis[rh] = row_valid[rh] ? first_pos + q0 + q + 1 : kv_end;
+      vis_begin[rh] = row_valid[rh] && window > 0 ? vis[rh] - window : 0;
     }
 
     float o[kDT][4];
@@ -330,20 +344,36 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(cons
     const T* q_w = q_s + warp * 16 * kQStride;
     float* p_w = p_s + warp * 16 * (kTile + 4);
 
-    for (int tile0 = 0; tile0 < kv_end; tile0 += kTile) {
+    for (int tile0 = kv_begin / kTile * kTile; tile0 < kv_end; tile0 += kTile) {
       __syncthreads();  // the previous tile's K/V (and, the first time, Q's stores) are done with
-      load_kv_tile<T, kHeadSize, kTile>(k_s, v_s, kc, vc, table, block_stride, shift, tile0, kv_end);
+      load_kv_tile<T, kHeadSize, kTile>(k_s, v_s, kc, vc, table, block_stride, shift, tile0, kv_begin, kv_end);
       __syncthreads();
 
       float s[kNT][4];
       tile_qk<T, kHeadSize, kTile>(s, q_w, k_s, g, t);
-      const bool diagonal = tile0 + kTile > min_vis;  // some token of the tile is hidden from some row
+      if (p.cap_log2 > 0.0f) {
 #pragma unroll
-      for (int j = 0; j < kNT; ++j) {
+        for (int j = 0; j < kNT; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = tile0 + 8 * j + 2 * t + (e & 1);
-          s[j][e] = !diagonal || token < vis[e >> 1] ? s[j][e] * p.scale_log2 : -INFINITY;
+          for (int e = 0; e < 4; ++e) s[j][e] = p.cap_log2 * tanhf(s[j][e] * p.scale_over_cap);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+        }
+      }
+      // Some token of the tile is hidden from some row: past its causal end or before its window.
+      const bool edge = tile0 + kTile > min_vis || tile0 < last_win_begin;
+      if (edge) {
+#pragma unroll
+        for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int token = tile0 + 8 * j + 2 * t + (e & 1);
+            if (token >= vis[e >> 1] || token < vis_begin[e >> 1]) s[j][e] = -INFINITY;
+          }
         }
       }
       // Online softmax, one row per half of the accumulators.

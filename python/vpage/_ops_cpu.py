@@ -4,8 +4,9 @@ Backend contract, shared with ``vpage._ops_cuda`` (same functions, same signatur
 
 * ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None``
 * ``paged_attention(out, query, key_cache, value_cache, block_tables, context_lens,
-  query_start_loc_or_None, scale, max_context_len) -> None`` (decode when
-  ``query_start_loc_or_None`` is None, causal prefill otherwise)
+  query_start_loc_or_None, scale, max_context_len, sliding_window=0, logits_soft_cap=0.0)
+  -> None`` (decode when ``query_start_loc_or_None`` is None, causal prefill otherwise;
+  sliding_window and logits_soft_cap 0 = off)
 * ``copy_blocks(key_caches, value_caches, block_mapping) -> None``
 * ``swap_blocks(src, dst, block_mapping) -> None``
 
@@ -65,7 +66,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
-                    scale: float, max_context_len: int) -> None:
+                    scale: float, max_context_len: int, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> None:
     _core._cpu_paged_attention(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(),
@@ -74,6 +76,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
         max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
         dtype=DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         **_cache_geometry(key_cache, value_cache))
 
 
@@ -96,11 +99,12 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                     head_size: int) -> None:
-    """In place; CPU only (other devices use the torch version in vpage.ops)."""
+                     head_size: int, rotary_dim: int = 0) -> None:
+    """In place; CPU only (other devices use the torch version in vpage.ops); rotary_dim 0:
+    head_size."""
     _core._cpu_rotary_embedding(x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin.data_ptr(),
                                cos_sin.shape[0], x.shape[0], num_heads, head_size, DTYPE_CODES[x.dtype],
-                               get_num_threads())
+                               get_num_threads(), rotary_dim=rotary_dim)
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -114,6 +118,18 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """CPU only; see vpage.ops.silu_and_mul."""
     _core._cpu_silu_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], DTYPE_CODES[x.dtype],
                            get_num_threads())
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """CPU only; see vpage.ops.gelu_tanh_and_mul."""
+    _core._cpu_gelu_tanh_and_mul(out.data_ptr(), x.data_ptr(), x.shape[0], out.shape[1], DTYPE_CODES[x.dtype],
+                                 get_num_threads())
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, num_heads: int, head_size: int) -> None:
+    """In place, CPU only; see vpage.ops.rms_norm_heads_."""
+    _core._cpu_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0],
+                              num_heads, head_size, eps, DTYPE_CODES[x.dtype], get_num_threads())
 
 
 def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type_id: int, n: int, k: int) -> None:

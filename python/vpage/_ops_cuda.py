@@ -85,10 +85,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
-                    scale: float, max_context_len: Optional[int]) -> torch.Tensor:
+                    scale: float, max_context_len: Optional[int], sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> torch.Tensor:
     """Paged attention into ``out`` [num_query_tokens, num_heads, head_size]. Decode when
     ``query_start_loc`` is None (one query row per sequence), else causal prefill with the
-    rows of sequence s in [query_start_loc[s], query_start_loc[s + 1]). int32 tables."""
+    rows of sequence s in [query_start_loc[s], query_start_loc[s + 1]). int32 tables.
+    sliding_window / logits_soft_cap: 0 = off (see vpage.ops.paged_attention)."""
     if max_context_len is None:
         max_context_len = int(context_lens.max().item()) if context_lens.numel() else 0
     geometry = _cache_geometry(key_cache)
@@ -101,7 +103,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     with torch.cuda.device(device):  # the workspace size depends on the device too
         workspace_bytes = _cuda.paged_attention_workspace_bytes(
             num_seqs=num_seqs, num_query_tokens=num_query_tokens, num_heads=num_heads,
-            max_context_len=max_context_len, prefill=prefill, version=version, **geometry)
+            max_context_len=max_context_len, prefill=prefill, version=version,
+            sliding_window=sliding_window, **geometry)
         workspace = None
         if workspace_bytes:
             workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
@@ -114,7 +117,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
             query_stride=query.stride(0), max_blocks_per_seq=block_tables.shape[1],
             max_context_len=max_context_len, scale=float(scale),
             workspace=workspace.data_ptr() if workspace is not None else 0,
-            workspace_bytes=workspace_bytes, version=version, stream=_stream(device), **geometry)
+            workspace_bytes=workspace_bytes, version=version, stream=_stream(device),
+            sliding_window=sliding_window, logits_soft_cap=float(logits_soft_cap), **geometry)
     return out
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import numbers
 import threading
 from types import ModuleType
 from typing import Iterator, Optional, Sequence, Tuple
@@ -32,9 +33,9 @@ from vpage import _ops_cpu
 __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
-    "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-    "QUANT_TYPES", "quant_row_bytes", "quant_matmul", "dequantize_rows", "logsumexp_argmax",
-    "trusted_arguments",
+    "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
+    "silu_and_mul", "gelu_tanh_and_mul", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
+    "dequantize_rows", "logsumexp_argmax", "trusted_arguments",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -44,10 +45,10 @@ _local = threading.local()  # .trusted: inside trusted_arguments()
 @contextlib.contextmanager
 def trusted_arguments() -> Iterator[None]:
     """Within the block, on this thread, reshape_and_cache, paged_attention,
-    paged_prefill_attention, rotary_embedding, rms_norm, fused_add_rms_norm, silu_and_mul and
-    quant_matmul skip their argument checks. Only for arguments of the kind the caller has
-    just seen pass them (same dtypes, devices, layouts and consistent shapes): a wrong
-    argument then reaches the kernel unchecked."""
+    paged_prefill_attention, rotary_embedding, rms_norm, fused_add_rms_norm, rms_norm_heads_,
+    silu_and_mul, gelu_tanh_and_mul and quant_matmul skip their argument checks. Only for
+    arguments of the kind the caller has just seen pass them (same dtypes, devices, layouts and
+    consistent shapes): a wrong argument then reaches the kernel unchecked."""
     previous = getattr(_local, "trusted", False)
     _local.trusted = True
     try:
@@ -192,16 +193,41 @@ def _check_activation_dtype(name: str, t: torch.Tensor, key_cache: torch.Tensor)
         raise TypeError(f"{name} must have {allowed} ({key_cache.dtype}), got {t.dtype}")
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _check_window_args(sliding_window: object, logits_soft_cap: object) -> None:
+    """sliding_window: None or a positive int; logits_soft_cap: None or a positive finite float."""
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral):
+            raise TypeError(f"sliding_window must be a positive int or None (no window), got {sliding_window!r}")
+        if sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive int or None (no window), got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        if isinstance(logits_soft_cap, bool) or not isinstance(logits_soft_cap, numbers.Real):
+            raise TypeError(f"logits_soft_cap must be a positive finite float or None (no cap), "
+                            f"got {logits_soft_cap!r}")
+        if not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be a positive finite float or None (no cap), "
+                             f"got {logits_soft_cap!r}")
+
+
 def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-               scale, max_context_len, out) -> torch.Tensor:
+               scale, max_context_len, out, sliding_window, logits_soft_cap) -> torch.Tensor:
     device = key_cache.device
+    if _checking():
+        _check_window_args(sliding_window, logits_soft_cap)
+    # The kernels' encoding: 0 = off (a window of at least the context is no window).
+    window = 0 if sliding_window is None else min(int(sliding_window), _INT32_MAX)
+    cap = 0.0 if logits_soft_cap is None else float(logits_soft_cap)
     if not _checking():
         if max_context_len is None:
             max_context_len = int(context_lens.max()) if context_lens.shape[0] else 0
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=device)
         _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
-                                         context_lens, query_start_loc, float(scale), max_context_len)
+                                         context_lens, query_start_loc, float(scale), max_context_len,
+                                         window, cap)
         return out
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     _check_tensor("query", query, device=device, contiguous=False)
@@ -238,37 +264,48 @@ def _attention(query, key_cache, value_cache, block_tables, context_lens, query_
         if out.shape != query.shape:
             raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
-                                     context_lens, query_start_loc, float(scale), max_context_len)
+                                     context_lens, query_start_loc, float(scale), max_context_len,
+                                     window, cap)
     return out
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                     max_context_len: Optional[int] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                    logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Decode attention: one query token per sequence over its cached K/V.
 
     query [num_seqs, num_heads, head_size] (cache dtype, or float32 on CPU; num_heads a multiple of
     num_kv_heads), block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs]
     (tokens in the cache, including the query's). Returns out [num_seqs, num_heads, head_size].
+
+    sliding_window (positive int, None = off): a query at position p attends keys at positions
+    j with p - sliding_window < j <= p; blocks wholly before the window are not read, and their
+    block-table entries may hold anything (e.g. -1 for freed blocks). logits_soft_cap (positive
+    float, None = off): each score s = scale * (q . k) becomes cap * tanh(s / cap) before the
+    softmax.
     """
     return _attention(query, key_cache, value_cache, block_tables, context_lens, None, scale,
-                      max_context_len, out)
+                      max_context_len, out, sliding_window, logits_soft_cap)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, max_context_len: Optional[int] = None,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
+                            logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Causal (chunked) prefill attention over cached K/V.
 
     query [num_tokens, num_heads, head_size]; the tokens of sequence s are rows
     [query_start_loc[s], query_start_loc[s+1]) (int32 [num_seqs + 1]) and are the last
     tokens of its context_lens[s] tokens, whose K/V are already in the cache.
+    sliding_window and logits_soft_cap as in :func:`paged_attention` (blocks wholly before the
+    window of a sequence's first query are not read).
     """
     return _attention(query, key_cache, value_cache, block_tables, context_lens,
-                      query_start_loc, scale, max_context_len, out)
+                      query_start_loc, scale, max_context_len, out, sliding_window, logits_soft_cap)
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
@@ -314,26 +351,31 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
-                     head_size: int) -> None:
+                     head_size: int, rotary_dim: Optional[int] = None) -> None:
     """Rotates, in place, the first ``num_heads`` heads of every row of ``x`` ``[num_tokens,
     width]`` (e.g. the query then key heads of a fused QKV output; rows may be strided, columns
     contiguous) with the rotate-half convention: ``cos_sin`` float32 ``[max_position,
-    head_size]`` holds cos of the head_size/2 frequencies then their sin, ``positions`` int64
-    ``[num_tokens]``. A fused kernel on the CPU; plain torch operations elsewhere."""
+    rotary_dim]`` holds cos of the rotary_dim/2 frequencies then their sin, ``positions`` int64
+    ``[num_tokens]``. ``rotary_dim`` (even, at most head_size; None: head_size) rotates only
+    the first rotary_dim elements of each head and leaves the rest (transformers'
+    partial_rotary_factor). A fused kernel on the CPU; plain torch operations elsewhere."""
+    if rotary_dim is None:
+        rotary_dim = head_size
     if _checking():
-        _check_rotary(x, positions, cos_sin, num_heads, head_size)
+        _check_rotary(x, positions, cos_sin, num_heads, head_size, rotary_dim)
     if x.device.type == "cpu":
-        _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size)
+        _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size, rotary_dim)
         return
-    half = head_size // 2
-    heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
+    half = rotary_dim // 2
+    heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)[..., :rotary_dim]
     table = cos_sin[positions][:, None, :]
     cos, sin = table[..., :half], table[..., half:]
     x1, x2 = heads[..., :half].float(), heads[..., half:].float()
     heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
 
 
-def _check_rotary(x: object, positions: object, cos_sin: object, num_heads: int, head_size: int) -> None:
+def _check_rotary(x: object, positions: object, cos_sin: object, num_heads: int, head_size: int,
+                  rotary_dim: int) -> None:
     _check_tensor("x", x, contiguous=False)
     if x.dtype not in _SUPPORTED_DTYPES or x.dim() != 2 or (x.shape[0] > 0 and x.stride(1) != 1):
         raise ValueError(f"x must be a 2-D float tensor with contiguous columns, got {x.dtype} {tuple(x.shape)}")
@@ -341,9 +383,11 @@ def _check_rotary(x: object, positions: object, cos_sin: object, num_heads: int,
     _check_tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, device=x.device)
     if positions.shape[0] != x.shape[0]:
         raise ValueError(f"{positions.shape[0]} positions for {x.shape[0]} rows")
-    if head_size % 2 or cos_sin.shape[1] != head_size or num_heads * head_size > x.shape[1]:
-        raise ValueError(f"cos_sin {tuple(cos_sin.shape)}, {num_heads} heads of {head_size} do not fit "
-                         f"rows of {x.shape[1]}")
+    if not isinstance(rotary_dim, int) or rotary_dim % 2 or not 0 < rotary_dim <= head_size:
+        raise ValueError(f"rotary_dim must be an even int in (0, head_size = {head_size}], got {rotary_dim!r}")
+    if cos_sin.shape[1] != rotary_dim or num_heads * head_size > x.shape[1]:
+        raise ValueError(f"cos_sin {tuple(cos_sin.shape)} (rotary_dim {rotary_dim}), {num_heads} heads of "
+                         f"{head_size} do not fit rows of {x.shape[1]}")
 
 
 def _check_rows_2d(name: str, t: object, like: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -399,6 +443,38 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
         input.copy_(_torch_rms_norm(residual, weight, epsilon))
 
 
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, epsilon: float, num_heads: int, head_size: int) -> None:
+    """In place, each of the first ``num_heads`` heads of every row of ``x`` ``[num_tokens,
+    width]`` becomes ``rms_norm(head) * weight`` (``weight`` ``[head_size]``), with the roundings
+    of :func:`rms_norm` on the head as a row: the per-head q/k norms (Qwen3, Gemma 3). Rows may be
+    strided (e.g. ``qkv[:, q_size:]`` for the key heads of a fused QKV output), columns
+    contiguous; the columns past the heads are untouched."""
+    if _checking():
+        _check_heads(x, weight, epsilon, num_heads, head_size)
+    if x.device.type == "cpu":
+        _ops_cpu.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
+    else:
+        heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
+        heads.copy_(_torch_rms_norm(heads, weight, epsilon))
+
+
+def _check_heads(x: object, weight: object, eps: float, num_heads: int, head_size: int) -> None:
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    _check_tensor("weight", weight, ndim=1, dtype=x.dtype, device=x.device)
+    if not isinstance(num_heads, int) or not isinstance(head_size, int) or num_heads < 0 or head_size <= 0:
+        raise ValueError(f"num_heads {num_heads!r} and head_size {head_size!r} must be ints, >= 0 and > 0")
+    if weight.shape[0] != head_size or num_heads * head_size > x.shape[1]:
+        raise ValueError(f"weight of {weight.shape[0]} elements, {num_heads} heads of {head_size} do not fit "
+                         f"rows of {x.shape[1]}")
+    width = num_heads * head_size
+    if x.shape[0] > 0 and width > 0 and (x.stride(1) != 1 or (x.shape[0] > 1 and x.stride(0) < width)):
+        raise ValueError(f"x must have contiguous columns and rows at least {width} apart (strides {x.stride()})")
+    if not eps >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {eps}")
+
+
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """``out = silu(input[:, :d]) * input[:, d:]`` for ``input`` ``[num_tokens, 2 d]`` (the gate
     and up halves of a fused projection) and ``out`` ``[num_tokens, d]``; silu rounded to the
@@ -414,6 +490,26 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _ops_cpu.silu_and_mul(out, input)
     else:
         torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)
+
+
+def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """``out = gelu_tanh(input[:, :d]) * input[:, d:]`` (shapes as :func:`silu_and_mul`), like
+    torch's ``F.gelu(gate, approximate="tanh") * up`` (gelu rounded to the dtype before the
+    product): the gated MLP of Gemma. The CPU kernel evaluates ``0.5 x (1 + tanh(y))`` as
+    ``x / (1 + exp(-2 y))``: float32 within ``(2 + |2 y|) 1.6e-7`` relative of the exact
+    function (a few 1e-7 for |x| < 2), where torch's ``1 + tanh`` cancels for gates below about
+    -2 (absolute error up to ~6e-8 |x|)."""
+    d = out.shape[1]
+    if _checking():
+        _check_rows_2d("input", input)
+        _check_rows_2d("out", out, like=input)
+        if input.shape != (out.shape[0], 2 * d) or d == 0:
+            raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
+                             f"{tuple(out.shape)}")
+    if input.device.type == "cpu":
+        _ops_cpu.gelu_tanh_and_mul(out, input)
+    else:
+        torch.mul(F.gelu(input[:, :d], approximate="tanh"), input[:, d:], out=out)
 
 
 def logsumexp_argmax(logits: torch.Tensor,

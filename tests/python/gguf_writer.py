@@ -9,6 +9,7 @@ GGUF test checks the reader against an independent description of the format. A 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -136,12 +137,115 @@ def write_gemma3_metadata(writer: Any, cfg: Any) -> None:
     writer.add_sliding_window(cfg.sliding_window)
 
 
+def write_llama_metadata(writer: Any, cfg: Any) -> None:
+    """Llama's keys: the common ones and the converter's rope scaling keys (linear: type and
+    factor; yarn: also the original context and the betas or attention factor the config
+    sets; llama3 goes into the rope_freqs tensor instead)."""
+    import gguf
+
+    write_common_metadata(writer, cfg)
+    params = cfg.rope_parameters
+    kind = params.get("rope_type")
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(params["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        if params.get("attention_factor") is not None:
+            writer.add_rope_scaling_yarn_attn_factor(params["attention_factor"])
+        if params.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+        if params.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
+
+
+def write_llama3_rope_freqs(writer: Any, hf_model: Any) -> None:
+    """The converter's rope_freqs for a llama3 rope (LlamaModel.generate_extra_tensors): per
+    frequency the divisor of llama3's smoothing (1 for short wavelengths, factor for long).
+
+    The converter reads original_max_position_embeddings at the config's top level (8192,
+    Llama 3.1's, when absent); a transformers 5 config keeps it in rope_parameters, read here."""
+    import torch
+
+    cfg = hf_model.config
+    params = cfg.rope_parameters
+    if params.get("rope_type") != "llama3":
+        return
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+
+# Phi-3 (the converter's Phi3MiniModel): q/k/v and gate/up stay fused, in attn_qkv and ffn_up.
+PHI3_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _phi3_rope_dims(cfg: Any) -> int:
+    return int(cfg.rope_parameters.get("partial_rotary_factor", 1.0) * cfg.hidden_size) // cfg.num_attention_heads
+
+
+def write_phi3_metadata(writer: Any, cfg: Any) -> None:
+    """Phi-3's keys: the original context, the rotary dimensions, the window (0 for none); no
+    vocab size and no scaling type."""
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(_phi3_rope_dims(cfg))
+    writer.add_rope_freq_base(rope_theta_of(cfg))
+    writer.add_sliding_window(cfg.sliding_window or 0)
+
+
+def write_phi3_rope_factors(writer: Any, hf_model: Any) -> None:
+    """A longrope config's long and short factors, and the attention factor the converter
+    derives from max / original context (the config's own attention_factor is not read)."""
+    cfg = hf_model.config
+    params = cfg.rope_parameters
+    if params.get("rope_type", "default") == "default":
+        return
+    original = cfg.original_max_position_embeddings
+    scale = cfg.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    if not len(params["long_factor"]) == len(params["short_factor"]) == _phi3_rope_dims(cfg) // 2:
+        raise ValueError("rope long and short factors must have rotary dimensions / 2 entries")
+    writer.add_tensor("rope_factors_long.weight", np.array(params["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], dtype=np.float32))
+
+
 FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("llama", permute_qk=True),
+    "llama": GgufFamily("llama", permute_qk=True, metadata=write_llama_metadata,
+                        extra_tensors=write_llama3_rope_freqs),
     "qwen2": GgufFamily("qwen2"),
     "qwen3": GgufFamily("qwen3", layer_names={**LLAMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",
                                               "self_attn.k_norm": "attn_k_norm"},
                         metadata=write_qwen3_metadata),
+    "phi3": GgufFamily("phi3", layer_names=PHI3_LAYER_NAMES, metadata=write_phi3_metadata,
+                       extra_tensors=write_phi3_rope_factors),
     "gemma2": GgufFamily("gemma2", layer_names=GEMMA_LAYER_NAMES, metadata=write_gemma2_metadata,
                          transform=gemma_norms_plus_one),
     "gemma3_text": GgufFamily("gemma3", layer_names={**GEMMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",

@@ -3,7 +3,8 @@
 Layout (per layer, x = 16 // element_size):
     key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]
     value_cache [num_blocks, num_kv_heads, head_size, block_size]
-The reference gathers K/V through the block table, then runs plain causal attention.
+The reference gathers K/V through the block table, then runs plain causal attention
+(optionally with a sliding window and attention-logit soft-capping).
 """
 
 from __future__ import annotations
@@ -58,34 +59,45 @@ def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: t
     return k[:context_len].cpu(), v[:context_len].cpu()
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [nq, heads, hs] are the last nq positions of k/v [len, kv, hs]; causal; float64."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None) -> torch.Tensor:
+    """q [nq, heads, hs] are the last nq positions of k/v [len, kv, hs]; causal; float64.
+    sliding_window W: the query at position p sees keys j with p - W < j <= p;
+    logits_soft_cap c: scores s become c * tanh(s / c) before the softmax."""
     nq, heads, _ = q.shape
     length, kv, _ = k.shape
     group = heads // kv
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     logits = torch.einsum("qhd,khd->hqk", q.double().cpu(), k) * scale
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
     positions = torch.arange(length)
     visible_end = length - nq + torch.arange(nq) + 1
-    logits = logits.masked_fill(positions[None, None, :] >= visible_end[None, :, None], float("-inf"))
+    hidden = positions[None, :] >= visible_end[:, None]
+    if sliding_window is not None:
+        hidden |= positions[None, :] < visible_end[:, None] - sliding_window
+    logits = logits.masked_fill(hidden[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
 
 
 def reference_paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                              scale: float) -> torch.Tensor:
+                              scale: float, sliding_window: Optional[int] = None,
+                              logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Decode: float64 [num_seqs, num_heads, head_size] (one query per sequence)."""
     out = torch.zeros(query.shape, dtype=torch.float64)
     for s, length in enumerate(context_lens.tolist()):
         if length == 0:
             continue
         k, v = gather_kv(key_cache, value_cache, block_tables[s].cpu(), length)
-        out[s] = _attend(query[s:s + 1], k, v, scale)[0]
+        out[s] = _attend(query[s:s + 1], k, v, scale, sliding_window, logits_soft_cap)[0]
     return out
 
 
 def reference_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                                context_lens, scale: float, max_rows: int = 256) -> torch.Tensor:
+                                context_lens, scale: float, max_rows: int = 256,
+                                sliding_window: Optional[int] = None,
+                                logits_soft_cap: Optional[float] = None) -> torch.Tensor:
     """Causal prefill: float64 [num_tokens, num_heads, head_size]; the queries of sequence s
     are rows [query_start_loc[s], query_start_loc[s+1]), the last tokens of its context.
     Queries go in chunks of at most ``max_rows`` (chunk [a, b) of q queries over a context of
@@ -100,5 +112,34 @@ def reference_prefill_attention(query, key_cache, value_cache, block_tables, que
         for a in range(begin, end, max_rows):
             b = min(end, a + max_rows)
             visible = length - (end - b)
-            out[a:b] = _attend(query[a:b], k[:visible], v[:visible], scale)
+            out[a:b] = _attend(query[a:b], k[:visible], v[:visible], scale, sliding_window, logits_soft_cap)
     return out
+
+
+def blocks_before_window(context_len: int, num_queries: int, sliding_window: Optional[int],
+                         block_size: int) -> int:
+    """Logical blocks of a sequence wholly before the window of its earliest query (at
+    position context_len - num_queries): the blocks paged attention never reads."""
+    if sliding_window is None or num_queries == 0:
+        return 0
+    return max(0, context_len - num_queries - sliding_window + 1) // block_size
+
+
+def free_blocks_before_window(key_cache, value_cache, block_tables, context_lens: Sequence[int],
+                              query_lens: Optional[Sequence[int]], sliding_window: Optional[int]):
+    """As the block manager leaves a windowed layer: (key_cache, value_cache, table, count)
+    where the blocks wholly before each sequence's window hold NaN (copies of the caches) and
+    their entries in the copied table are -1; count is the number of such blocks. query_lens
+    None means decode (one query per sequence)."""
+    key_cache, value_cache, table = key_cache.clone(), value_cache.clone(), block_tables.clone()
+    block_size = value_cache.shape[3]
+    count = 0
+    for s, length in enumerate(context_lens):
+        queries = 1 if query_lens is None else query_lens[s]
+        dead = blocks_before_window(length, queries, sliding_window, block_size)
+        ids = block_tables[s, :dead].long()
+        key_cache[ids] = float("nan")
+        value_cache[ids] = float("nan")
+        table[s, :dead] = -1
+        count += dead
+    return key_cache, value_cache, table, count

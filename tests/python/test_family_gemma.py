@@ -35,18 +35,18 @@ ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 def gemma_config(kind: str, **overrides):
     """A tiny float32 Gemma2Config / Gemma3TextConfig: 4 (Gemma 2) or 7 (Gemma 3: five sliding,
-    one global, one sliding) layers, window 16, head size 24 for hidden 64 / 4 heads, an
+    one global, one sliding) layers, window 16, head size 32 for hidden 64 / 4 heads, an
     attention scale of its own, weights large enough (std 0.15) that the soft-caps bite."""
     import transformers
 
-    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                 vocab_size=TINY_VOCAB, max_position_embeddings=256, sliding_window=WINDOW, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0, initializer_range=0.15, tie_word_embeddings=True)
     if kind == "gemma2":
         fields = dict(num_hidden_layers=4, query_pre_attn_scalar=20, attn_logit_softcapping=2.0,
                       final_logit_softcapping=3.0, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
         return transformers.Gemma2Config(**{**base, **fields, **overrides})
-    fields = dict(num_hidden_layers=7, query_pre_attn_scalar=32, final_logit_softcapping=3.0,
+    fields = dict(num_hidden_layers=7, query_pre_attn_scalar=40, final_logit_softcapping=3.0,
                   # transformers' Gemma 3 ignores an attention soft-cap; so must vpage.
                   attn_logit_softcapping=1.0,
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
@@ -179,9 +179,9 @@ def test_gguf_config_matches_the_folder(tiny, tmp_path):
     cfg, ref = load_hf_config(str(path)), hf.config
     assert cfg.architectures == [ARCHITECTURES[kind]]
     assert list(cfg.layer_types) == list(ref.layer_types) and sliding_windows(cfg) == sliding_windows(ref)
-    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == (24, 2, TINY_VOCAB)
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.vocab_size) == (32, 2, TINY_VOCAB)
     assert cfg.final_logit_softcapping == ref.final_logit_softcapping and cfg.tie_word_embeddings
-    assert cfg.query_pre_attn_scalar == 24  # llama.cpp: the head size (but for the 27B models)
+    assert cfg.query_pre_attn_scalar == 32  # llama.cpp: the head size (but for the 27B models)
     if kind == "gemma2":
         assert cfg.attn_logit_softcapping == ref.attn_logit_softcapping
         assert cfg.rope_parameters["rope_theta"] == 10000.0  # not stored: llama.cpp's default
@@ -193,7 +193,7 @@ def gguf_reference(kind: str, tmp_path, quantize=None):
     """A tiny model saved with query_pre_attn_scalar = the head size and (Gemma 2) rope base
     10000, as llama.cpp reads a GGUF file, and written as one; (loaded model, transformers model)."""
     folder = tmp_path / kind
-    overrides = dict(query_pre_attn_scalar=24)
+    overrides = dict(query_pre_attn_scalar=32)
     if kind == "gemma2":
         overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
     hf = save_tiny_gemma(kind, folder, seed=5, **overrides)

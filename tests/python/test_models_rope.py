@@ -14,6 +14,7 @@ import inspect
 import pytest
 import torch
 
+from chunked_reference import assert_chunks_match, hf_logits_per_chunk
 from family_parity import ENGINE_SETTINGS, assert_family_parity, engine_greedy, hf_greedy, setting_params
 from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
 from vpage import ops
@@ -168,45 +169,14 @@ _MODEL_SCALINGS = {
 }
 
 
-def _hf_logits_per_chunk(hf, tokens: list[int], chunks: list[int]) -> list[torch.Tensor]:
-    """transformers' logits for each chunk of ``tokens``, fed one chunk after another over its
-    KV cache (as its generate feeds a prompt, then one token a step)."""
-    from transformers import DynamicCache
-
-    hf = copy.deepcopy(hf)  # a fresh dynamic-rope state per sequence
-    cache, out, start = DynamicCache(config=hf.config), [], 0
-    with torch.no_grad():
-        for n in chunks:
-            out.append(hf(torch.tensor([tokens[start:start + n]]), cache=cache, use_cache=True).logits[0])
-            start += n
-    return out
-
-
 @pytest.mark.parametrize("name", list(_MODEL_SCALINGS))
 def test_tiny_llama_matches_transformers_past_the_original_length(name, tmp_path):
     scaling = _MODEL_SCALINGS[name]
     max_pos = ORIGINAL if name == "dynamic" else MAX_POS
     hf = save_tiny_model("llama", tmp_path, rope_parameters={**scaling, "rope_theta": THETA},
                          max_position_embeddings=max_pos)
-    loaded = load_model(str(tmp_path), device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    tokens = {s: torch.randint(3, 320, (80,), generator=gen).tolist() for s in (0, 1)}
-    cache = PagedKVCache(loaded.config, block_size=8)
-    fed = {0: 0, 1: 0}
-    ours: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-    for step in _STEPS:
-        chunks = {s: tokens[s][fed[s]:fed[s] + n] for s, n in step.items()}
-        logits = loaded.model.compute_logits(loaded.model(cache.step(chunks), cache.caches))
-        row = 0
-        for s, n in step.items():
-            ours[s].append(logits[row:row + n])
-            row += n
-            fed[s] += n
-    assert min(fed.values()) > ORIGINAL  # both sequences end past the original length
-    for s in (0, 1):
-        expected = _hf_logits_per_chunk(hf, tokens[s], [step[s] for step in _STEPS])
-        for got, ref in zip(ours[s], expected):
-            torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    assert all(sum(step[s] for step in _STEPS) > ORIGINAL for s in (0, 1))  # both end past the original length
+    assert_chunks_match(load_model(str(tmp_path), device="cpu"), hf, _STEPS)
 
 
 def test_chunked_prompt_rotates_each_chunk_at_its_own_context(tmp_path):
@@ -221,7 +191,7 @@ def test_chunked_prompt_rotates_each_chunk_at_its_own_context(tmp_path):
     loaded.model(chunk_cache.step({0: tokens[:24]}), chunk_cache.caches)
     last = loaded.model.compute_logits(loaded.model(chunk_cache.step({0: tokens[24:]}), chunk_cache.caches))
     assert (last - whole[24:]).abs().max() > 1e-3
-    torch.testing.assert_close(last, _hf_logits_per_chunk(hf, tokens, [24, 24])[1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(last, hf_logits_per_chunk(hf, tokens, [24, 24])[1], atol=1e-4, rtol=0)
 
 
 def test_kinds_without_a_static_table_stay_off_the_cpu_decoder(tmp_path):
@@ -294,3 +264,15 @@ def test_engine_dynamic_chunked_prompts_below_the_original_length(dynamic_model)
     prompts = [list(range(3, 27)), list(range(100, 124)), list(range(200, 229))]
     expected = [hf_greedy(copy.deepcopy(hf), p, 32) for p in prompts]
     assert engine_greedy(folder, prompts, 32, **ENGINE_SETTINGS["chunked"]) == expected
+
+
+def test_a_window_inside_the_stretched_context_is_kept():
+    """A YaRN model serves factor x its original length: a window past max_position_embeddings
+    but inside that context still masks."""
+    from model_fixtures import tiny_hf_config
+    from vpage.model_executor.models.llama import layer_sliding_window
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": THETA}
+    for window, kept in ((64, 64), (128, None)):
+        cfg = tiny_hf_config("mistral", max_position_embeddings=32, sliding_window=window, rope_parameters=yarn)
+        assert layer_sliding_window(cfg, 1) == kept

@@ -482,3 +482,100 @@ def test_kernels_run_on_the_tensors_device(dtype):
     assert torch.equal(new_key[0, :, :, 5].reshape(2, 64), rows[1])
     for cache in (new_key, new_value):  # bitwise: the blocks hold NaN poison too
         assert torch.equal(cache[1].view(torch.uint8), cache[0].view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------
+# Sliding window and attention-logit soft cap, against kv_reference.py's float64 reference
+# and the CPU twin; blocks wholly before the window are poisoned with NaN (and their table
+# entries set to -1) and must not change the result.
+
+WINDOW_CAP = 2.5  # scores are about N(0, 1) here: the cap bends the larger ones
+# (window, cap): below a block, not a multiple of the block size, across partitions (700),
+# >= every context, the cap alone and with a window.
+WINDOW_CASES = [(5, None), (13, None), (16, WINDOW_CAP), (700, None), (None, WINDOW_CAP), (100000, None)]
+# (context_len, query_len) for the prefill cases; decode uses one query per context.
+WINDOW_SEQS = [(1, 1), (17, 17), (54, 5), (97, 1), (300, 300), (1030, 200), (2100, 67)]
+
+
+def _window_run(case, version, window, cap, decode, scale):
+    ops = _ops()
+    from vpage import _ops_cuda
+
+    with _ops_cuda.attention_version(version):
+        if decode:
+            last = case["query_start_loc"][1:] - 1
+            out = ops.paged_attention(case["query"][last], case["key_cache"], case["value_cache"],
+                                      case["block_tables"], case["context_lens"], scale, sliding_window=window,
+                                      logits_soft_cap=cap)
+        else:
+            out = ops.paged_prefill_attention(case["query"], case["key_cache"], case["value_cache"],
+                                              case["block_tables"], case["query_start_loc"], case["context_lens"],
+                                              scale, sliding_window=window, logits_soft_cap=cap)
+    torch.cuda.synchronize(out.device)
+    return out
+
+
+def _check_window(case, version, window, cap, decode, dtype, scale=0.11):
+    """GPU vs float64 reference and CPU twin; then poisoned / freed blocks give the same bits."""
+    from kv_reference import free_blocks_before_window, reference_prefill_attention
+
+    ops = _ops()
+    out = _window_run(case, version, window, cap, decode, scale)
+    cpu = {k: v.cpu() for k, v in case.items()}
+    expected = reference_prefill_attention(cpu["query"], cpu["key_cache"], cpu["value_cache"], cpu["block_tables"],
+                                           cpu["query_start_loc"], cpu["context_lens"], scale,
+                                           sliding_window=window, logits_soft_cap=cap)
+    last = cpu["query_start_loc"][1:] - 1
+    if decode:
+        expected = expected[last]
+    _assert_close(out, expected, dtype)
+    if decode:
+        twin = ops.paged_attention(cpu["query"][last], cpu["key_cache"], cpu["value_cache"], cpu["block_tables"],
+                                   cpu["context_lens"], scale, sliding_window=window, logits_soft_cap=cap)
+    else:
+        twin = ops.paged_prefill_attention(cpu["query"], cpu["key_cache"], cpu["value_cache"], cpu["block_tables"],
+                                           cpu["query_start_loc"], cpu["context_lens"], scale,
+                                           sliding_window=window, logits_soft_cap=cap)
+    _assert_close(out, twin, dtype)
+    query_lens = None if decode else (cpu["query_start_loc"][1:] - cpu["query_start_loc"][:-1]).tolist()
+    kc, vc, freed_table, dead = free_blocks_before_window(case["key_cache"], case["value_cache"],
+                                                          case["block_tables"], cpu["context_lens"].tolist(),
+                                                          query_lens, window)
+    if dead:
+        for table in (case["block_tables"], freed_table):
+            poisoned = dict(case, key_cache=kc, value_cache=vc, block_tables=table)
+            assert torch.equal(_window_run(poisoned, version, window, cap, decode, scale), out)
+    return dead
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 6, 2), (80, 4, 4)])
+def test_window_decode(version, dtype, block_size, head_size, num_heads, num_kv_heads):
+    case = _poisoned_prefill_case([(c, 1) for c, _ in WINDOW_SEQS], num_heads, num_kv_heads, head_size, block_size,
+                                  dtype, seed=12)
+    assert sum(_check_window(case, version, w, c, True, dtype) for w, c in WINDOW_CASES) > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["tiled", "v1", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 6, 2), (80, 4, 4)])
+def test_window_prefill(version, dtype, block_size, head_size, num_heads, num_kv_heads):
+    case = _poisoned_prefill_case(WINDOW_SEQS, num_heads, num_kv_heads, head_size, block_size, dtype, seed=13)
+    assert sum(_check_window(case, version, w, c, False, dtype) for w, c in WINDOW_CASES) > 0
+
+
+@requires_cuda
+@pytest.mark.parametrize("version", ["tiled", "v2"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_window_large_heads(version, dtype, head_size):
+    case = _poisoned_prefill_case([(130, 45), (600, 600)], 8, 2, head_size, 16, dtype, seed=14)
+    for w, c in [(20, None), (100, WINDOW_CAP), (None, WINDOW_CAP)]:
+        _check_window(case, version, w, c, False, dtype)
+        if version == "v2":
+            _check_window(case, version, w, c, True, dtype)

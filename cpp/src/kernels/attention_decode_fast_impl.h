@@ -312,6 +312,8 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
   const int64_t head_offset = static_cast<int64_t>(task.kv_head) * block_elems;
   const int64_t block_stride = static_cast<int64_t>(a.cache.num_kv_heads) * block_elems;
   const int group_blocks = fast_group_blocks(bs);
+  const int window = a.sliding_window;
+  const float cap = a.logits_soft_cap;
   const int first_block = task.ctx_begin / bs;
   const int end_block = (task.ctx_end + bs - 1) / bs;
   for (int b0 = first_block; b0 < end_block; b0 += group_blocks) {
@@ -343,14 +345,20 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
     const int base = b0 * bs;
     const int group_len = nb * bs;
 
-    // Online softmax per row over the group.
+    // Online softmax per row over the group, after the soft cap, the causal/context mask and
+    // the window mask (non-empty only in the group holding the window's start).
     bool rescale = false;
     for (int r = 0; r < rows; ++r) {
       float* row_logits = logits + r * logits_stride;
+      if (cap > 0.0f) {
+        for (int t = 0; t < group_len; t += kLanes) store(row_logits + t, soft_cap(load(row_logits + t), cap));
+      }
       const int visible_end = task.first_visible_end + r / task.num_heads;
       const int end = visible_end < task.ctx_end ? visible_end : task.ctx_end;
       const int limit = end - base < group_len ? end - base : group_len;
       for (int t = limit > 0 ? limit : 0; t < group_len; ++t) row_logits[t] = kNegInf;
+      const int hidden = window > 0 ? visible_end - window - base : 0;  // tokens before the window
+      for (int t = 0; t < hidden && t < group_len; ++t) row_logits[t] = kNegInf;
       Vec m = set1(kNegInf);
       for (int t = 0; t < group_len; t += kLanes) m = max(m, load(row_logits + t));
       const float group_max = reduce_max(m);

@@ -293,6 +293,8 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
   const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.max_blocks_per_seq;
   const int64_t head_offset = static_cast<int64_t>(task.kv_head) * block_elems;
   const int64_t block_stride = static_cast<int64_t>(a.cache.num_kv_heads) * block_elems;
+  const int window = a.sliding_window;
+  const float cap = a.logits_soft_cap;
   const int first_block = task.ctx_begin / bs;
   const int end_block = (task.ctx_end + bs - 1) / bs;
   for (int b0 = first_block; b0 < end_block; b0 += kGroupBlocks) {
@@ -305,7 +307,8 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       next.add(value_cache + table[b] * block_stride + head_offset);
     }
 
-    // QK and logits of every block of the group, with the causal/context mask.
+    // QK and logits of every block of the group, soft-capped, with the causal/context mask
+    // and the window mask (non-empty only in the window's first block).
     for (int g = 0; g < nb; ++g) {
       const int64_t physical = table[b0 + g];
       const T* key_block = key_cache + physical * block_stride + head_offset;
@@ -315,10 +318,15 @@ void run_task_typed(const PagedAttentionArgs& a, const AttentionTask& task, floa
       for (int r = 0; r < rows; ++r) {
         float* row_logits = logits + r * group_len + g * s.logits_len;
         part_to_logits(part + static_cast<int64_t>(r) * s.row_vecs * kLanes, row_logits, x, bs, s.row_vecs);
+        if (cap > 0.0f) {
+          for (int t = 0; t < s.logits_len; t += kLanes) store(row_logits + t, soft_cap(load(row_logits + t), cap));
+        }
         const int visible_end = task.first_visible_end + r / task.num_heads;
         const int end = visible_end < task.ctx_end ? visible_end : task.ctx_end;
         const int limit = end - base < bs ? end - base : bs;
         for (int t = limit > 0 ? limit : 0; t < s.logits_len; ++t) row_logits[t] = kNegInf;
+        const int hidden = window > 0 ? visible_end - window - base : 0;  // tokens before the window
+        for (int t = 0; t < hidden && t < bs; ++t) row_logits[t] = kNegInf;
       }
     }
 

@@ -13,17 +13,18 @@ namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
 //   PV: oT[d][rows] += sum_t V(d, t) * p[t][rows]  (V(d, t) broadcast, p loaded)
 // Both are register-blocked outer products reading each K/V element once per task, with
 // no horizontal sums; the online softmax max/sum are per-lane vectors. 16-bit blocks are
-// first converted to fp32 (so broadcasts come straight from memory). Causal masking is
-// applied only to tokens at or past the first query's visible end (the diagonal).
+// first converted to fp32 (so broadcasts come straight from memory). The soft cap, when set,
+// is a pass over each block's scores. Causal masking is applied only to tokens at or past the
+// first query's visible end (the diagonal), window masking only to tokens before the last
+// query's window start (the task starts at the first query's window block).
 // Scratch: qT [hs][RV*kLanes], oT [hs][RV*kLanes], s [bs][RV*kLanes], kf/vf [hs*bs],
-// rowbuf [RV*kLanes][hs],
-// visible end per lane, m, l.
+// visible end per lane, m, l, window start per lane, rowbuf [RV*kLanes][hs].
 constexpr int kMaxPrefillRowVecs = 4;
 
 inline int64_t prefill_scratch_floats(int32_t rows, int32_t head_size, int32_t block_size) {
   const int64_t rl = round_up(rows, kLanes);
   return 3 * head_size * rl + static_cast<int64_t>(block_size) * rl +
-         2 * round_up(static_cast<int64_t>(head_size) * block_size, kLanes) + 3 * rl + kLanes;
+         2 * round_up(static_cast<int64_t>(head_size) * block_size, kLanes) + 4 * rl + kLanes;
 }
 
 // QK for TT tokens [t0, t0 + TT) of a block: s[t][rv] = sum_d K(t, d) qT[d][rv].
@@ -102,7 +103,8 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
   float* vis = vf + round_up(block_elems, kLanes);
   float* m = vis + RL;
   float* l = m + RL;
-  float* rowbuf = l + RL;  // [RL][hs]: rows in row-major order (query in, output out)
+  float* visb = l + RL;       // first visible position per lane (window start)
+  float* rowbuf = visb + RL;  // [RL][hs]: rows in row-major order (query in, output out)
 
   // qT[d][r] = q_r[d] * scale; padding lanes zero and see the whole task context.
   const TQ* query = static_cast<const TQ*>(a.query);
@@ -120,12 +122,19 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
       store(qT + static_cast<int64_t>(d) * RL + v * kLanes, load_strided(rowbuf + static_cast<int64_t>(v) * kLanes * hs + d, hs));
     }
   }
+  const int window = a.sliding_window;
+  const float cap = a.logits_soft_cap;
   for (int r = 0; r < RL; ++r) {
     const int end = r < rows ? task.first_visible_end + r / task.num_heads : task.ctx_end;
     vis[r] = static_cast<float>(end < task.ctx_end ? end : task.ctx_end);
+    visb[r] = static_cast<float>(r < rows && window > 0 ? end - window : task.ctx_begin);
   }
+  // Window start of the task's last query: blocks starting before it need the window mask.
+  const int last_window_begin = window > 0 ? task.first_visible_end + task.num_queries - 1 - window : 0;
+  // m starts at the lowest finite float, not -inf: with a window, a lane may see no token of
+  // the first blocks, and exp(-inf - m) must stay 0 (never exp(-inf + inf)).
   for (int i = 0; i < RL; i += kLanes) {
-    store(m + i, set1(kNegInf));
+    store(m + i, set1(-3.402823466e38f));
     store(l + i, zero());
   }
   for (int64_t i = 0; i < static_cast<int64_t>(hs) * RL; i += kLanes) store(oT + i, zero());
@@ -157,18 +166,21 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
       vb = vf;
     }
     pf_qk_block<RV>(kb, qT, s, n, hs, bs, x);
-    // Causal mask on the diagonal: token base + t is hidden from lanes with vis <= it.
-    if (base + n > task.first_visible_end) {
+    if (cap > 0.0f) {
+      for (int64_t i = 0; i < static_cast<int64_t>(n) * RL; i += kLanes) store(s + i, soft_cap(load(s + i), cap));
+    }
+    // Causal mask on the diagonal (token base + t is hidden from lanes with vis <= it) and
+    // window mask before the window starts (hidden from lanes with visb > it).
+    if (base + n > task.first_visible_end || base < last_window_begin) {
       for (int t = 0; t < n; ++t) {
         const float pos = static_cast<float>(base + t);
         float* st = s + static_cast<int64_t>(t) * RL;
         for (int r = 0; r < RL; ++r) {
-          if (pos >= vis[r]) st[r] = kNegInf;
+          if (pos >= vis[r] || pos < visb[r]) st[r] = kNegInf;
         }
       }
     }
-    // Online softmax per lane. Token 0 is visible to every lane, so m is finite after
-    // the first block and no -inf - -inf occurs.
+    // Online softmax per lane (m >= the lowest finite float, so no -inf - -inf occurs).
     Vec alpha[RV];
     for (int v = 0; v < RV; ++v) {
       Vec mx = load(m + v * kLanes);

@@ -20,7 +20,8 @@ struct AttentionTask {
   int64_t first_query = 0;      // query token (row of query/out) of the first query
   int32_t num_queries = 0;      // 1 for decode
   int32_t first_visible_end = 0;  // first query sees context positions [0, this); +1 per query
-  int32_t ctx_begin = 0;        // multiple of block_size
+                                  // (with args.sliding_window W: [this - W, this))
+  int32_t ctx_begin = 0;        // multiple of block_size; blocks before it are never read
   int32_t ctx_end = 0;          // <= context length
   float* partial = nullptr;     // nullptr: write normalised rows to out; else
                                 // [rows][2 + head_size] = (max logit, exp sum, unnormalised o)

@@ -1,8 +1,8 @@
-// Fused RMSNorm (+ residual add) and SiLU-and-multiply. Threads take ranges of tokens. The
-// float32 row loops are compiled for AVX-512, AVX2 and baseline (chosen at load time) and,
-// like rotary.cpp, without FMA contraction, so each product and sum is rounded as torch's
-// unfused operations round it. 16-bit rows go through float32 row buffers, rounded to the
-// dtype wherever torch's unfused operations would store a 16-bit tensor.
+// Fused RMSNorm (+ residual add, or per head), SiLU- and GELU(tanh)-and-multiply. Threads take
+// ranges of tokens. The float32 row loops are compiled for AVX-512, AVX2 and baseline (chosen
+// at load time) and, like rotary.cpp, without FMA contraction, so each product and sum is
+// rounded as torch's unfused operations round it. 16-bit rows go through float32 row buffers,
+// rounded to the dtype wherever torch's unfused operations would store a 16-bit tensor.
 #include "vpage/kernels/layer_ops.h"
 
 #include <algorithm>
@@ -53,6 +53,18 @@ void silu_f32(float* out, const float* a, int32_t n) {
   for (int32_t i = 0; i < n; ++i) out[i] = a[i] / out[i];
 }
 
+// gelu_tanh(a) = 0.5 a (1 + tanh(y)), y = sqrt(2/pi) (a + 0.044715 a^3), by the identity
+// 1 + tanh(y) = 2 / (1 + exp(-2 y)): a / (1 + exp(a (kGeluLinear + kGeluCubic a^2))). Unlike
+// `1 + tanh`, this never cancels. Two passes, as silu_f32.
+constexpr float kGeluLinear = static_cast<float>(-2.0 * 0.79788456080286535588);  // -2 sqrt(2/pi)
+constexpr float kGeluCubic = static_cast<float>(-2.0 * 0.79788456080286535588 * 0.044715);
+
+VPAGE_TARGET_CLONES
+void gelu_tanh_f32(float* out, const float* a, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] = 1.0f + exp_clamped(a[i] * (kGeluLinear + kGeluCubic * (a[i] * a[i])));
+  for (int32_t i = 0; i < n; ++i) out[i] = a[i] / out[i];
+}
+
 VPAGE_TARGET_CLONES
 void mul_into(float* out, const float* b, int32_t n) {
   for (int32_t i = 0; i < n; ++i) out[i] *= b[i];
@@ -83,10 +95,57 @@ void round_row(float* row, uint16_t* stored, int32_t n) {
   }
 }
 
+// bfloat16 rows: branch-free loops the vectoriser turns into shifts and integer rounding
+// (the generic loops above stay scalar, called through Codec).
+VPAGE_TARGET_CLONES
+void load_bf16_row(float* dst, const uint16_t* src, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) dst[i] = bfloat16_to_float(src[i]);
+}
+
+VPAGE_TARGET_CLONES
+void round_bf16_row(float* row, uint16_t* stored, int32_t n) {
+  if (stored == nullptr) {
+    for (int32_t i = 0; i < n; ++i) row[i] = bfloat16_to_float(float_to_bfloat16(row[i]));
+    return;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const uint16_t v = float_to_bfloat16(row[i]);
+    stored[i] = v;
+    row[i] = bfloat16_to_float(v);
+  }
+}
+
+template <>
+void load_row<BFloat16>(float* dst, const uint16_t* src, int32_t n) {
+  load_bf16_row(dst, src, n);
+}
+
+template <>
+void round_row<BFloat16>(float* row, uint16_t* stored, int32_t n) {
+  round_bf16_row(row, stored, n);
+}
+
 std::vector<float>& row_buffer(int which, size_t floats) {
   thread_local std::vector<float> buffers[3];
   if (buffers[which].size() < floats) buffers[which].resize(floats);
   return buffers[which];
+}
+
+// out = (src * inv) * weight, inv = 1 / sqrt(mean(src^2) + eps); `out` may be `src`.
+void normalize_row_f32(float* out, const float* src, const float* weight, int32_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + eps);
+  normalize_f32(out, src, inv, weight, n);
+}
+
+// The 16-bit twin: src (the row in float32) is overwritten, weight holds the 16-bit weight's
+// values in float32; dtype(src * inv) times the weight is rounded into `out`.
+template <class Codec>
+void normalize_row_16(uint16_t* out, float* src, const float* weight, int32_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + eps);
+  for (int32_t i = 0; i < n; ++i) src[i] *= inv;
+  round_row<Codec>(src, nullptr, n);
+  mul_into(src, weight, n);
+  round_row<Codec>(src, out, n);
 }
 
 void rms_norm_f32(const RmsNormArgs& a, int64_t t) {
@@ -98,8 +157,7 @@ void rms_norm_f32(const RmsNormArgs& a, int64_t t) {
     add_into(residual, x, n);
     src = residual;
   }
-  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + a.eps);
-  normalize_f32(static_cast<float*>(a.out) + t * n, src, inv, static_cast<const float*>(a.weight), n);
+  normalize_row_f32(static_cast<float*>(a.out) + t * n, src, static_cast<const float*>(a.weight), n, a.eps);
 }
 
 template <class Codec>
@@ -114,12 +172,30 @@ void rms_norm_16(const RmsNormArgs& a, int64_t t) {
     add_into(src, other, n);
     round_row<Codec>(src, residual, n);
   }
-  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + a.eps);
-  for (int32_t i = 0; i < n; ++i) src[i] *= inv;
-  round_row<Codec>(src, nullptr, n);
   load_row<Codec>(other, static_cast<const uint16_t*>(a.weight), n);
-  mul_into(src, other, n);
-  round_row<Codec>(src, static_cast<uint16_t*>(a.out) + t * n, n);
+  normalize_row_16<Codec>(static_cast<uint16_t*>(a.out) + t * n, src, other, n, a.eps);
+}
+
+void rms_norm_heads_f32(const RmsNormHeadsArgs& a, int64_t t) {
+  float* row = static_cast<float*>(a.x) + t * a.row_stride;
+  for (int32_t h = 0; h < a.num_heads; ++h) {
+    float* head = row + static_cast<int64_t>(h) * a.head_size;
+    normalize_row_f32(head, head, static_cast<const float*>(a.weight), a.head_size, a.eps);
+  }
+}
+
+template <class Codec>
+void rms_norm_heads_16(const RmsNormHeadsArgs& a, int64_t t) {
+  const int32_t n = a.head_size;
+  float* src = row_buffer(0, n).data();
+  float* weight = row_buffer(1, n).data();
+  load_row<Codec>(weight, static_cast<const uint16_t*>(a.weight), n);
+  uint16_t* row = static_cast<uint16_t*>(a.x) + t * a.row_stride;
+  for (int32_t h = 0; h < a.num_heads; ++h) {
+    uint16_t* head = row + static_cast<int64_t>(h) * n;
+    load_row<Codec>(src, head, n);
+    normalize_row_16<Codec>(head, src, weight, n, a.eps);
+  }
 }
 
 void silu_and_mul_f32(const SiluAndMulArgs& a, int64_t t) {
@@ -136,6 +212,26 @@ void silu_and_mul_16(const SiluAndMulArgs& a, int64_t t) {
   float* out = row_buffer(1, a.d).data();
   load_row<Codec>(in, gate, a.d);
   silu_f32(out, in, a.d);
+  round_row<Codec>(out, nullptr, a.d);
+  load_row<Codec>(in, gate + a.d, a.d);
+  mul_into(out, in, a.d);
+  round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
+}
+
+void gelu_tanh_and_mul_f32(const GeluTanhAndMulArgs& a, int64_t t) {
+  const float* gate = static_cast<const float*>(a.x) + t * 2 * a.d;
+  float* out = static_cast<float*>(a.out) + t * a.d;
+  gelu_tanh_f32(out, gate, a.d);
+  mul_into(out, gate + a.d, a.d);
+}
+
+template <class Codec>
+void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, int64_t t) {
+  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
+  float* in = row_buffer(0, a.d).data();
+  float* out = row_buffer(1, a.d).data();
+  load_row<Codec>(in, gate, a.d);
+  gelu_tanh_f32(out, in, a.d);
   round_row<Codec>(out, nullptr, a.d);
   load_row<Codec>(in, gate + a.d, a.d);
   mul_into(out, in, a.d);
@@ -173,6 +269,24 @@ void silu_and_mul(const SiluAndMulArgs& args, int num_threads) {
   VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
               "silu_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
   for_token_ranges(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
+}
+
+void gelu_tanh_and_mul(const GeluTanhAndMulArgs& args, int num_threads) {
+  check_dtype(args.dtype, "gelu_tanh_and_mul");
+  VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
+              "gelu_tanh_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
+  for_token_ranges(args, num_threads, &gelu_tanh_and_mul_f32, &gelu_tanh_and_mul_16<Half>,
+                   &gelu_tanh_and_mul_16<BFloat16>);
+}
+
+void rms_norm_heads(const RmsNormHeadsArgs& args, int num_threads) {
+  check_dtype(args.dtype, "rms_norm_heads");
+  VPAGE_CHECK(args.num_tokens >= 0 && args.num_heads >= 0 && args.head_size > 0 && args.eps >= 0.0f &&
+                  (args.num_tokens <= 1 || args.row_stride >= static_cast<int64_t>(args.num_heads) * args.head_size),
+              "rms_norm_heads: bad sizes (num_tokens " << args.num_tokens << ", num_heads " << args.num_heads
+                                                       << ", head_size " << args.head_size << ", row_stride "
+                                                       << args.row_stride << ") or eps");
+  for_token_ranges(args, num_threads, &rms_norm_heads_f32, &rms_norm_heads_16<Half>, &rms_norm_heads_16<BFloat16>);
 }
 
 }  // namespace vpage::cpu

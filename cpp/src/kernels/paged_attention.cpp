@@ -19,7 +19,19 @@ constexpr int kTasksPerThread = 4;          // decode: split contexts below this
 constexpr int kMinPartitionTokens = 256;    // decode: smallest context partition
 constexpr int kPrefillRowVecs = 3;          // prefill: SIMD vectors of query rows per task
 
-// Checks everything the kernels rely on; returns the longest context.
+// Queries of sequence s: 1 for decode.
+int32_t num_queries(const PagedAttentionArgs& a, int32_t s) {
+  return a.query_start_loc == nullptr ? 1 : a.query_start_loc[s + 1] - a.query_start_loc[s];
+}
+
+// First context token read for a sequence of `len` tokens whose queries are its last
+// `queries`: the start of the block holding the earliest query's first windowed key.
+int32_t first_read_token(const PagedAttentionArgs& a, int32_t len, int32_t queries) {
+  return window_first_block(a.sliding_window, a.cache.block_size, len - queries) * a.cache.block_size;
+}
+
+// Checks everything the kernels rely on (block-table entries only of the blocks that are
+// read); returns the most context tokens one sequence's decode query reads.
 int32_t validate(const PagedAttentionArgs& a, int num_threads) {
   const CacheShape& c = a.cache;
   const char* op = "paged_attention";
@@ -40,6 +52,9 @@ int32_t validate(const PagedAttentionArgs& a, int num_threads) {
   VPAGE_CHECK(a.num_seqs >= 0 && a.max_blocks_per_seq >= 0, op << ": num_seqs and max_blocks_per_seq must be >= 0");
   VPAGE_CHECK(a.query_stride >= static_cast<int64_t>(a.num_heads) * c.head_size,
               op << ": query_stride must be >= num_heads * head_size");
+  VPAGE_CHECK(a.sliding_window >= 0, op << ": sliding_window must be >= 0 (0: none), got " << a.sliding_window);
+  VPAGE_CHECK(a.logits_soft_cap >= 0.0f && std::isfinite(a.logits_soft_cap),
+              op << ": logits_soft_cap must be finite and >= 0 (0: none), got " << a.logits_soft_cap);
   if (a.num_seqs == 0) return 0;
   VPAGE_CHECK(a.out && a.query && a.key_cache && a.value_cache && a.block_tables && a.context_lens,
               op << ": null data pointer");
@@ -59,20 +74,22 @@ int32_t validate(const PagedAttentionArgs& a, int num_threads) {
                    << ")");
     VPAGE_CHECK(len <= a.max_context_len, op << ": context length " << len << " exceeds max_context_len "
                                              << a.max_context_len << " (sequence " << s << ")");
+    const int32_t queries = num_queries(a, s);
     if (a.query_start_loc != nullptr) {
-      const int32_t queries = a.query_start_loc[s + 1] - a.query_start_loc[s];
       VPAGE_CHECK(queries >= 0, op << ": query_start_loc must be non-decreasing (sequence " << s << ")");
       VPAGE_CHECK(queries <= len, op << ": more query tokens (" << queries << ") than context length (" << len
                                      << ") (sequence " << s << ")");
     }
+    // The blocks read: from the earliest query's window to the context end (none without queries).
     const int32_t* table = a.block_tables + static_cast<int64_t>(s) * a.max_blocks_per_seq;
-    const int32_t used = (len + c.block_size - 1) / c.block_size;
-    for (int32_t b = 0; b < used; ++b) {
+    const int32_t used = queries > 0 ? (len + c.block_size - 1) / c.block_size : 0;
+    const int32_t first = used > 0 ? first_read_token(a, len, queries) / c.block_size : 0;
+    for (int32_t b = first; b < used; ++b) {
       VPAGE_CHECK(table[b] >= 0 && table[b] < c.num_blocks,
                   op << ": block id " << table[b] << " out of range [0, " << c.num_blocks << ") (sequence " << s
                      << "), logical block " << b);
     }
-    longest = std::max(longest, len);
+    if (a.query_start_loc == nullptr) longest = std::max(longest, len - first_read_token(a, len, 1));
   }
   return longest;
 }
@@ -114,7 +131,9 @@ void reduce_partitions(const PagedAttentionArgs& a, const std::vector<float>& pa
       static_cast<int64_t>(a.num_seqs) * a.num_heads, num_threads, [&](int64_t item, int) {
         const int64_t s = item / a.num_heads;
         const int64_t head = item % a.num_heads;
-        const int32_t used = std::max(1, (a.context_lens[s] + partition_tokens - 1) / partition_tokens);
+        const int32_t len = a.context_lens[s];
+        const int32_t read = len - first_read_token(a, len, 1);
+        const int32_t used = std::max(1, (read + partition_tokens - 1) / partition_tokens);
         const float* first = partial.data() + (s * partitions * a.num_heads + head) * stride;
         const int64_t step = a.num_heads * stride;
         float global_max = -INFINITY;
@@ -163,6 +182,10 @@ void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num
                                       });
 }
 
+// Decode: the query of a sequence of `len` tokens reads tokens [begin, len), begin the start of
+// its window's first block; that span is cut into partitions of partition_tokens tokens
+// (a multiple of block_size) when there are too few tasks for the threads. `longest` is the
+// longest span.
 void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
   const int32_t per_task = heads_per_task(a);
   const int64_t base_tasks = static_cast<int64_t>(a.num_seqs) * (a.num_heads / per_task);
@@ -184,7 +207,8 @@ void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
   std::vector<AttentionTask> tasks;
   for (int32_t s = 0; s < a.num_seqs; ++s) {
     const int32_t len = a.context_lens[s];
-    const int32_t used = partitions == 1 ? 1 : std::max(1, (len + partition_tokens - 1) / partition_tokens);
+    const int32_t begin = first_read_token(a, len, 1);
+    const int32_t used = partitions == 1 ? 1 : std::max(1, (len - begin + partition_tokens - 1) / partition_tokens);
     for_each_head_part(a, per_task, [&](int32_t kv, int32_t first_head, int32_t heads) {
       for (int32_t p = 0; p < used; ++p) {
         AttentionTask t;
@@ -195,8 +219,8 @@ void decode(const PagedAttentionArgs& a, int32_t longest, int num_threads) {
         t.first_query = s;
         t.num_queries = 1;
         t.first_visible_end = len;
-        t.ctx_begin = std::min(len, p * partition_tokens);
-        t.ctx_end = partitions == 1 ? len : std::min(len, (p + 1) * partition_tokens);
+        t.ctx_begin = std::min(len, begin + p * partition_tokens);
+        t.ctx_end = partitions == 1 ? len : std::min(len, begin + (p + 1) * partition_tokens);
         if (partitions > 1) {
           t.partial = partial.data() +
                       ((static_cast<int64_t>(s) * partitions + p) * a.num_heads + first_head) * (2 + a.cache.head_size);
@@ -235,7 +259,8 @@ void prefill(const PagedAttentionArgs& a, int num_threads) {
         t.first_query = begin + q;
         t.num_queries = std::min(queries_per_task, queries - q);
         t.first_visible_end = len - queries + q + 1;
-        t.ctx_begin = 0;
+        // Key blocks wholly before the window of the tile's first query are skipped.
+        t.ctx_begin = first_read_token(a, len - queries + q + 1, 1);
         t.ctx_end = t.first_visible_end + t.num_queries - 1;
         (queries == 1 ? single_query_tasks : tasks).push_back(t);
       }

@@ -77,6 +77,13 @@ inline Vec add(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec abs(Vec a) { return {_mm512_abs_ps(a.v)}; }
+// |magnitude| with the sign bit of `sign`.
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  const __m512 bit = _mm512_set1_ps(-0.0f);
+  return {_mm512_or_ps(_mm512_andnot_ps(bit, magnitude.v), _mm512_and_ps(bit, sign.v))};
+}
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 // Sums of adjacent lane pairs of the concatenation [a, b]: {a0+a1, a2+a3, ..., b14+b15}.
@@ -132,6 +139,13 @@ inline Vec add(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline Vec mul(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
 inline Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec div(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec abs(Vec a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
+// |magnitude| with the sign bit of `sign`.
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  const __m256 bit = _mm256_set1_ps(-0.0f);
+  return {_mm256_or_ps(_mm256_andnot_ps(bit, magnitude.v), _mm256_and_ps(bit, sign.v))};
+}
 inline float reduce_add(Vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -214,6 +228,19 @@ inline Vec fma(Vec a, Vec b, Vec c) {
   for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
   return c;
 }
+inline Vec div(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] /= b.v[i];
+  return a;
+}
+inline Vec abs(Vec a) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] = fabsf(a.v[i]);
+  return a;
+}
+// |magnitude| with the sign bit of `sign`.
+inline Vec copy_sign(Vec magnitude, Vec sign) {
+  for (int i = 0; i < kLanes; ++i) magnitude.v[i] = copysignf(magnitude.v[i], sign.v[i]);
+  return magnitude;
+}
 inline float reduce_add(Vec a) {
   float s = 0.0f;
   for (int i = 0; i < kLanes; ++i) s += a.v[i];
@@ -239,6 +266,16 @@ inline Vec exp_nonpositive(Vec x) {
 }
 
 #endif
+
+/// cap * tanh(x / cap) (attention logit soft-capping, cap > 0), by exp_nonpositive:
+/// tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|), then the sign of x. Absolute error
+/// about cap * 1e-7; -inf maps to -cap, so masks go on after the cap.
+inline Vec soft_cap(Vec x, float cap) {
+  const Vec e = exp_nonpositive(mul(abs(x), set1(-2.0f / cap)));
+  const Vec one = set1(1.0f);
+  const Vec t = div(add(one, mul(e, set1(-1.0f))), add(one, e));
+  return mul(copy_sign(t, x), set1(cap));
+}
 
 /// Lane i = p[i * stride] (fp32; a strided column, e.g. for transposes).
 inline Vec load_strided(const float* p, int stride) {

@@ -60,6 +60,40 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"), py::arg("num_threads"),
       "out [num_tokens, d] = silu(x[:, :d]) * x[:, d:] for contiguous x [num_tokens, 2 d].");
   m.def(
+      "_cpu_gelu_tanh_and_mul",
+      [](uintptr_t out, uintptr_t x, int64_t num_tokens, int32_t d, int32_t dtype, int num_threads) {
+        GeluTanhAndMulArgs args;
+        args.out = ptr<void>(out);
+        args.x = ptr<const void>(x);
+        args.num_tokens = num_tokens;
+        args.d = d;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::gelu_tanh_and_mul(args, num_threads);
+      },
+      py::arg("out"), py::arg("x"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"), py::arg("num_threads"),
+      "out [num_tokens, d] = gelu_tanh(x[:, :d]) * x[:, d:] for contiguous x [num_tokens, 2 d].");
+  m.def(
+      "_cpu_rms_norm_heads",
+      [](uintptr_t x, int64_t row_stride, uintptr_t weight, int64_t num_tokens, int32_t num_heads, int32_t head_size,
+         float eps, int32_t dtype, int num_threads) {
+        RmsNormHeadsArgs args;
+        args.x = ptr<void>(x);
+        args.row_stride = row_stride;
+        args.weight = ptr<const void>(weight);
+        args.num_tokens = num_tokens;
+        args.num_heads = num_heads;
+        args.head_size = head_size;
+        args.eps = eps;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::rms_norm_heads(args, num_threads);
+      },
+      py::arg("x"), py::arg("row_stride"), py::arg("weight"), py::arg("num_tokens"), py::arg("num_heads"),
+      py::arg("head_size"), py::arg("eps"), py::arg("dtype"), py::arg("num_threads"),
+      "In place: each of the first num_heads heads of every row of x (rows row_stride apart) becomes\n"
+      "rms_norm(head) * weight, weight [head_size].");
+  m.def(
       "_cpu_logsumexp_argmax",
       [](uintptr_t logits, int64_t num_rows, int64_t vocab, int64_t row_stride, uintptr_t log_norm,
          uintptr_t argmax, uintptr_t want_log_norm, int num_threads) {
@@ -82,7 +116,8 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "_cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,
-         int64_t num_tokens, int32_t num_heads, int32_t head_size, int32_t dtype, int num_threads) {
+         int64_t num_tokens, int32_t num_heads, int32_t head_size, int32_t dtype, int num_threads,
+         int32_t rotary_dim) {
         RotaryArgs args;
         args.x = ptr<void>(x);
         args.row_stride = row_stride;
@@ -92,14 +127,17 @@ void bind_cpu_kernels(py::module_& m) {
         args.num_tokens = num_tokens;
         args.num_heads = num_heads;
         args.head_size = head_size;
+        args.rotary_dim = rotary_dim;
         args.dtype = static_cast<DType>(dtype);
         py::gil_scoped_release release;
         cpu::rotary_embedding(args, num_threads);
       },
       py::arg("x"), py::arg("row_stride"), py::arg("positions"), py::arg("cos_sin"), py::arg("max_position"),
       py::arg("num_tokens"), py::arg("num_heads"), py::arg("head_size"), py::arg("dtype"), py::arg("num_threads"),
-      "Rotates the first num_heads heads of each row of x in place (rotate-half convention), with\n"
-      "cos/sin rows of the float32 cos_sin table [max_position, head_size] at int64 positions.");
+      py::arg("rotary_dim") = 0,
+      "Rotates the first rotary_dim (0: head_size) elements of the first num_heads heads of each row\n"
+      "of x in place (rotate-half convention), with cos/sin rows of the float32 cos_sin table\n"
+      "[max_position, rotary_dim] at int64 positions.");
 
   m.def(
       "_cpu_reshape_and_cache",
@@ -135,7 +173,7 @@ void bind_cpu_kernels(py::module_& m) {
          uintptr_t context_lens, uintptr_t query_start_loc, int32_t num_seqs, int64_t num_query_tokens,
          int32_t num_heads, int32_t max_blocks_per_seq, int32_t max_context_len, int64_t query_stride, float scale,
          int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size, int32_t dtype,
-         int32_t cache_dtype, int num_threads) {
+         int32_t cache_dtype, int num_threads, int32_t sliding_window, float logits_soft_cap) {
         PagedAttentionArgs args;
         args.out = ptr<void>(out);
         args.query = ptr<const void>(query);
@@ -153,6 +191,8 @@ void bind_cpu_kernels(py::module_& m) {
         args.scale = scale;
         args.dtype = static_cast<DType>(dtype);
         args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, cache_dtype);
+        args.sliding_window = sliding_window;
+        args.logits_soft_cap = logits_soft_cap;
         py::gil_scoped_release release;
         cpu::paged_attention(args, num_threads);
       },
@@ -161,10 +201,13 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("num_heads"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("query_stride"),
       py::arg("scale"), py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"),
       py::arg("block_size"), py::arg("dtype"), py::arg("cache_dtype"), py::arg("num_threads"),
+      py::arg("sliding_window") = 0, py::arg("logits_soft_cap") = 0.0f,
       "Paged attention into out [num_query_tokens, num_heads, head_size] (contiguous; dtype: of query\n"
       "and out, cache_dtype: of the caches). query_start_loc\n"
       "= 0 means decode (one query per sequence); else int32 [num_seqs + 1] for causal prefill.\n"
-      "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].");
+      "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].\n"
+      "sliding_window > 0: a query at position p sees keys (p - sliding_window, p] (blocks wholly\n"
+      "before the window are not read); logits_soft_cap > 0: scores s -> cap * tanh(s / cap). 0: off.");
 
   m.def(
       "_cpu_copy_blocks",

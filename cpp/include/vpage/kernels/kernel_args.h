@@ -54,6 +54,9 @@ struct ReshapeAndCacheArgs {
 /// tokens of sequence s are rows [query_start_loc[s], query_start_loc[s+1]) and are the
 /// *last* tokens of its context (causal: query j of a sequence of q tokens and context
 /// length L sees positions [0, L - q + j]). Their K/V are already in the cache.
+/// With a sliding window W, a query at position p sees only positions (p - W, p]; the blocks
+/// that lie wholly before the window of a sequence's earliest query are never read, and their
+/// block-table entries may hold anything (e.g. -1 once the block manager freed them).
 struct PagedAttentionArgs {
   void* out = nullptr;                      // [num_query_tokens, num_heads, head_size], contiguous
   const void* query = nullptr;              // [num_query_tokens, num_heads, head_size], row stride query_stride
@@ -71,7 +74,22 @@ struct PagedAttentionArgs {
   float scale = 1.0f;                       // softmax scale, usually 1/sqrt(head_size)
   DType dtype = DType::kFloat32;            // of query and out (kv_dtypes_supported with cache.dtype)
   CacheShape cache;
+  /// > 0: a query at position p attends keys at positions j with p - sliding_window < j <= p
+  /// (sliding_window keys including itself); 0: no window.
+  int32_t sliding_window = 0;
+  /// > 0: each score s = scale * (q . k) becomes logits_soft_cap * tanh(s / logits_soft_cap)
+  /// before the softmax (attention logit soft-capping); 0: none.
+  float logits_soft_cap = 0.0f;
 };
+
+/// First logical block paged attention reads for a sequence whose earliest query is at
+/// position `first_query_pos`: the block holding that query's first windowed key (0 without
+/// a window). Blocks before it lie wholly outside every query's window.
+inline int32_t window_first_block(int32_t sliding_window, int32_t block_size, int32_t first_query_pos) {
+  if (sliding_window <= 0) return 0;
+  const int32_t first_key = first_query_pos - sliding_window + 1;
+  return first_key > 0 ? first_key / block_size : 0;
+}
 
 /// copy_blocks: for every layer, copies whole blocks src -> dst in both caches.
 struct CopyBlocksArgs {

@@ -48,7 +48,9 @@ cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspa
                                    AttentionVersion version = AttentionVersion::kAuto);
 
 /// Prefill / chunked-prefill attention (args.query_start_loc != nullptr): query row j of a
-/// sequence with q query tokens and context L attends causally to positions [0, L - q + j].
+/// sequence with q query tokens and context L attends causally to positions [0, L - q + j]
+/// (with args.sliding_window W only the last W of them; blocks before every query's window
+/// are never read).
 /// Same workspace and shape rules as paged_attention_decode; see AttentionVersion for the
 /// kernel choice. Launches on `stream`, which must belong to the current device.
 cudaError_t paged_prefill_attention(const PagedAttentionArgs& args, void* workspace,

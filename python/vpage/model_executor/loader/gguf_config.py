@@ -17,7 +17,7 @@ class GgufMetadata:
 
     def __init__(self, reader: Any, arch: str):
         self.reader, self.arch = reader, arch
-        self._tensor_names = {t.name for t in reader.tensors}
+        self._tensors = {t.name: t for t in reader.tensors}
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         return self.get_global(f"{self.arch}.{key}", default)
@@ -31,7 +31,15 @@ class GgufMetadata:
         return field.contents()
 
     def has_tensor(self, name: str) -> bool:
-        return name in self._tensor_names
+        return name in self._tensors
+
+    def tensor_values(self, name: str) -> list[float]:
+        from gguf.quants import dequantize
+
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise ValueError(f"GGUF file lacks tensor {name}")
+        return [float(v) for v in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
 
 
 def hf_config_from_gguf(reader: Any, path: Path) -> Any:
@@ -48,5 +56,10 @@ def hf_config_from_gguf(reader: Any, path: Path) -> Any:
         kwargs = model_class.arch.gguf.config_fields(GgufMetadata(reader, name))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from e
+    # freq_factors is vpage's key (GGUF rope_freqs): set after transformers validated the others.
+    freq_factors = (kwargs.get("rope_scaling") or {}).pop("freq_factors", None)
     config_class = getattr(transformers, model_class.arch.gguf.config_class)
-    return config_class(architectures=[model_class.arch.architectures[0]], **kwargs)
+    config = config_class(architectures=[model_class.arch.architectures[0]], **kwargs)
+    if freq_factors is not None:
+        config.rope_parameters["freq_factors"] = freq_factors
+    return config

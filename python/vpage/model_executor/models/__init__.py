@@ -11,10 +11,11 @@ from typing import Any
 from vpage.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vpage.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vpage.model_executor.models.llama import LlamaForCausalLM
+from vpage.model_executor.models.phi3 import Phi3ForCausalLM
 from vpage.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vpage.model_executor.models.qwen3 import Qwen3ForCausalLM
 
-_MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+_MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
                                                Gemma2ForCausalLM, Gemma3ForCausalLM)
 
 _BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}

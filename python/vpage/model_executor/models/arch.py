@@ -54,17 +54,57 @@ class GgufMetadata(Protocol):
     def has_tensor(self, name: str) -> bool:
         """Whether the file holds a tensor of that GGUF name."""
 
+    def tensor_values(self, name: str) -> list[float]:
+        """The values of a small tensor (rope factors) as floats."""
+
+
+_GGUF_ROPE_TYPES = ("none", "linear", "yarn", "longrope")
+
+
+def _gguf_yarn(meta: GgufMetadata) -> dict:
+    """YaRN as Hugging Face states it. llama.cpp multiplies a stored attention or
+    extrapolation factor into its own YaRN terms, which Hugging Face's parameters cannot
+    express: such files are refused."""
+    for key in ("rope.scaling.yarn_attn_factor", "rope.scaling.yarn_ext_factor", "rope.scaling.attn_factor"):
+        if meta.get(key, None) is not None:
+            raise ValueError(f"GGUF YaRN rope with {key} is not supported")
+    scaling = {"rope_type": "yarn", "factor": float(meta.get("rope.scaling.factor")),
+               "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length"))}
+    for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+        if (value := meta.get(key, None)) is not None:
+            scaling[name] = float(value)
+    return scaling
+
 
 def _gguf_rope_scaling(meta: GgufMetadata) -> dict | None:
-    """The rope scaling of the metadata; ValueError for kinds vpage does not implement."""
-    if meta.has_tensor("rope_freqs.weight"):
-        raise ValueError("GGUF per-frequency rope factors (rope_freqs) are not supported")
+    """The rope scaling of the metadata (Hugging Face's ``rope_parameters`` keys, plus
+    ``freq_factors`` for llama.cpp's ``rope_freqs`` per-frequency divisors); ValueError for
+    kinds vpage does not implement.
+
+    Long/short factor tensors (Phi-3's converter writes them without a scaling type) are
+    longrope; ``rope_freqs`` (Llama 3.1+: the converter's llama3 scaling baked into one factor
+    per frequency) divides the frequencies of a default or linear rope."""
     kind = meta.get("rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind != "linear":
-        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: linear)")
-    return {"rope_type": "linear", "factor": float(meta.get("rope.scaling.factor"))}
+    if kind not in _GGUF_ROPE_TYPES:
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (supported: {', '.join(_GGUF_ROPE_TYPES)})")
+    scaling = None
+    if meta.has_tensor("rope_factors_long.weight") or meta.has_tensor("rope_factors_short.weight"):
+        scaling = {"rope_type": "longrope", "long_factor": meta.tensor_values("rope_factors_long.weight"),
+                   "short_factor": meta.tensor_values("rope_factors_short.weight"),
+                   "original_max_position_embeddings": int(meta.get("rope.scaling.original_context_length"))}
+        if (attention := meta.get("rope.scaling.attn_factor", None)) is not None:
+            scaling["attention_factor"] = float(attention)
+    elif kind == "longrope":
+        raise ValueError("GGUF longrope scaling without rope_factors_long/rope_factors_short tensors")
+    elif kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta.get("rope.scaling.factor"))}
+    elif kind == "yarn":
+        scaling = _gguf_yarn(meta)
+    if meta.has_tensor("rope_freqs.weight"):
+        if scaling is not None and scaling["rope_type"] != "linear":
+            raise ValueError(f"GGUF rope_freqs with {scaling['rope_type']} scaling is not supported")
+        scaling = {**(scaling or {"rope_type": "default"}), "freq_factors": meta.tensor_values("rope_freqs.weight")}
+    return scaling
 
 
 def llama_gguf_config(meta: GgufMetadata) -> dict[str, Any]:

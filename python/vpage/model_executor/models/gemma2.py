@@ -18,7 +18,6 @@ from torch import nn
 
 from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
-from vpage.model_executor.layer_types import sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.rms_norm import RMSNorm
@@ -27,7 +26,7 @@ from vpage.model_executor.layers.weight_utils import ShardId, copy_checked, floa
 from vpage.model_executor.models.arch import ModelArch
 from vpage.model_executor.models.gemma_gguf import GEMMA2_GGUF
 from vpage.model_executor.models.llama import (DecoderParts, KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP,
-                                               _check_caches, head_size_of, rope_settings)
+                                               _check_caches, head_size_of, layer_sliding_window, rope_settings)
 
 # transformers' names of the tanh approximation of GELU (they differ only in rounding).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast")
@@ -88,7 +87,7 @@ class GemmaAttention(LlamaAttention):
         super().__init__(hf_config, dtype, quant, prefix, layer_index)
         scale = float(hf_config.query_pre_attn_scalar) ** -0.5
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, scale, layer_index,
-                                   sliding_window=sliding_windows(hf_config)[layer_index],
+                                   sliding_window=layer_sliding_window(hf_config, layer_index),
                                    logits_soft_cap=self.logits_soft_cap(hf_config))
 
     @staticmethod

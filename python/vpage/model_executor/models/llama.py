@@ -16,13 +16,13 @@ from torch import nn
 
 from vpage import ops
 from vpage.model_executor.forward_batch import ForwardBatch
-from vpage.model_executor.layer_types import kernels_have_sliding_window, sliding_windows
+from vpage.model_executor.layer_types import sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.parallel_linear import OutputRows
 from vpage.model_executor.layers.quant_linear import QuantizedWeight
 from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.rms_norm import RMSNorm
-from vpage.model_executor.layers.rotary import RotaryEmbedding
+from vpage.model_executor.layers.rotary import RotaryEmbedding, rope_max_positions
 from vpage.model_executor.layers.weight_utils import shard_ids_of, weight_loader_of
 from vpage.model_executor.models.arch import GgufArch, ModelArch
 from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder
@@ -47,6 +47,18 @@ def rope_settings(hf_config: Any) -> tuple[float, dict | None]:
     if params:
         return float(params.get("rope_theta", 10000.0)), dict(params)
     return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+def layer_sliding_window(hf_config: Any, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index`` (``layer_types.sliding_windows``), or None
+    when it has none or one no shorter than the longest context (``max_position_embeddings``,
+    stretched by dynamic NTK or YaRN rope), which then masks nothing (tiny Mistral configs keep
+    transformers' default of 4096)."""
+    window = sliding_windows(hf_config)[layer_index]
+    max_position = getattr(hf_config, "max_position_embeddings", None)
+    if max_position:
+        max_position = rope_max_positions(int(max_position), rope_settings(hf_config)[1])
+    return None if window is None or (max_position and window >= max_position) else window
 
 
 def _check_caches(kv_caches: list[KVCache], num_layers: int) -> None:
@@ -84,11 +96,8 @@ class LlamaAttention(nn.Module):
                                             qkv_bias or attention_bias, dtype)
         self.o_proj = quant.row_linear(f"{prefix}.o_proj", hf_config.num_attention_heads * self.head_size,
                                        hf_config.hidden_size, attention_bias, dtype)
-        # The layer's sliding window (Mistral), once the kernels take one (until then the
-        # context is capped at it).
-        window = sliding_windows(hf_config)[layer_index] if kernels_have_sliding_window() else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5,
-                                   layer_index, sliding_window=window)
+                                   layer_index, sliding_window=layer_sliding_window(hf_config, layer_index))
 
     def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """x ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
@@ -317,9 +326,9 @@ class LlamaForCausalLM(nn.Module):
 
 def _is_plain_llama_layer(layer: nn.Module) -> bool:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    # (The C++ layer loop has no sliding window: a windowed layer runs in Python.)
     return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
             and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
             and set(layer._modules) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"} and attn.attn.sliding_window is None
+            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"}
+            and attn.attn.sliding_window is None and attn.attn.logits_soft_cap is None  # the C++ loop has neither
             and set(mlp._modules) == {"gate_up_proj", "down_proj"})

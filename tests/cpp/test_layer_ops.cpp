@@ -1,0 +1,183 @@
+// The layer ops the Gemma, Qwen3 and Phi-4-mini families add, against double: GELU(tanh)-and-
+// multiply, per-head RMSNorm on strided rows, partial rotary. Odd sizes (vector remainders),
+// 2 threads, NaN-poisoned outputs and columns that must stay untouched; bad sizes throw.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "vpage/common.h"
+#include "vpage/kernels/layer_ops.h"
+#include "vpage/kernels/rotary.h"
+
+using namespace vpage_test;
+
+namespace {
+
+std::vector<float> random_values(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-scale, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("gelu_tanh_and_mul against double") {
+  const int64_t tokens = 11;
+  for (const int32_t d : {1, 7, 33, 4099}) {
+    const std::vector<float> gate_up = random_values(tokens * 2 * d, 6.0f, d);
+    std::vector<float> out(tokens * d, NAN);
+    vpage::GeluTanhAndMulArgs a;
+    a.out = out.data();
+    a.x = gate_up.data();
+    a.num_tokens = tokens;
+    a.d = d;
+    vpage::cpu::gelu_tanh_and_mul(a, 2);
+    double worst = 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int32_t i = 0; i < d; ++i) {
+        const double g = gate_up[t * 2 * d + i], u = gate_up[t * 2 * d + d + i];
+        // 0.5 g (1 + tanh(z / 2)) = g / (1 + exp(-z)), without double's own cancellation
+        const double z = 2.0 * std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g);
+        const double ref = g / (1.0 + std::exp(-z)) * u;
+        const double bound = (2e-6 + 2e-7 * std::fabs(z)) * std::fabs(ref) + 1e-30;
+        worst = std::max(worst, std::fabs(out[t * d + i] - ref) / bound);
+      }
+    }
+    EXPECT_MSG(worst <= 1.0, "gelu_tanh_and_mul vs double, d " + std::to_string(d) + ": " + std::to_string(worst) +
+                                 " of the bound");
+  }
+}
+
+TEST_CASE("rms_norm_heads on strided rows: each head as rms_norm's row, the rest untouched") {
+  const int64_t tokens = 9;
+  for (const int32_t head_size : {64, 80, 128, 256}) {
+    const int32_t num_heads = 3, offset = 5, stride = offset + num_heads * head_size + 7;
+    std::vector<float> rows = random_values(tokens * stride, 3.0f, head_size);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int32_t i = offset + num_heads * head_size; i < stride; ++i) rows[t * stride + i] = NAN;
+    }
+    const std::vector<float> before = rows;
+    const std::vector<float> weight = random_values(head_size, 2.0f, 1);
+    vpage::RmsNormHeadsArgs a;
+    a.x = rows.data() + offset;
+    a.row_stride = stride;
+    a.weight = weight.data();
+    a.num_tokens = tokens;
+    a.num_heads = num_heads;
+    a.head_size = head_size;
+    a.eps = 1e-6f;
+    vpage::cpu::rms_norm_heads(a, 2);
+    bool same_as_rows = true, rest_untouched = true;
+    double worst = 0;
+    std::vector<float> row_out(head_size);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int32_t h = 0; h < num_heads; ++h) {
+        const float* head = before.data() + t * stride + offset + h * head_size;
+        vpage::RmsNormArgs r;
+        r.out = row_out.data();
+        r.x = head;
+        r.weight = weight.data();
+        r.num_tokens = 1;
+        r.hidden_size = head_size;
+        r.eps = 1e-6f;
+        vpage::cpu::rms_norm(r, 1);
+        double sum = 0;
+        for (int32_t i = 0; i < head_size; ++i) sum += static_cast<double>(head[i]) * head[i];
+        const double inv = 1.0 / std::sqrt(sum / head_size + 1e-6);
+        for (int32_t i = 0; i < head_size; ++i) {
+          const float got = rows[t * stride + offset + h * head_size + i];
+          same_as_rows = same_as_rows && got == row_out[i];
+          const double ref = head[i] * inv * weight[i];
+          worst = std::max(worst, std::fabs(got - ref) / (std::fabs(ref) + 1e-6));
+        }
+      }
+      for (int32_t i = 0; i < offset; ++i) {
+        rest_untouched = rest_untouched && rows[t * stride + i] == before[t * stride + i];
+      }
+      for (int32_t i = offset + num_heads * head_size; i < stride; ++i) {
+        rest_untouched = rest_untouched && std::isnan(rows[t * stride + i]);
+      }
+    }
+    const std::string where = ", head_size " + std::to_string(head_size);
+    EXPECT_MSG(same_as_rows, "rms_norm_heads differs from rms_norm on the head" + where);
+    EXPECT_MSG(rest_untouched, "rms_norm_heads wrote outside the heads" + where);
+    EXPECT_MSG(worst < 2e-6, "rms_norm_heads vs double" + where + ": " + std::to_string(worst));
+  }
+  vpage::RmsNormHeadsArgs bad;
+  std::vector<float> x(64);
+  bad.x = x.data();
+  bad.num_tokens = 2;
+  bad.num_heads = 2;
+  bad.head_size = 16;
+  bad.row_stride = 31;  // rows would overlap
+  EXPECT_THROWS_WITH(vpage::cpu::rms_norm_heads(bad, 1), vpage::CheckError, "rms_norm_heads: bad sizes");
+}
+
+TEST_CASE("rotary_embedding with rotary_dim < head_size rotates only the first dims") {
+  const int64_t tokens = 37, max_position = 64;
+  for (const int32_t head_size : {64, 96}) {
+    for (const int32_t rotary_dim : {16, 32}) {
+      const int32_t num_heads = 5, half = rotary_dim / 2, stride = num_heads * head_size + 3;
+      std::vector<float> cos_sin(max_position * rotary_dim);
+      for (int64_t p = 0; p < max_position; ++p) {
+        for (int32_t i = 0; i < half; ++i) {
+          const double angle = p * std::pow(10000.0, -2.0 * i / rotary_dim);
+          cos_sin[p * rotary_dim + i] = static_cast<float>(std::cos(angle));
+          cos_sin[p * rotary_dim + half + i] = static_cast<float>(std::sin(angle));
+        }
+      }
+      std::vector<int64_t> positions(tokens);
+      for (int64_t t = 0; t < tokens; ++t) positions[t] = (t * 7 + 3) % max_position;
+      std::vector<float> x = random_values(tokens * stride, 2.0f, rotary_dim + head_size);
+      const std::vector<float> before = x;
+      vpage::RotaryArgs a;
+      a.x = x.data();
+      a.row_stride = stride;
+      a.positions = positions.data();
+      a.cos_sin = cos_sin.data();
+      a.max_position = max_position;
+      a.num_tokens = tokens;
+      a.num_heads = num_heads;
+      a.head_size = head_size;
+      a.rotary_dim = rotary_dim;
+      vpage::cpu::rotary_embedding(a, 2);
+      bool exact = true, rest_untouched = true;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* c = cos_sin.data() + positions[t] * rotary_dim;
+        for (int32_t h = 0; h < num_heads; ++h) {
+          const int64_t head = t * stride + h * head_size;
+          for (int32_t i = 0; i < half; ++i) {
+            const float x1 = before[head + i], x2 = before[head + half + i];
+            // float32 with the roundings of torch's unfused x * cos - rotate_half(x) * sin
+            const float m1 = x1 * c[i], m2 = x2 * c[half + i], m3 = x2 * c[i], m4 = x1 * c[half + i];
+            exact = exact && x[head + i] == m1 - m2 && x[head + half + i] == m3 + m4;
+          }
+          for (int32_t i = rotary_dim; i < head_size; ++i) {
+            rest_untouched = rest_untouched && x[head + i] == before[head + i];
+          }
+        }
+        for (int32_t i = num_heads * head_size; i < stride; ++i) {
+          rest_untouched = rest_untouched && x[t * stride + i] == before[t * stride + i];
+        }
+      }
+      const std::string where = " (head_size " + std::to_string(head_size) + ", rotary_dim " +
+                                std::to_string(rotary_dim) + ")";
+      EXPECT_MSG(exact, "partial rotary differs from the float32 formula" + where);
+      EXPECT_MSG(rest_untouched, "partial rotary wrote past rotary_dim" + where);
+    }
+  }
+  vpage::RotaryArgs bad;
+  bad.head_size = 64;
+  bad.rotary_dim = 66;
+  EXPECT_THROWS_WITH(vpage::cpu::rotary_embedding(bad, 1), vpage::CheckError, "rotary_dim 66");
+  bad.rotary_dim = 15;
+  EXPECT_THROWS_WITH(vpage::cpu::rotary_embedding(bad, 1), vpage::CheckError, "rotary_dim 15");
+}
+
+TEST_MAIN()
