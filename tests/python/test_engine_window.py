@@ -3,10 +3,10 @@ block manager frees the blocks before each sequence's window, the context is no 
 at the window, and greedy generation past the window equals transformers' (which masks the
 same window), under chunked prefill, prefix caching, parallel samples and preemption.
 
-With the attention kernels' window (``sliding_window`` in ``vpage.ops.paged_attention``) the
-real kernels run; the same checks also run with a float64 windowed reference attention put in
-their place, which fails on any read of a freed (-1) block-table entry, so the freeing is
-checked end to end on any build."""
+The checks run on the attention kernels (when they have the window: ``sliding_window`` in
+``vpage.ops.paged_attention``), and again with a float64 windowed reference attention put in
+their place, which fails on any read of a freed (-1) block-table entry (the kernels do not
+check those)."""
 
 from __future__ import annotations
 

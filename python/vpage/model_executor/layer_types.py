@@ -31,13 +31,3 @@ def uniform_sliding_window(hf_config: Any) -> Optional[int]:
     windows = set(sliding_windows(hf_config))
     return windows.pop() if len(windows) == 1 else None
 
-
-def kernels_have_sliding_window() -> bool:
-    """Whether the attention kernels take a sliding window (``vpage.ops.paged_attention``'s
-    ``sliding_window``). Until they do, a windowed model runs with its context capped at the
-    window, where attending to every earlier key is the same, and keeps all its KV blocks."""
-    import inspect
-
-    from vpage import ops
-
-    return "sliding_window" in inspect.signature(ops.paged_attention).parameters

@@ -16,7 +16,6 @@ from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
 from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf, open_gguf
-from vpage.model_executor.layer_types import kernels_have_sliding_window, sliding_windows
 from vpage.model_executor.layers.quantization import GgufQuantConfig, QuantConfig
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
 from vpage.model_executor.models import architecture_of, get_model_class
@@ -113,13 +112,10 @@ def _resolve_dtype(dtype: str, hf_config: Any, source: _Source, device: torch.de
 
 
 def _max_model_len(hf_config: Any) -> int:
-    """``max_position_embeddings`` (stretched by dynamic NTK or YaRN rope scaling); capped at the
-    smallest sliding window only while the attention kernels have no window."""
-    max_len = rope_max_positions(int(getattr(hf_config, "max_position_embeddings", 2048)), rope_settings(hf_config)[1])
-    windows = [w for w in sliding_windows(hf_config) if w]
-    if windows and not kernels_have_sliding_window():
-        max_len = min(max_len, min(windows))
-    return max_len
+    """``max_position_embeddings`` (stretched by dynamic NTK or YaRN rope scaling); a sliding
+    window does not cap it (the kernels apply the window, the block manager frees the blocks
+    before it)."""
+    return rope_max_positions(int(getattr(hf_config, "max_position_embeddings", 2048)), rope_settings(hf_config)[1])
 
 
 def _as_list(value: Any) -> list[int]:
