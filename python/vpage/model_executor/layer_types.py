@@ -30,4 +30,3 @@ def uniform_sliding_window(hf_config: Any) -> Optional[int]:
     that fall out of it), else None (no window, or windowed and global layers mixed)."""
     windows = set(sliding_windows(hf_config))
     return windows.pop() if len(windows) == 1 else None
-
