@@ -7,19 +7,41 @@
 
 namespace vpage {
 
-BlockManager::BlockManager(const BlockManagerConfig& config)
+BlockManager::BlockManager(const BlockManagerConfig& config, int32_t max_step_tokens)
     : config_(config),
       gpu_(Device::kGpu, config.num_gpu_blocks, config.enable_prefix_caching, std::max(config.block_size, 1)),
       cpu_(Device::kCpu, config.num_cpu_blocks, false),
-      hasher_(config.collide_prefix_hashes_for_testing) {
+      hasher_(config.collide_prefix_hashes_for_testing),
+      max_step_tokens_(max_step_tokens) {
   VPAGE_CHECK(config.block_size > 0, "block_size must be > 0, got " << config.block_size);
   VPAGE_CHECK(config.watermark >= 0.0 && config.watermark < 1.0,
               "watermark must be in [0, 1), got " << config.watermark);
+  VPAGE_CHECK(config.sliding_window >= 0, "sliding_window must be >= 0, got " << config.sliding_window);
+  VPAGE_CHECK(max_step_tokens > 0, "max_step_tokens must be > 0, got " << max_step_tokens);
   watermark_blocks_ = static_cast<int32_t>(std::ceil(config.watermark * config.num_gpu_blocks));
+  const int64_t span = int64_t{config.sliding_window} - 1 + max_step_tokens;
+  max_window_blocks_ = windowed() ? static_cast<int32_t>(std::min<int64_t>(
+                                        (span + config.block_size - 1) / config.block_size + 1, INT32_MAX))
+                                  : 0;
 }
 
 int32_t BlockManager::blocks_for(int32_t num_tokens) const {
   return (num_tokens + config_.block_size - 1) / config_.block_size;
+}
+
+int32_t BlockManager::blocks_needed(int32_t num_tokens, int32_t num_computed) const {
+  if (!windowed()) return blocks_for(num_tokens);
+  return blocks_for(static_cast<int32_t>(std::min<int64_t>(num_tokens, int64_t{num_computed} + max_step_tokens_)));
+}
+
+int32_t BlockManager::blocks_to_grow(const SequenceGroup& group) const {
+  int32_t n = 0;
+  for (const auto& s : group.seqs_) {
+    if (is_finished(s->status()) || waits_for_prefix(group, *s)) continue;
+    n += std::max(0, blocks_needed(*s) - static_cast<int32_t>(s->block_table_.size()));
+    if (group.identical_) break;  // the others share the first one's table
+  }
+  return n;
 }
 
 BlockHash BlockManager::hash_salt(const std::string& salt) const { return hasher_.hash_salt(salt); }
@@ -43,8 +65,8 @@ BlockContent BlockManager::content_of(const SequenceGroup& group, const Sequence
   return content;
 }
 
-int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bool acquire,
-                                   int32_t* num_hits_free) {
+int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bool acquire, int32_t skip) {
+  if (!acquire) hit_blocks_.clear();
   if (!gpu_.caching_enabled()) return 0;
   // The last token is always computed (its logits are needed).
   const int32_t cacheable = (seq.num_tokens() - 1) / config_.block_size;
@@ -56,11 +78,13 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
     if (b < 0) break;
     parent = gpu_.content_id(b);
     if (acquire) {
-      gpu_.acquire_cached(b);
-      seq.block_table_.push_back(b);
+      // A hit before the window is not held: only its content id is kept, for the chain.
+      const bool held = hits >= skip;
+      if (held) gpu_.acquire_cached(b);
+      seq.block_table_.push_back(held ? b : -1);
       seq.block_cids_.push_back(parent);
-    } else if (num_hits_free) {
-      *num_hits_free += gpu_.refcount(b) == 0;
+    } else {
+      hit_blocks_.push_back(b);
     }
     ++hits;
   }
@@ -71,7 +95,7 @@ BlockManager::AdmissionPlan BlockManager::plan_admission(SequenceGroup& group) {
   const int32_t bs = config_.block_size;
   AdmissionPlan plan;
   Sequence* leader = nullptr;
-  int32_t common = 0, min_len = 0, own_blocks = 0;
+  int32_t common = 0, min_len = 0, own_blocks = 0, window_blocks = 0;
   for (auto& s : group.seqs_) {
     if (is_finished(s->status())) continue;
     if (!leader) {
@@ -87,6 +111,7 @@ BlockManager::AdmissionPlan BlockManager::plan_admission(SequenceGroup& group) {
     min_len = std::min(min_len, s->num_tokens());
     plan.identical = plan.identical && a.size() == b.size() && k == s->num_tokens();
     own_blocks += blocks_for(s->num_tokens());
+    window_blocks += std::min(blocks_for(s->num_tokens()), max_window_blocks_);
   }
   VPAGE_CHECK(leader != nullptr, "group '" << group.request_id() << "' has no unfinished sequence");
   if (plan.identical) {
@@ -98,14 +123,45 @@ BlockManager::AdmissionPlan BlockManager::plan_admission(SequenceGroup& group) {
     const int32_t shared_blocks = plan.shared_len / bs;
     plan.num_total_blocks = own_blocks - (group.num_unfinished() - 1) * shared_blocks;
   }
-  plan.num_hits = match_prefix(group, *leader, false, &plan.num_hits_free);
+  const int32_t hits = match_prefix(group, *leader, false, 0);
+  if (!windowed()) {
+    plan.num_hits = hits;
+    for (BlockId b : hit_blocks_) plan.num_hits_free += gpu_.refcount(b) == 0;
+    plan.num_new_blocks = plan.num_total_blocks - hits;
+    return plan;
+  }
+  // With a window the first sequence holds the hits inside its window and the blocks of its
+  // next step. Diverged ones wait, holding nothing, while it computes their shared prefix;
+  // when the prefix cache holds that prefix they take its blocks inside their window at once.
+  const int32_t shared_blocks = plan.identical ? 0 : plan.shared_len / bs;
+  plan.num_skipped = first_window_block(hits * bs);
+  plan.prefix_pending = hits < shared_blocks;
+  if (!plan.prefix_pending) {
+    plan.shared_from = first_window_block(plan.shared_len);
+    plan.shared_to = shared_blocks;
+  }
+  const bool shares = plan.shared_from < plan.shared_to;
+  for (int32_t i = shares ? std::min(plan.shared_from, plan.num_skipped) : plan.num_skipped; i < hits; ++i) {
+    if (i < plan.num_skipped && !(i >= plan.shared_from && i < plan.shared_to)) continue;
+    ++plan.num_hits;
+    plan.num_hits_free += gpu_.refcount(hit_blocks_[i]) == 0;
+  }
+  plan.num_new_blocks = blocks_needed(leader->num_tokens(), hits * bs) - hits;
+  if (!plan.identical && !plan.prefix_pending) {
+    for (const auto& s : group.seqs_) {
+      if (is_finished(s->status()) || s.get() == leader) continue;
+      plan.num_new_blocks += blocks_needed(s->num_tokens(), plan.shared_len) - shared_blocks;
+    }
+  }
+  plan.num_total_blocks = std::min(plan.num_total_blocks, plan.identical ? max_window_blocks_ : window_blocks);
   return plan;
 }
 
 AllocStatus BlockManager::can_allocate(SequenceGroup& group) {
   const AdmissionPlan plan = plan_admission(group);
   if (plan.num_total_blocks > gpu_.num_blocks() - watermark_blocks_) return AllocStatus::kNever;
-  const int32_t needed = plan.num_total_blocks - plan.num_hits + plan.num_hits_free;
+  // Room for all the group will hold (less the hits it holds), and at least for what it takes now.
+  const int32_t needed = std::max(plan.num_total_blocks - plan.num_hits, plan.num_new_blocks) + plan.num_hits_free;
   if (gpu_.num_free() - needed < watermark_blocks_) return AllocStatus::kLater;
   return AllocStatus::kOk;
 }
@@ -113,27 +169,43 @@ AllocStatus BlockManager::can_allocate(SequenceGroup& group) {
 void BlockManager::allocate(SequenceGroup& group) {
   const int32_t bs = config_.block_size;
   const AdmissionPlan plan = plan_admission(group);
-  VPAGE_CHECK(gpu_.num_free() >= plan.num_total_blocks - plan.num_hits + plan.num_hits_free,
+  VPAGE_CHECK(gpu_.num_free() >= plan.num_new_blocks + plan.num_hits_free,
               "not enough free GPU blocks to allocate group '" << group.request_id() << "'");
-  const int32_t shared_blocks = blocks_for(plan.shared_len);
+  const bool window_share = windowed() && !plan.identical && !plan.prefix_pending;
+  // Hits first (blocks taken before any allocation can evict the cached ones).
   Sequence* leader = nullptr;
   for (auto& s : group.seqs_) {
     if (is_finished(s->status())) continue;
     VPAGE_CHECK(s->block_table_.empty(), "sequence " << s->seq_id() << " already has blocks");
     s->block_device_ = Device::kGpu;
-    auto& table = s->block_table_;
     if (!leader) {
       // The leader computes the shared blocks (after any prefix-cache hits) for everyone.
       leader = s.get();
-      const int32_t hits = match_prefix(group, *s, true, nullptr);
-      while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
-      s->num_computed_ = hits * bs;
-      continue;
+      s->num_computed_ = match_prefix(group, *s, true, plan.num_skipped) * bs;
+    } else if (window_share) {
+      // The cached blocks of the shared prefix inside this sequence's window.
+      s->block_table_.assign(static_cast<size_t>(plan.shared_from), -1);
+      for (int32_t i = plan.shared_from; i < plan.shared_to; ++i) {
+        gpu_.acquire_cached(hit_blocks_[i]);
+        s->block_table_.push_back(hit_blocks_[i]);
+      }
     }
-    table.assign(leader->block_table_.begin(), leader->block_table_.begin() + shared_blocks);
-    for (BlockId b : table) gpu_.incref(b);
-    while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) table.push_back(gpu_.allocate());
+  }
+  auto& leader_table = leader->block_table_;
+  while (static_cast<int32_t>(leader_table.size()) < blocks_needed(*leader)) leader_table.push_back(gpu_.allocate());
+  const size_t shared_blocks = std::min<size_t>(blocks_for(plan.shared_len), leader_table.size());
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status()) || s.get() == leader) continue;
+    if (windowed() && plan.prefix_pending) continue;  // waits_for_prefix() until the leader is there
+    auto& table = s->block_table_;
+    if (!window_share) {
+      table.assign(leader_table.begin(), leader_table.begin() + shared_blocks);
+      for (BlockId b : table) {
+        if (b >= 0) gpu_.incref(b);
+      }
+    }
     s->num_computed_ = plan.identical ? leader->num_computed_ : plan.shared_len;
+    while (static_cast<int32_t>(table.size()) < blocks_needed(*s)) table.push_back(gpu_.allocate());
     // The leader registers the shared blocks; their content ids are read back when needed.
     s->block_cids_.assign(static_cast<size_t>(s->num_computed_ / bs), kNoContent);
     std::copy(leader->block_cids_.begin(), leader->block_cids_.begin() +
@@ -148,29 +220,43 @@ bool BlockManager::can_append_slots(const SequenceGroup& group) const {
   const int32_t bs = config_.block_size;
   int32_t needed = 0;
   for (const auto& s : group.seqs_) {
-    if (is_finished(s->status())) continue;
+    if (is_finished(s->status()) || waits_for_prefix(group, *s)) continue;
     const int32_t have = static_cast<int32_t>(s->block_table_.size());
-    const int32_t want = blocks_for(s->num_tokens());
+    const int32_t want = blocks_needed(*s);
+    const int32_t last = (s->num_tokens() - 1) / bs;
     if (want > have) {
       needed += want - have;
-    } else if (!group.identical_ && gpu_.refcount(s->block_table_[(s->num_tokens() - 1) / bs]) > 1) {
+    } else if (!group.identical_ && last < have && gpu_.refcount(s->block_table_[last]) > 1) {
       ++needed;
     }
+    if (group.identical_) break;  // the others share the first one's table
   }
   return needed <= gpu_.num_free();
 }
 
 void BlockManager::append_slots(SequenceGroup& group, std::vector<BlockPair>& copies) {
   const int32_t bs = config_.block_size;
+  const Sequence* first = nullptr;
   for (auto& s : group.seqs_) {
-    if (is_finished(s->status())) continue;
+    if (is_finished(s->status()) || waits_for_prefix(group, *s)) continue;
     VPAGE_CHECK(s->block_device_ == Device::kGpu, "append_slots on a swapped sequence");
     auto& table = s->block_table_;
-    while (static_cast<int32_t>(table.size()) < blocks_for(s->num_tokens())) {
-      table.push_back(gpu_.allocate());
+    if (group.identical_ && first) {
+      // One prompt computed once for all: the others' tables follow the first one's.
+      while (table.size() < first->block_table_.size()) {
+        const BlockId b = first->block_table_[table.size()];
+        gpu_.incref(b);
+        table.push_back(b);
+      }
+      continue;
     }
+    first = s.get();
+    while (static_cast<int32_t>(table.size()) < blocks_needed(*s)) table.push_back(gpu_.allocate());
     if (group.identical_) continue;
-    BlockId& last = table[(s->num_tokens() - 1) / bs];
+    // The block the last token goes to; a windowed prefill may not have reached it yet.
+    const size_t index = static_cast<size_t>((s->num_tokens() - 1) / bs);
+    if (index >= table.size()) continue;
+    BlockId& last = table[index];
     if (gpu_.refcount(last) > 1) {
       const BlockId copy = gpu_.allocate();
       copies.emplace_back(last, copy);
@@ -183,7 +269,9 @@ void BlockManager::append_slots(SequenceGroup& group, std::vector<BlockPair>& co
 void BlockManager::fork(const Sequence& parent, Sequence& child) {
   VPAGE_CHECK(child.block_table_.empty(), "fork target " << child.seq_id() << " already has blocks");
   BlockPool& p = pool(parent.block_device_);
-  for (BlockId b : parent.block_table_) p.incref(b);
+  for (BlockId b : parent.block_table_) {
+    if (b >= 0) p.incref(b);
+  }
   child.block_table_ = parent.block_table_;
   child.block_device_ = parent.block_device_;
   child.block_hashes_ = parent.block_hashes_;
@@ -193,15 +281,63 @@ void BlockManager::fork(const Sequence& parent, Sequence& child) {
 void BlockManager::free(Sequence& seq) {
   BlockPool& p = pool(seq.block_device_);
   // Tail first: of one sequence's cached blocks, the end of the chain is evicted first.
-  for (auto it = seq.block_table_.rbegin(); it != seq.block_table_.rend(); ++it) p.decref(*it);
+  for (auto it = seq.block_table_.rbegin(); it != seq.block_table_.rend(); ++it) {
+    if (*it >= 0) p.decref(*it);
+  }
   seq.block_table_.clear();
   seq.block_device_ = Device::kGpu;
+}
+
+void BlockManager::release_out_of_window(Sequence& seq) {
+  if (!windowed()) return;
+  auto& table = seq.block_table_;
+  BlockPool& p = pool(seq.block_device_);
+  // The entries before the window are -1 from the front: only the newly passed ones are visited,
+  // the latest first (as free() does).
+  const int32_t first = std::min(first_window_block(seq.num_computed_), static_cast<int32_t>(table.size()));
+  for (int32_t i = first - 1; i >= 0 && table[i] >= 0; --i) {
+    p.decref(table[i]);
+    table[i] = -1;
+  }
+}
+
+void BlockManager::share_computed_prefix(SequenceGroup& group) {
+  const int32_t bs = config_.block_size;
+  Sequence* leader = nullptr;
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status())) continue;
+    if (!leader) {
+      leader = s.get();
+      if (group.shared_len_ == 0 || leader->num_computed_ < group.shared_len_) return;
+      continue;
+    }
+    if (!waits_for_prefix(group, *s)) continue;
+    const int32_t shared_blocks = group.shared_len_ / bs;
+    const int32_t from = first_window_block(group.shared_len_);
+    BlockPool& p = pool(leader->block_device_);
+    auto& table = s->block_table_;
+    table.assign(static_cast<size_t>(from), -1);
+    for (int32_t i = from; i < shared_blocks; ++i) {
+      const BlockId b = leader->block_table_[i];
+      p.incref(b);
+      table.push_back(b);
+    }
+    s->block_device_ = leader->block_device_;
+    s->num_computed_ = group.shared_len_;
+    s->block_cids_.assign(static_cast<size_t>(shared_blocks), kNoContent);
+    std::copy(leader->block_cids_.begin(), leader->block_cids_.begin() +
+              std::min(leader->block_cids_.size(), s->block_cids_.size()), s->block_cids_.begin());
+  }
+  if (leader) group.shared_len_ = 0;
 }
 
 int32_t BlockManager::num_distinct_blocks(const SequenceGroup& group) const {
   std::vector<BlockId> blocks;
   for (const auto& s : group.seqs_) {
-    if (!is_finished(s->status())) blocks.insert(blocks.end(), s->block_table_.begin(), s->block_table_.end());
+    if (is_finished(s->status())) continue;
+    for (BlockId b : s->block_table_) {
+      if (b >= 0) blocks.push_back(b);
+    }
   }
   std::sort(blocks.begin(), blocks.end());
   return static_cast<int32_t>(std::unique(blocks.begin(), blocks.end()) - blocks.begin());
@@ -212,7 +348,8 @@ bool BlockManager::can_swap_out(const SequenceGroup& group) const {
 }
 
 AllocStatus BlockManager::can_swap_in(const SequenceGroup& group) const {
-  const int32_t needed = num_distinct_blocks(group) + group.num_unfinished();
+  int32_t needed = num_distinct_blocks(group) + group.num_unfinished();
+  if (windowed()) needed += blocks_to_grow(group);  // append_slots follows at once
   if (needed > gpu_.num_blocks() - watermark_blocks_) return AllocStatus::kNever;
   if (gpu_.num_free() - needed < watermark_blocks_) return AllocStatus::kLater;
   return AllocStatus::kOk;
@@ -227,6 +364,7 @@ void BlockManager::move_group(SequenceGroup& group, Device to, std::vector<Block
     if (is_finished(s->status())) continue;
     VPAGE_CHECK(s->block_device_ == from, "sequence " << s->seq_id() << " is not in the source pool");
     for (BlockId& b : s->block_table_) {
+      if (b < 0) continue;  // before the window: stays -1
       auto it = moved.find(b);
       if (it == moved.end()) {
         it = moved.emplace(b, dst.allocate()).first;
@@ -262,7 +400,10 @@ void BlockManager::register_computed_blocks(const SequenceGroup& group, Sequence
     uint64_t parent = kFirstBlock;
     if (i > 0) {
       // A shared block computed by another sequence of the group: its entry, if any.
-      if (cids[i - 1] == kNoContent) cids[i - 1] = gpu_.content_id(seq.block_table_[i - 1]);
+      // (None when that block has left the window already.)
+      if (cids[i - 1] == kNoContent && seq.block_table_[i - 1] >= 0) {
+        cids[i - 1] = gpu_.content_id(seq.block_table_[i - 1]);
+      }
       parent = cids[i - 1];
     }
     cids.push_back(gpu_.register_block(seq.block_table_[i], seq.block_hashes_[i], content_of(group, seq, i, parent)));
@@ -285,9 +426,17 @@ void BlockManager::check_invariants(const std::vector<const Sequence*>& seqs) co
     auto& refs = s->block_device_ == Device::kGpu ? gpu_refs : cpu_refs;
     VPAGE_CHECK(static_cast<int32_t>(s->block_table_.size()) >= blocks_for(s->num_computed_),
                 "sequence " << s->seq_id() << " has computed tokens without blocks");
-    for (BlockId b : s->block_table_) {
+    // With a window the entries before it are -1 (released) and only those.
+    const size_t first = static_cast<size_t>(first_window_block(s->num_computed_));
+    for (size_t i = 0; i < s->block_table_.size(); ++i) {
+      const BlockId b = s->block_table_[i];
+      if (i < first) {
+        VPAGE_CHECK(b == -1, "sequence " << s->seq_id() << " holds block " << b << " at " << i
+                                         << ", before its window (first block " << first << ")");
+        continue;
+      }
       VPAGE_CHECK(b >= 0 && b < static_cast<BlockId>(refs.size()),
-                  "sequence " << s->seq_id() << " holds out-of-range block " << b);
+                  "sequence " << s->seq_id() << " holds out-of-range block " << b << " at " << i);
       ++refs[b];
     }
   }

@@ -22,7 +22,9 @@ void insert_by_arrival(Queue& queue, SequenceGroup* group) {
 }  // namespace
 
 SchedulerImpl::SchedulerImpl(const SchedulerConfig& config, const BlockManagerConfig& block_config)
-    : config_(config), blocks_(block_config), plan_(std::make_shared<SchedulePlan>()) {
+    : config_(config),
+      blocks_(block_config, std::max(config.max_num_batched_tokens, 1)),  // a bad budget is reported below
+      plan_(std::make_shared<SchedulePlan>()) {
   VPAGE_CHECK(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0");
   VPAGE_CHECK(config.max_num_seqs > 0, "max_num_seqs must be > 0");
   VPAGE_CHECK(config.max_model_len > 0, "max_model_len must be > 0");
@@ -76,9 +78,13 @@ void SchedulerImpl::set_status(SequenceGroup& group, SequenceStatus status) {
 }
 
 void SchedulerImpl::finish_seq(SequenceGroup& group, Sequence& seq, SequenceStatus status) {
+  // Only the first unfinished sequence computes a shared prefix for the others.
+  const auto first = std::find_if(group.seqs_.begin(), group.seqs_.end(),
+                                  [](const auto& s) { return !is_finished(s->status_); });
+  const bool computes_shared = first != group.seqs_.end() && first->get() == &seq;
   blocks_.free(seq);
   seq.status_ = status;
-  if (group.shared_len_ == 0 || seq.num_computed_ >= group.shared_len_) return;
+  if (!computes_shared || group.shared_len_ == 0 || seq.num_computed_ >= group.shared_len_) return;
   // The sequence computing the shared blocks for the others ended before it was done: each
   // remaining one computes from where it left off (writing the same values into them).
   for (auto& s : group.seqs_) {
@@ -195,8 +201,9 @@ void SchedulerImpl::schedule_running(StepBudget& budget, StepBuilder& step, Sche
   for (size_t i = 0; i < running_.size(); ++i) {
     SequenceGroup& group = *running_[i];
     const bool decode = is_decode(group);
-    // Groups still computing one shared prompt hold all their blocks since admission.
-    if (group.identical_ || (decode && group.num_unfinished() > budget.tokens)) continue;
+    // Groups still computing one shared prompt hold all their blocks since admission (with a
+    // window, only those of their next step).
+    if ((group.identical_ && !blocks_.windowed()) || (decode && group.num_unfinished() > budget.tokens)) continue;
     bool preempted_self = false;
     while (!blocks_.can_append_slots(group)) {
       // The latest arrival not scheduled in this step gives its blocks up; else this group.
@@ -344,7 +351,8 @@ int64_t SchedulerImpl::num_kv_tokens() const {
   for (const SequenceGroup* g : running_) {
     for (const auto& s : g->seqs_) {
       if (is_finished(s->status_)) continue;
-      tokens += s->num_computed_;
+      // With a window, the tokens before its first held block are gone.
+      tokens += s->num_computed_ - blocks_.first_window_block(s->num_computed_) * blocks_.block_size();
       if (g->identical_) break;
     }
   }
@@ -396,6 +404,17 @@ CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_id
     Sequence& seq = *it->second.seq;
     seq.num_computed_ += n;
     blocks_.register_computed_blocks(*it->second.group, seq);
+  }
+  if (blocks_.windowed()) {
+    // Hand over shared prefixes first: they are released from the sequence that computed them.
+    for (const auto& [id, n] : pending_) {
+      const auto it = seqs_.find(id);
+      if (it != seqs_.end() && it->second.group->shared_len_ > 0) blocks_.share_computed_prefix(*it->second.group);
+    }
+    for (const auto& [id, n] : pending_) {
+      const auto it = seqs_.find(id);
+      if (it != seqs_.end() && !is_finished(it->second.seq->status_)) blocks_.release_out_of_window(*it->second.seq);
+    }
   }
   pending_.clear();
 

@@ -51,9 +51,10 @@ class BlockManagerConfig:
     watermark: float
     enable_prefix_caching: bool
     collide_prefix_hashes_for_testing: bool
+    sliding_window: int
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 0, num_cpu_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = True,
-                 collide_prefix_hashes_for_testing: bool = False) -> None: ...
+                 collide_prefix_hashes_for_testing: bool = False, sliding_window: int = 0) -> None: ...
 
 class SchedulerConfig:
     max_num_batched_tokens: int

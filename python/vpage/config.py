@@ -36,6 +36,9 @@ class CacheConfig:
     swap_space: float  # GiB of host memory for swapped-out blocks
     enable_prefix_caching: bool
     watermark: float = 0.01  # fraction of device blocks kept free when admitting prompts
+    # The window W every attention layer shares (None: keep every block): a sequence's blocks
+    # wholly before its next query's window are freed.
+    sliding_window: Optional[int] = None
 
 
 @dataclass(frozen=True)

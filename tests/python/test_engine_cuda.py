@@ -60,7 +60,7 @@ def _graph_host(rows: int, width: int) -> dict[str, np.ndarray]:
 
 def test_fill_padded_decode_pads_rows_to_the_scratch_block():
     host = _graph_host(16, 6)
-    tables = np.array([[3, 4], [5, 6], [7, 8]], np.int32)
+    tables = np.array([[-1, 4], [5, 6], [-1, 8]], np.int32)  # -1: freed before a sliding window
     fill_padded_decode(host, np.array([10, 11, 12]), np.array([20, 21, 22]), np.array([30, 31, -1]),
                        np.array([21, 22, 23], np.int32), tables, batch=4, scratch_block=9)
     assert host["input_ids"][:5].tolist() == [10, 11, 12, 0, 99]
@@ -93,7 +93,7 @@ def test_staging_buffer_reuses_and_grows_on_cpu():
 
 def test_step_inputs_on_cpu():
     plan = SimpleNamespace(input_ids=np.array([1, 2, 3]), positions=np.array([0, 1, 2]),
-                           slot_mapping=np.array([4, 5, 6]), block_tables=np.array([[1, 2], [3, 4]], np.int32),
+                           slot_mapping=np.array([4, 5, 6]), block_tables=np.array([[-1, 2], [3, 4]], np.int32),
                            context_lens=np.array([2, 1], np.int32), query_start_loc=np.array([0, 2, 3], np.int32),
                            sample_token_indices=np.array([1, 2]))
     staging = StepInputs(torch.device("cpu"), max_tokens=2, max_seqs=1, max_blocks=1, pin=False)

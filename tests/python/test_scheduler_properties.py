@@ -3,7 +3,9 @@ scheduler and block manager under tiny pools; the invariants hold after every op
 every block is free once every request has finished or been aborted, and a shadow of the KV
 cache (what each slot holds: the salt and the token prefix its key/value were computed from)
 shows that every row reads exactly its own tokens' K/V, with prefix caching on and with every
-block hash forced to collide."""
+block hash forced to collide. With a sliding window W, rows read only the keys of their window
+(p - W < j <= p), the blocks before it are freed (-1 in the tables), and no sequence holds more
+than ceil((W - 1 + budget) / block_size) + 1 blocks."""
 
 import numpy as np
 from hypothesis import HealthCheck, event, settings, strategies as st
@@ -14,7 +16,16 @@ from vpage import _core as core
 EOS = 0
 
 
-def check_plan(plan, config, block_size):
+def window_start(position, window):
+    """First key position a query at `position` reads (0 without a window)."""
+    return max(0, position - window + 1) if window else 0
+
+
+def max_window_blocks(window, config, block_size):
+    return -(-(window - 1 + config.max_num_batched_tokens) // block_size) + 1
+
+
+def check_plan(plan, config, block_size, window=0):
     assert plan.num_tokens <= config.max_num_batched_tokens
     qsl = plan.query_start_loc
     assert qsl[0] == 0 and qsl[-1] == plan.num_tokens and np.all(np.diff(qsl) >= 1)
@@ -27,6 +38,24 @@ def check_plan(plan, config, block_size):
             assert pos < plan.context_lens[row]
             block = tables[row, pos // block_size]
             assert plan.slot_mapping[t] == block * block_size + pos % block_size
+        # Blocks wholly before the window of the row's first query are freed, the rest held.
+        used = -(-int(plan.context_lens[row]) // block_size)
+        first = window_start(int(plan.positions[qsl[row]]), window) // block_size
+        assert np.all(tables[row, :first] == -1) and np.all(tables[row, first:used] >= 0)
+
+
+def check_held_blocks(scheduler, live, window, config, block_size):
+    """With a window, no sequence holds more blocks than its window and one step need."""
+    if not window:
+        return
+    bound = max_window_blocks(window, config, block_size)
+    for request_id in live:
+        group = scheduler.find_group(request_id)
+        for i in range(group.num_seqs):
+            table = np.asarray(group.seq(i).block_table)
+            assert np.count_nonzero(table >= 0) <= bound, (request_id, table)
+            if np.any(table < 0):
+                event("window released blocks")
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -40,16 +69,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.booleans(),
         collide=st.booleans(),
         mode=st.sampled_from(list(core.PreemptionMode.__members__.values())),
+        window=st.sampled_from([0, 0, 1, 2, 5, 9, 16]),
     )
     def setup(self, num_gpu_blocks, num_cpu_blocks, block_size, budget, max_num_seqs, chunked, caching, collide,
-              mode):
+              mode, window):
         self.config = core.SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=64,
             enable_chunked_prefill=chunked, preemption_mode=mode)
         self.blocks = core.BlockManagerConfig(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-            watermark=0.0, enable_prefix_caching=caching, collide_prefix_hashes_for_testing=collide)
+            watermark=0.0, enable_prefix_caching=caching, collide_prefix_hashes_for_testing=collide,
+            sliding_window=window)
         self.block_size = block_size
+        self.window = window
         self.scheduler = core.Scheduler(self.config, self.blocks)
         self.next_request = 0
         self.live = set()
@@ -76,7 +108,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def run_shadow(self, plan):
         """Carries out the plan's block operations and its rows on the shadow KV cache, checking
-        that each row reads slots holding exactly its own salt and token prefix."""
+        that each row reads slots holding exactly its own salt and token prefix (with a window,
+        the slots of its first query's window)."""
         bs = self.block_size
         moves = [("gpu", "cpu", plan.blocks_to_swap_out), ("cpu", "gpu", plan.blocks_to_swap_in),
                  ("gpu", "gpu", plan.blocks_to_copy)]
@@ -89,7 +122,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq = self.scheduler.find_sequence(seq_id)
             salt = self.salt_of_seq[seq_id]
             table = plan.block_tables[row].tolist()
-            for p in range(positions[qsl[row]]):
+            for p in range(window_start(positions[qsl[row]], self.window), positions[qsl[row]]):
                 held = self.shadow.get(("gpu", table[p // bs]), [None] * bs)[p % bs]
                 assert held == (salt, tuple(seq.tokens[: p + 1])), f"sequence {seq_id} reads wrong K/V at {p}"
             for t in range(qsl[row], qsl[row + 1]):
@@ -97,10 +130,22 @@ class SchedulerMachine(RuleBasedStateMachine):
                 slots = self.shadow.setdefault(("gpu", table[p // bs]), [None] * bs)
                 slots[p % bs] = (salt, tuple(seq.tokens[: p + 1]))
 
+    def check_waits_for_prefix(self):
+        """Notes a diverged group whose later sequences wait, holding nothing, for the first."""
+        for request_id in self.live:
+            group = self.scheduler.find_group(request_id)
+            if group is None:  # ignored in this step
+                continue
+            seqs = [group.seq(i) for i in range(group.num_seqs) if not core.is_finished(group.seq(i).status)]
+            if (seqs and seqs[0].status == core.SequenceStatus.RUNNING
+                    and any(s.num_computed_tokens == 0 and not s.block_table for s in seqs[1:])):
+                event("waits for a shared prefix")
+
     @rule(data=st.data())
     def step(self, data):
         plan = self.scheduler.schedule()
-        check_plan(plan, self.config, self.block_size)
+        check_plan(plan, self.config, self.block_size, self.window)
+        self.check_waits_for_prefix()
         self.run_shadow(plan)
         for request_id, _reason in plan.ignored:
             self.live.discard(request_id)
@@ -139,7 +184,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork_then_commit(self, data):
         plan = self.scheduler.schedule()
-        check_plan(plan, self.config, self.block_size)
+        check_plan(plan, self.config, self.block_size, self.window)
         self.run_shadow(plan)
         for request_id, _reason in plan.ignored:
             self.live.discard(request_id)
@@ -171,6 +216,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if hasattr(self, "scheduler"):
             self.scheduler.check_invariants()
             assert {r for r in self.live if self.scheduler.find_group(r) is None} == set()
+            check_held_blocks(self.scheduler, self.live, self.window, self.config, self.block_size)
 
     def teardown(self):
         if not hasattr(self, "scheduler"):

@@ -115,3 +115,33 @@ def test_a_steady_decode_batch_sends_only_new_blocks():
     # The first step sends every table; then a block per sequence every BLOCK steps, nothing else.
     assert sent[0] == 8
     assert sent[1:] == [8 if step % BLOCK == 0 else 0 for step in range(1, 16)]
+
+
+def test_blocks_freed_before_a_sliding_window_arrive_as_minus_one():
+    """Random decode traces whose sequences free the blocks before their window (-1 entries,
+    table length kept): the workers' tables match, and a steady batch sends per sequence the
+    new block and the freed one, once every BLOCK steps."""
+    rng = random.Random(2)
+    cpu = torch.device("cpu")
+    window = 6
+    sender, receiver = StepSender(cpu, BLOCK), StepReceiver(cpu, BLOCK)
+    tables = {i: list(range(10 * i, 10 * i + 1 + i % 3)) for i in range(6)}
+    lens = {i: 1 + BLOCK * (i % 3) for i in range(6)}
+    sent = []
+    for step in range(40):
+        plan = plan_of(tables, lens, rng)
+        got, entries = roundtrip(sender, receiver, plan)
+        sent.append(entries)
+        for r, seq in enumerate(plan.seq_ids.tolist()):
+            used = (lens[seq] + BLOCK - 1) // BLOCK
+            assert got.block_tables[r, :used].tolist() == tables[seq][:used], (step, seq)
+        for seq in tables:
+            # Position lens[seq] is the next query: blocks wholly before its window are freed.
+            lens[seq] += 1
+            if (lens[seq] + BLOCK - 1) // BLOCK > len(tables[seq]):
+                tables[seq].append(1000 + 10 * seq + len(tables[seq]))
+            first = max(0, lens[seq] - window) // BLOCK
+            tables[seq][:first] = [-1] * first
+    assert any(-1 in t for t in tables.values())
+    # Each sequence gains a block at one step of every BLOCK and frees one at another.
+    assert max(sent[1:]) <= 2 * len(tables) and sum(sent[16:40]) == 2 * len(tables) * 24 // BLOCK

@@ -16,6 +16,10 @@ struct BlockManagerConfig {
   /// Test hook: every block hashes to one constant, so every lookup meets a collision
   /// (hits stay exact: only blocks whose recorded content matches are shared).
   bool collide_prefix_hashes_for_testing = false;
+  /// Sliding window W shared by every attention layer (a query at position p reads keys
+  /// p - W < j <= p), 0 for none. With a window, blocks wholly before the window of a
+  /// sequence's next query are freed and their block-table entries become -1.
+  int32_t sliding_window = 0;
 };
 
 /// Counters of the prefix cache (only the GPU pool caches).

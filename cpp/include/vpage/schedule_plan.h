@@ -20,7 +20,9 @@ struct SchedulePlan {
   std::vector<SeqId> seq_ids;               ///< [num_seqs]
   std::vector<int32_t> query_start_loc;     ///< [num_seqs + 1] token offsets of each row
   std::vector<int32_t> context_lens;        ///< [num_seqs] tokens in cache after this step
-  std::vector<int32_t> block_tables;        ///< [num_seqs, max_blocks] row-major, padded with 0
+  /// [num_seqs, max_blocks] row-major, padded with 0; with a sliding window the entries of
+  /// blocks wholly before the window of a row's first query are -1 (never read).
+  std::vector<int32_t> block_tables;
   int32_t max_blocks = 0;                   ///< columns of block_tables
   int32_t max_context_len = 0;
   int32_t max_query_len = 0;                ///< 1 for a decode-only step

@@ -105,7 +105,8 @@ class Scheduler {
   /// Whether any request is unfinished (in any queue).
   bool has_unfinished() const;
   /// Tokens whose K/V the running sequences hold in the GPU pool (a prompt shared by
-  /// identical samples counted once): with used blocks, the KV-cache utilization.
+  /// identical samples counted once; with a sliding window, from each one's first held
+  /// block): with used blocks, the KV-cache utilization.
   int64_t num_kv_tokens() const;
   /// A copy of the unfinished group `request_id`, or std::nullopt; it stays readable after
   /// the request finishes or is aborted.

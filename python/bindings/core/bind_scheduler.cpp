@@ -60,7 +60,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("block_tables", [](py::object self) {
             const Plan& p = self.cast<const Plan&>();
             return view(p.block_tables, self, {p.num_seqs(), p.max_blocks});
-          }, "[num_seqs, max_blocks] int32, padded with 0")
+          }, "[num_seqs, max_blocks] int32, padded with 0; -1 before a sliding window")
       .def_property_readonly("input_ids", [](py::object self) { return flat(self.cast<const Plan&>().input_ids, self); },
                              "[num_tokens] int64")
       .def_property_readonly("positions", [](py::object self) { return flat(self.cast<const Plan&>().positions, self); },

@@ -74,19 +74,22 @@ void bind_types(py::module_& m) {
 
   py::class_<BlockManagerConfig>(m, "BlockManagerConfig", "Sizes of the KV pools and the admission watermark.")
       .def(py::init([](int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks,
-                       double watermark, bool enable_prefix_caching, bool collide_prefix_hashes_for_testing) {
+                       double watermark, bool enable_prefix_caching, bool collide_prefix_hashes_for_testing,
+                       int32_t sliding_window) {
              return BlockManagerConfig{block_size, num_gpu_blocks, num_cpu_blocks, watermark,
-                                       enable_prefix_caching, collide_prefix_hashes_for_testing};
+                                       enable_prefix_caching, collide_prefix_hashes_for_testing, sliding_window};
            }),
            py::arg("block_size") = 16, py::arg("num_gpu_blocks") = 0, py::arg("num_cpu_blocks") = 0,
            py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true,
-           py::arg("collide_prefix_hashes_for_testing") = false)
+           py::arg("collide_prefix_hashes_for_testing") = false, py::arg("sliding_window") = 0)
       .def_readwrite("block_size", &BlockManagerConfig::block_size)
       .def_readwrite("num_gpu_blocks", &BlockManagerConfig::num_gpu_blocks)
       .def_readwrite("num_cpu_blocks", &BlockManagerConfig::num_cpu_blocks)
       .def_readwrite("watermark", &BlockManagerConfig::watermark)
       .def_readwrite("enable_prefix_caching", &BlockManagerConfig::enable_prefix_caching)
-      .def_readwrite("collide_prefix_hashes_for_testing", &BlockManagerConfig::collide_prefix_hashes_for_testing);
+      .def_readwrite("collide_prefix_hashes_for_testing", &BlockManagerConfig::collide_prefix_hashes_for_testing)
+      .def_readwrite("sliding_window", &BlockManagerConfig::sliding_window,
+                     "window W of every attention layer (0: none); blocks before it are freed");
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig", "Budgets and policies of the scheduler.")
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,

@@ -5,10 +5,12 @@ The payload holds the plan's flat buffers (input ids, positions, slot mapping, c
 query start offsets, sampled rows), the block operations (swap out, swap in, copy) and the
 block tables as a change against the previous step's: both ends keep the last step's tables,
 and for each row the driver sends which previous row it continues (the same sequence), how many
-leading blocks are unchanged, and then only the (position, block id) entries that differ, so a
-steady decode batch sends one entry per sequence every ``block_size`` tokens instead of every
-table every step. Only the first ``ceil(context_len / block_size)`` entries of a row are
-meaningful (the kernels read no others); the worker's tables hold zeros elsewhere.
+leading entries it takes from that row, and then only the (position, block id) entries that
+differ from it (a copy-on-write copy; -1 for a block freed before a sliding window) or lie past
+it, so a steady decode batch sends one entry per sequence every ``block_size`` tokens (two with
+a sliding window) instead of every table every step. Only the first
+``ceil(context_len / block_size)`` entries of a row are meaningful (the kernels read no others);
+the worker's tables hold zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class StepSender:
         rows, width = tables.shape
         prev_rows = np.full(rows, -1, dtype=np.int64)
         kept = np.zeros(rows, dtype=np.int64)
+        differs = np.zeros((rows, width), dtype=bool)
         common = min(width, self._tables.shape[1])
         if len(self._seq_ids) and rows and common:
             order = np.argsort(self._seq_ids, kind="stable")
@@ -82,12 +85,11 @@ class StepSender:
             found = self._seq_ids[order[at]] == seq_ids
             prev_rows = np.where(found, order[at], -1)
             source = np.maximum(prev_rows, 0)
-            limit = np.where(found, np.minimum(np.minimum(used, self._used[source]), common), 0)
-            same = (tables[:, :common] == self._tables[source, :common]) & (np.arange(common) < limit[:, None])
-            kept = np.where(same.all(axis=1), common, same.argmin(axis=1))
-            kept = np.minimum(kept, limit)
+            # The worker takes the entries both steps use from the previous row, then the sent ones.
+            kept = np.where(found, np.minimum(np.minimum(used, self._used[source]), common), 0)
+            differs[:, :common] = tables[:, :common] != self._tables[source, :common]
         columns = np.arange(width)
-        send = (columns >= kept[:, None]) & (columns < used[:, None])
+        send = (columns < used[:, None]) & ((columns >= kept[:, None]) | differs)
         index = np.flatnonzero(send)
         return [prev_rows, kept, index.astype(np.int64), tables.reshape(-1)[index].astype(np.int64)]
 

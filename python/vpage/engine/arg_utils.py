@@ -96,9 +96,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Resolves the arguments once, reading the model's config but not its weights: the
         device, the context limit (``max_model_len`` capped at what the model supports), the
-        model's sampling defaults (``generation_config``) and, with tensor parallelism, whether
-        the model splits over the ranks. ValueError names
-        what does not fit; nothing has been started then."""
+        sliding window the block manager frees blocks by (when every layer has the same one), the
+        model's sampling defaults (``generation_config``) and, with
+        tensor parallelism, whether the model splits over the ranks. ValueError names what does
+        not fit; nothing has been started then."""
         from vpage.model_executor import inspect_model, resolve_device
         from vpage.model_executor.loader.generation_config import generation_defaults
 
@@ -124,7 +125,8 @@ class EngineArgs:
             cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                               kv_cache_memory=self.kv_cache_memory,
                               gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              sliding_window=facts.sliding_window),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     num_threads=self.num_threads),

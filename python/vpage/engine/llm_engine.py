@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from vpage import _core
-from vpage.config import EngineConfig
+from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.beam_search import BeamSearch
 from vpage.engine.metrics import EngineMetrics, EngineStats
@@ -27,6 +27,16 @@ _PREEMPTION = {"auto": _core.PreemptionMode.AUTO, "recompute": _core.PreemptionM
                "swap": _core.PreemptionMode.SWAP}
 
 PromptType = Union[str, Sequence[int]]
+
+
+def blocks_per_sequence(max_model_len: int, cache: CacheConfig, sched: SchedulerConfig) -> int:
+    """The most KV blocks one sequence holds: one per block_size tokens of its context, or with a
+    sliding window W at most ceil((W - 1 + max_num_batched_tokens) / block_size) + 1 (the blocks
+    of its window and of one step; the C++ block manager's bound)."""
+    full = math.ceil(max_model_len / cache.block_size)
+    if not cache.sliding_window:
+        return full
+    return min(full, math.ceil((cache.sliding_window - 1 + sched.max_num_batched_tokens) / cache.block_size) + 1)
 
 
 class LLMEngine:
@@ -49,12 +59,13 @@ class LLMEngine:
         self.max_model_len = self.config.scheduler.max_model_len
         cache, sched = self.config.cache, self.config.scheduler
         num_gpu_blocks, num_cpu_blocks = self.executor.num_gpu_blocks, self.executor.num_cpu_blocks
-        if num_gpu_blocks < math.ceil(self.max_model_len / cache.block_size):
+        if num_gpu_blocks < blocks_per_sequence(self.max_model_len, cache, sched):
             self.shutdown()
+            held = (f"a sequence of max_model_len {self.max_model_len} tokens" if not cache.sliding_window else
+                    f"one sequence's window of {cache.sliding_window} and a step of {sched.max_num_batched_tokens}")
             raise ValueError(
-                f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}: raise {'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'}"
-                " or lower max_model_len")
+                f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than {held}: raise "
+                f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'} or lower max_model_len")
         self.num_gpu_blocks = num_gpu_blocks
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -63,7 +74,8 @@ class LLMEngine:
                                   preemption_mode=_PREEMPTION[sched.preemption_mode]),
             _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
-                                     enable_prefix_caching=cache.enable_prefix_caching))
+                                     enable_prefix_caching=cache.enable_prefix_caching,
+                                     sliding_window=cache.sliding_window or 0))
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
@@ -109,7 +121,7 @@ class LLMEngine:
                              "which must leave room for at least one generated token")
         block_size = self.config.cache.block_size
         capacity = self.num_gpu_blocks - math.ceil(self.config.cache.watermark * self.num_gpu_blocks)
-        if math.ceil(len(ids) / block_size) > capacity:
+        if blocks_per_sequence(len(ids), self.config.cache, self.config.scheduler) > capacity:
             raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * block_size} "
                              "tokens for one request: raise kv_cache_memory")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
+from vpage.model_executor.layer_types import uniform_sliding_window
 from vpage.model_executor.layers.parallel_linear import check_head_split
 from vpage.model_executor.loader.model_loader import _max_model_len, load_hf_config
 from vpage.model_executor.models.llama import num_kv_heads_of
@@ -18,6 +19,9 @@ class ModelFacts:
     num_kv_heads: int
     intermediate_size: int
     max_model_len: int  # the longest context the model supports
+    # The sliding window every attention layer shares (None: none, or windowed and global
+    # layers mixed); the block manager may free the KV blocks before it.
+    sliding_window: Optional[int] = None
 
     def check_tensor_parallel(self, size: int) -> None:
         """ValueError unless ``size`` ranks can split the heads and the MLP."""
@@ -30,4 +34,5 @@ class ModelFacts:
 def inspect_model(model: str | None) -> ModelFacts:
     """The facts of ``model`` (as ``load_model`` resolves it); the loader's errors otherwise."""
     hf = load_hf_config(model)
-    return ModelFacts(hf, hf.num_attention_heads, num_kv_heads_of(hf), hf.intermediate_size, _max_model_len(hf))
+    return ModelFacts(hf, hf.num_attention_heads, num_kv_heads_of(hf), hf.intermediate_size, _max_model_len(hf),
+                      uniform_sliding_window(hf))

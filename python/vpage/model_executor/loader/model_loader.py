@@ -112,13 +112,10 @@ def _resolve_dtype(dtype: str, hf_config: Any, source: _Source, device: torch.de
 
 
 def _max_model_len(hf_config: Any) -> int:
-    """``max_position_embeddings`` (stretched by dynamic NTK or YaRN rope scaling), capped at the
-    sliding window the kernels do not implement."""
-    max_len = rope_max_positions(int(getattr(hf_config, "max_position_embeddings", 2048)), rope_settings(hf_config)[1])
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        max_len = min(max_len, int(window))
-    return max_len
+    """``max_position_embeddings`` (stretched by dynamic NTK or YaRN rope scaling); a sliding
+    window does not cap it (the kernels apply the window, the block manager frees the blocks
+    before it)."""
+    return rope_max_positions(int(getattr(hf_config, "max_position_embeddings", 2048)), rope_settings(hf_config)[1])
 
 
 def _as_list(value: Any) -> list[int]:
