@@ -147,7 +147,7 @@ class _QNormLlama(LlamaForCausalLM):
 
 
 class _OptedOutLlama(LlamaForCausalLM):
-    supports_cpu_decoder = False
+    cpu_decoder_structure = None
 
 
 @pytest.mark.parametrize("model_class", [_QNormLlama, _OptedOutLlama])

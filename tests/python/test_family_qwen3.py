@@ -85,8 +85,8 @@ def test_hf_folder_matches_transformers(tiny):
     attn = loaded.model.model.layers[1].self_attn
     assert isinstance(attn, Qwen3Attention) and attn.attn.sliding_window is None
     torch.testing.assert_close(attn.k_norm.weight, hf.model.layers[1].self_attn.k_norm.weight, atol=0, rtol=0)
-    # The per-head norms are not the C++ loop's structure: the Python layers run.
-    assert not loaded.model.has_cpu_decoder_structure()
+    # The C++ loop's structure (per-head norms included), but float weights: the Python layers run.
+    assert loaded.model.has_cpu_decoder_structure()
     assert_prefill_and_decode_match(hf, loaded)
 
 

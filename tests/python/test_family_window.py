@@ -1,8 +1,9 @@
 """Sliding windows in the model: tiny Mistral (a 16-token window on every layer) and Qwen2
 (use_sliding_window, max_window_layers=1: layer 0 global, the others windowed) pass each
-layer's window to its PagedAttention, keep off the C++ layer loop, and give transformers'
-logits and greedy tokens on prompts and second turns longer than the window. Models without
-a window (or with one no shorter than their positions) call the kernels exactly as before.
+layer's window to its PagedAttention (and the C++ layer loop: test_cpu_decoder_families.py),
+and give transformers' logits and greedy tokens on prompts and second turns longer than the
+window. Models without a window (or with one no shorter than their positions) call the
+kernels exactly as before.
 
 The logits and engine tests need attention kernels with ``sliding_window`` and skip until
 those land; one test runs the windowed model now over a float64 stand-in for the kernels,
@@ -116,7 +117,7 @@ def test_layers_get_their_windows(windowed):
     folder, hf, windows = windowed
     loaded = load_model(str(folder), dtype="float32", device="cpu")
     assert tuple(layer.self_attn.attn.sliding_window for layer in loaded.model.model.layers) == windows
-    assert not loaded.model.has_cpu_decoder_structure()  # the C++ loop has no window
+    assert loaded.model.has_cpu_decoder_structure()  # the C++ loop takes each layer's window
 
 
 @pytest.mark.parametrize("kind, overrides", [("llama", {}), ("mistral", {}), ("qwen2", dict(sliding_window=WINDOW))])

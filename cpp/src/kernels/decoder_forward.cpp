@@ -1,6 +1,7 @@
-// decoder_forward: the Python model's layer loop (LlamaForCausalLM.forward) in C++. Each step
-// below names the Python call it stands for; keep the two in the same order with the same
-// arguments, since tests compare their outputs bit for bit.
+// decoder_forward: the Python model's layer loop (LlamaForCausalLM.forward, and
+// Gemma2ForCausalLM.forward for DecoderStructure::kGemma) in C++. Each step below names the
+// Python call it stands for; keep the two in the same order with the same arguments, since
+// tests compare their outputs bit for bit.
 #include "vpage/kernels/decoder_forward.h"
 
 #include <cstring>
@@ -39,18 +40,28 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
                             << s.hidden_size << ", heads " << s.num_heads << "/" << s.num_kv_heads << ", head_size "
                             << s.head_size << ", layers " << num_layers
                             << "; the cache must have the model's KV heads)");
+  const bool gemma = s.structure == DecoderStructure::kGemma;
+  VPAGE_CHECK(gemma || s.structure == DecoderStructure::kLlama,
+              "decoder_forward: unknown layer structure " << static_cast<int32_t>(s.structure));
+  VPAGE_CHECK(s.activation == MlpActivation::kSilu || s.activation == MlpActivation::kGeluTanh,
+              "decoder_forward: unknown MLP activation " << static_cast<int32_t>(s.activation));
   VPAGE_CHECK(b.query_start_loc != nullptr || b.num_tokens == b.num_seqs,
               "decoder_forward: a decode batch has one token per sequence, got " << b.num_tokens << " tokens for "
                                                                                  << b.num_seqs);
-  const bool pointers_ok = layers != nullptr && s.cos_sin != nullptr && s.final_norm != nullptr &&
+  const bool pointers_ok = layers != nullptr && s.final_norm != nullptr &&
                            (b.num_tokens == 0 || (b.embeddings != nullptr && b.out != nullptr &&
                                                   b.positions != nullptr && b.slot_mapping != nullptr));
   VPAGE_CHECK(pointers_ok, "decoder_forward: null pointer");
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& l = layers[i];
     VPAGE_CHECK(l.input_norm && l.post_attention_norm && l.qkv.weight && l.o.weight && l.gate_up.weight &&
-                    l.down.weight && l.key_cache && l.value_cache,
+                    l.down.weight && l.cos_sin && l.key_cache && l.value_cache,
                 "decoder_forward: layer " << i << " has a null pointer");
+    VPAGE_CHECK((l.pre_feedforward_norm != nullptr) == gemma && (l.post_feedforward_norm != nullptr) == gemma,
+                "decoder_forward: layer " << i << (gemma ? " lacks" : " has")
+                                          << " the Gemma structure's feed-forward norms");
+    VPAGE_CHECK(l.sliding_window >= 0 && l.logits_soft_cap >= 0.0f,
+                "decoder_forward: layer " << i << " has a negative sliding window or soft-cap");
   }
 }
 
@@ -92,6 +103,22 @@ void rms_norm_step(const float* weight, float* x, float* residual, float* out, i
   rms_norm(args, num_threads);
 }
 
+// ops.rms_norm_heads_ on `num_heads` heads of each [n, row_stride] row from `x`: the
+// per-head q or k norm of Qwen3Attention / Gemma3Attention.position_qk.
+void head_norm_step(const float* weight, float* x, int64_t row_stride, int32_t num_heads, int64_t n,
+                    const DecoderShape& s, int num_threads) {
+  RmsNormHeadsArgs args;
+  args.x = x;
+  args.row_stride = row_stride;
+  args.weight = weight;
+  args.num_tokens = n;
+  args.num_heads = num_heads;
+  args.head_size = s.head_size;
+  args.eps = s.head_norm_eps;
+  args.dtype = DType::kFloat32;
+  rms_norm_heads(args, num_threads);
+}
+
 // LlamaAttention.forward from the normed input `x` to attention output rows `out`
 // [n, num_heads * head_size] (the o projection is the caller's).
 void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, const DecoderBatch& b, const float* x,
@@ -102,15 +129,20 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   const int32_t width = q_size + 2 * kv_size;
   linear(layer.qkv, x, n, s.hidden_size, qkv, width, num_threads);
 
+  // position_qk: the q heads' norm, the k heads' norm (when the layer has them), then the
+  // rotary of both.
+  if (layer.q_norm != nullptr) head_norm_step(layer.q_norm, qkv, width, s.num_heads, n, s, num_threads);
+  if (layer.k_norm != nullptr) head_norm_step(layer.k_norm, qkv + q_size, width, s.num_kv_heads, n, s, num_threads);
   RotaryArgs rotary;  // rotary.rotate_: query then key heads lead each row
   rotary.x = qkv;
   rotary.row_stride = width;
   rotary.positions = b.positions;
-  rotary.cos_sin = s.cos_sin;
-  rotary.max_position = s.max_position;
+  rotary.cos_sin = layer.cos_sin;
+  rotary.max_position = layer.max_position;
   rotary.num_tokens = n;
   rotary.num_heads = s.num_heads + s.num_kv_heads;
   rotary.head_size = s.head_size;
+  rotary.rotary_dim = layer.rotary_dim;
   rotary.dtype = DType::kFloat32;
   rotary_embedding(rotary, num_threads);
 
@@ -141,23 +173,29 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   attention.max_blocks_per_seq = b.max_blocks_per_seq;
   attention.max_context_len = b.max_context_len;
   attention.query_stride = width;
-  attention.scale = s.attention_scale;
+  attention.scale = layer.attention_scale;
   attention.dtype = DType::kFloat32;
   attention.cache = s.cache;
+  attention.sliding_window = layer.sliding_window;
+  attention.logits_soft_cap = layer.logits_soft_cap;
   paged_attention(attention, num_threads);
 }
 
-// LlamaMLP.forward: out [n, hidden] = down(silu(gate(x)) * up(x)).
+// LlamaMLP.forward (GemmaMLP.forward with kGeluTanh): out [n, hidden] = down(act(gate(x)) * up(x)).
 void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const float* x, float* gate_up,
               float* activation, float* out, int num_threads) {
   linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * s.intermediate_size, num_threads);
-  SiluAndMulArgs act;
+  SiluAndMulArgs act;  // the layout of GeluTanhAndMulArgs too
   act.out = activation;
   act.x = gate_up;
   act.num_tokens = n;
   act.d = s.intermediate_size;
   act.dtype = DType::kFloat32;
-  silu_and_mul(act, num_threads);
+  if (s.activation == MlpActivation::kGeluTanh) {
+    gelu_tanh_and_mul(act, num_threads);
+  } else {
+    silu_and_mul(act, num_threads);
+  }
   linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, num_threads);
 }
 
@@ -180,13 +218,23 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
   // Layer 0's input norm has no residual yet: the embeddings become the residual stream.
   std::memcpy(residual, b.embeddings, sizeof(float) * static_cast<size_t>(n * s.hidden_size));
   rms_norm_step(layers[0].input_norm, residual, nullptr, hidden, n, s, num_threads);
+  const bool gemma = s.structure == DecoderStructure::kGemma;
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& layer = layers[i];
     if (i > 0) rms_norm_step(layer.input_norm, hidden, residual, hidden, n, s, num_threads);
     attention_step(s, layer, b, hidden, qkv, attention, num_threads);
     linear(layer.o, attention, n, q_size, hidden, s.hidden_size, num_threads);
-    rms_norm_step(layer.post_attention_norm, hidden, residual, hidden, n, s, num_threads);
-    mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
+    if (gemma) {
+      // GemmaDecoderLayer.forward: post_attention_layernorm.normed_ (in place, no residual),
+      // then the pre-feedforward norm takes the residual add.
+      rms_norm_step(layer.post_attention_norm, hidden, nullptr, hidden, n, s, num_threads);
+      rms_norm_step(layer.pre_feedforward_norm, hidden, residual, hidden, n, s, num_threads);
+      mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
+      rms_norm_step(layer.post_feedforward_norm, hidden, nullptr, hidden, n, s, num_threads);
+    } else {
+      rms_norm_step(layer.post_attention_norm, hidden, residual, hidden, n, s, num_threads);
+      mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
+    }
   }
   rms_norm_step(s.final_norm, hidden, residual, b.out, n, s, num_threads);
 }

@@ -1,4 +1,4 @@
-// vpage._core._CpuDecoder: the C++ layer loop of a quantized Llama-family model on the CPU
+// vpage._core._CpuDecoder: the C++ layer loop of a quantized Llama- or Gemma-structured model on the CPU
 // (decoder_forward.h), built once from the model's weight and KV cache pointers (Python ints)
 // by vpage.model_executor.models.cpu_decoder, which keeps the tensors alive.
 #include <pybind11/stl.h>
@@ -15,9 +15,10 @@ namespace py = pybind11;
 namespace vpage::bindings {
 namespace {
 
-uintptr_t field(const py::dict& d, const char* key) {
+template <class T = uintptr_t>
+T field(const py::dict& d, const char* key) {
   if (!d.contains(key)) throw py::value_error(std::string("_CpuDecoder: layer entry lacks '") + key + "'");
-  return d[key].cast<uintptr_t>();
+  return d[key].cast<T>();
 }
 
 QuantLinearWeights linear_of(const py::dict& d, const std::string& name) {
@@ -38,11 +39,21 @@ class CpuDecoder {
     for (const py::dict& d : layers) {
       DecoderLayerWeights l;
       l.input_norm = ptr<const float>(field(d, "input_norm"));
-      l.post_attention_norm = ptr<const float>(field(d, "post_attention_norm"));
       l.qkv = linear_of(d, "qkv");
+      l.q_norm = ptr<const float>(field(d, "q_norm"));
+      l.k_norm = ptr<const float>(field(d, "k_norm"));
       l.o = linear_of(d, "o");
+      l.post_attention_norm = ptr<const float>(field(d, "post_attention_norm"));
+      l.pre_feedforward_norm = ptr<const float>(field(d, "pre_feedforward_norm"));
       l.gate_up = linear_of(d, "gate_up");
       l.down = linear_of(d, "down");
+      l.post_feedforward_norm = ptr<const float>(field(d, "post_feedforward_norm"));
+      l.cos_sin = ptr<const float>(field(d, "cos_sin"));
+      l.max_position = field<int64_t>(d, "max_position");
+      l.rotary_dim = field<int32_t>(d, "rotary_dim");
+      l.attention_scale = field<float>(d, "attention_scale");
+      l.sliding_window = field<int32_t>(d, "sliding_window");
+      l.logits_soft_cap = field<float>(d, "logits_soft_cap");
       l.key_cache = ptr<void>(field(d, "key_cache"));
       l.value_cache = ptr<void>(field(d, "value_cache"));
       layers_.push_back(l);
@@ -62,31 +73,35 @@ class CpuDecoder {
 
 void bind_decoder(py::module_& m) {
   py::class_<CpuDecoder>(m, "_CpuDecoder")
-      .def(py::init([](int32_t hidden_size, int32_t num_heads, int32_t num_kv_heads, int32_t head_size,
-                       int32_t intermediate_size, float rms_norm_eps, float attention_scale, uintptr_t cos_sin,
-                       int64_t max_position, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
+      .def(py::init([](int32_t structure, int32_t activation, int32_t hidden_size, int32_t num_heads,
+                       int32_t num_kv_heads, int32_t head_size, int32_t intermediate_size, float rms_norm_eps,
+                       float head_norm_eps, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
                        int32_t cache_dtype, const std::vector<py::dict>& layers) {
              DecoderShape s;
+             s.structure = static_cast<DecoderStructure>(structure);
+             s.activation = static_cast<MlpActivation>(activation);
              s.hidden_size = hidden_size;
              s.num_heads = num_heads;
              s.num_kv_heads = num_kv_heads;
              s.head_size = head_size;
              s.intermediate_size = intermediate_size;
              s.rms_norm_eps = rms_norm_eps;
-             s.attention_scale = attention_scale;
-             s.cos_sin = ptr<const float>(cos_sin);
-             s.max_position = max_position;
+             s.head_norm_eps = head_norm_eps;
              s.final_norm = ptr<const float>(final_norm);
              s.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, static_cast<DType>(cache_dtype)};
              return CpuDecoder(s, layers);
            }),
-           py::arg("hidden_size"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
-           py::arg("intermediate_size"), py::arg("rms_norm_eps"), py::arg("attention_scale"), py::arg("cos_sin"),
-           py::arg("max_position"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("structure"), py::arg("activation"), py::arg("hidden_size"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("intermediate_size"), py::arg("rms_norm_eps"),
+           py::arg("head_norm_eps"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("cache_dtype"), py::arg("layers"),
-           "layers: one dict per layer of pointers (ints): input_norm, post_attention_norm, key_cache,\n"
-           "value_cache, and for each of qkv, o, gate_up, down: <name>_weight, <name>_type (ggml type id),\n"
-           "<name>_bias (0 = none). float32 activations; cache_dtype: 0 float32, 1 float16, 2 bfloat16.")
+           "structure: 0 Llama, 1 Gemma (norms before and after each block); activation: 0 SiLU,\n"
+           "1 GELU(tanh). layers: one dict per layer of pointers (ints; 0 = none where optional):\n"
+           "input_norm, q_norm, k_norm (optional), post_attention_norm, pre_feedforward_norm and\n"
+           "post_feedforward_norm (Gemma only), cos_sin, key_cache, value_cache, and for each of qkv, o,\n"
+           "gate_up, down: <name>_weight, <name>_type (ggml type id), <name>_bias (0 = none); and values:\n"
+           "max_position (rows of cos_sin), rotary_dim, attention_scale, sliding_window (0 = none),\n"
+           "logits_soft_cap (0 = none). float32 activations; cache_dtype: 0 float32, 1 float16, 2 bfloat16.")
       .def(
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,

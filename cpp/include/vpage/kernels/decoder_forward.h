@@ -1,10 +1,13 @@
-// One forward of a Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on the CPU, with
-// float32 activations and every projection kept in a GGUF block format: the layers' kernels
-// run back to back from C++, with nothing between them. They are the kernels the Python model
-// code calls one by one (RMSNorm, quant_matmul, rotary, reshape_and_cache, paged attention,
-// SiLU-and-multiply), called in the same order on the same arguments, so the hidden states
-// are bitwise those of the layer-by-layer path; what goes away is the interpreter's time
-// between kernels, which dominates a small decode step.
+// One forward of a dense decoder on the CPU, with float32 activations and every projection
+// kept in a GGUF block format: the layers' kernels run back to back from C++, with nothing
+// between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
+// and Gemma's (Gemma 2 and 3: a norm before and after each block); per layer a sliding
+// window, an attention logit soft-cap, per-head q/k norms and a rotary table of its own. They
+// are the kernels the Python model code calls one by one (RMSNorm, quant_matmul, per-head
+// RMSNorm, rotary, reshape_and_cache, paged attention, SiLU- or GELU-and-multiply), called in
+// the same order on the same arguments, so the hidden states are bitwise those of the
+// layer-by-layer path; what goes away is the interpreter's time between kernels, which
+// dominates a small decode step.
 #pragma once
 
 #include <cstdint>
@@ -22,36 +25,59 @@ struct QuantLinearWeights {
   const float* bias = nullptr;      // [out_features] or nullptr
 };
 
-/// One decoder layer: the weights and this layer's KV cache (geometry in DecoderShape::cache).
+/// How a layer's blocks are normed and joined to the residual stream.
+enum class DecoderStructure : int32_t {
+  /// h = attn(norm(x)); x += h; out = mlp(norm(x)) (LlamaDecoderLayer).
+  kLlama = 0,
+  /// h = post_attention_norm(attn(input_norm(x))); x += h;
+  /// out = post_feedforward_norm(mlp(pre_feedforward_norm(x))) (GemmaDecoderLayer).
+  kGemma = 1,
+};
+
+/// The gated MLP's activation: silu(gate) * up or gelu_tanh(gate) * up.
+enum class MlpActivation : int32_t { kSilu = 0, kGeluTanh = 1 };
+
+/// One decoder layer: its weights, its attention's settings and rotary table, and its KV
+/// cache (geometry in DecoderShape::cache).
 struct DecoderLayerWeights {
-  const float* input_norm = nullptr;           // [hidden_size]
-  QuantLinearWeights qkv;                      // [(num_heads + 2 num_kv_heads) head_size, hidden_size]
-  QuantLinearWeights o;                        // [hidden_size, num_heads head_size]
-  const float* post_attention_norm = nullptr;  // [hidden_size]
-  QuantLinearWeights gate_up;                  // [2 intermediate_size, hidden_size]: gate rows, then up
-  QuantLinearWeights down;                     // [hidden_size, intermediate_size]
+  const float* input_norm = nullptr;             // [hidden_size]
+  QuantLinearWeights qkv;                        // [(num_heads + 2 num_kv_heads) head_size, hidden_size]
+  const float* q_norm = nullptr;                 // [head_size]: per-head RMSNorm of the queries, or nullptr
+  const float* k_norm = nullptr;                 // [head_size]: per-head RMSNorm of the keys, or nullptr
+  QuantLinearWeights o;                          // [hidden_size, num_heads head_size]
+  const float* post_attention_norm = nullptr;    // [hidden_size]
+  const float* pre_feedforward_norm = nullptr;   // [hidden_size]: kGemma only (nullptr for kLlama)
+  QuantLinearWeights gate_up;                    // [2 intermediate_size, hidden_size]: gate rows, then up
+  QuantLinearWeights down;                       // [hidden_size, intermediate_size]
+  const float* post_feedforward_norm = nullptr;  // [hidden_size]: kGemma only (nullptr for kLlama)
+  const float* cos_sin = nullptr;  // [max_position, rotary_dim]: cos half, then sin half (RotaryArgs)
+  int64_t max_position = 0;
+  int32_t rotary_dim = 0;          // leading dimensions of each head that rotate; 0 = head_size
+  float attention_scale = 1.0f;
+  int32_t sliding_window = 0;      // PagedAttentionArgs::sliding_window (0 = none)
+  float logits_soft_cap = 0.0f;    // PagedAttentionArgs::logits_soft_cap (0 = none)
   void* key_cache = nullptr;
   void* value_cache = nullptr;
 };
 
-/// Sizes shared by every layer.
+/// Sizes and settings shared by every layer.
 struct DecoderShape {
+  DecoderStructure structure = DecoderStructure::kLlama;
+  MlpActivation activation = MlpActivation::kSilu;
   int32_t hidden_size = 0;
   int32_t num_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_size = 0;
   int32_t intermediate_size = 0;
-  float rms_norm_eps = 1e-6f;
-  float attention_scale = 1.0f;
-  const float* cos_sin = nullptr;  // [max_position, head_size]: cos half, then sin half (RotaryArgs)
-  int64_t max_position = 0;
+  float rms_norm_eps = 1e-6f;         // of every [hidden_size] norm
+  float head_norm_eps = 1e-6f;        // of the q/k norms
   const float* final_norm = nullptr;  // [hidden_size]
   CacheShape cache;                   // every layer's KV cache: float32, float16 or bfloat16
 };
 
 /// The step's flattened batch (see ForwardBatch in Python) and where its result goes.
 struct DecoderBatch {
-  const float* embeddings = nullptr;       // [num_tokens, hidden_size], the looked-up token embeddings
+  const float* embeddings = nullptr;       // [num_tokens, hidden_size], the token embeddings (scaled, for Gemma)
   float* out = nullptr;                    // [num_tokens, hidden_size]: final-normed hidden states
   const int64_t* positions = nullptr;      // [num_tokens]
   const int64_t* slot_mapping = nullptr;   // [num_tokens]

@@ -12,6 +12,8 @@ from vpage.model_executor.layers.weight_utils import empty_parameter
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 like Hugging Face."""
 
+    cpu_decoder_role = "rms_norm"  # the C++ layer loop's RMSNorm kernel (models/cpu_decoder.py)
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_parameter(hidden_size, dtype=dtype)

@@ -1,30 +1,115 @@
-"""The C++ layer loop (``vpage._core._CpuDecoder``) for a Llama-structured model on the CPU.
+"""The C++ layer loop (``vpage._core._CpuDecoder``) for a Llama- or Gemma-structured model on
+the CPU.
 
-It implements one structure, the plain Llama decoder layer (RMSNorm, fused QKV with optional
-biases, rotary, paged attention, SiLU-gated MLP): only a model whose
-``has_cpu_decoder_structure()`` says so takes it (the class opts in and its parts are exactly
-those), so a family that adds a norm or changes the MLP runs its Python layers. Then it
-applies when every projection is kept in a GGUF block format (``QuantizedLinear``), the
-activations are float32 (KV caches float32, float16 or bfloat16) on the CPU and there is no
-tensor parallelism: the default model's case. It calls the kernels the Python layers call, in
-the same order, so the hidden states are bitwise the Python path's; what it saves is the
-interpreter's time between ~10 kernels per layer, most of a single-stream decode step (see
-bench/RESULTS-llamacpp.md).
+It implements two layer structures (``cpu_decoder_structure`` of the model class):
+"llama", the pre-norm decoder layer (RMSNorm with the residual add fused in, fused QKV with
+optional biases, optional per-head q/k RMSNorm, rotary, paged attention, gated MLP), and
+"gemma", Gemma's layer (a norm before and after attention and MLP, the post-norms' outputs
+joining the residual stream), each layer with its own sliding window, logit soft-cap and
+rotary table (partial rotary included). A module runs on it only when its class states, in its
+own body, what the loop does for it (``cpu_decoder_role``, see :func:`role_of`), and it has no
+other child modules; so a family that adds a norm or changes a part runs its Python layers
+until it says what the part is. Then the loop applies when every projection is kept in a GGUF
+block format (``QuantizedLinear``), the activations are float32 (KV caches float32, float16
+or bfloat16) on the CPU, every layer's rotary has a static table and there is no tensor
+parallelism: the default model's case. It calls the kernels the Python layers call, in the same
+order, so the hidden states are bitwise the Python path's; what it saves is the interpreter's
+time between ~10 kernels per layer, most of a single-stream decode step (see
+bench/RESULTS-llamacpp.md). The embedding lookup (and Gemma's scaling of it) and the logits
+stay in Python.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
 from vpage import _core, ops
 from vpage._ops_cpu import DTYPE_CODES
 from vpage.distributed.parallel_state import tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
+from vpage.model_executor.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+_INT32_MAX = 2**31 - 1
+
+
+def role_of(module: nn.Module) -> Optional[str]:
+    """What the C++ loop runs for ``module``: the ``cpu_decoder_role`` its class sets in its own
+    body, or None. An inherited role does not count, so a subclass that changes what a part
+    computes is off the loop until it states a role itself."""
+    return vars(type(module)).get("cpu_decoder_role")
+
+
+@dataclass(frozen=True)
+class _Structure:
+    code: int  # DecoderStructure in decoder_forward.h
+    model_role: str
+    layer_role: str
+    norms: dict[str, str]  # a layer's [hidden_size] norms -> their names in _CpuDecoder's layer entries
+
+
+_STRUCTURES = {
+    "llama": _Structure(0, "llama_model", "llama_layer", {"input_layernorm": "input_norm",
+                                                          "post_attention_layernorm": "post_attention_norm"}),
+    "gemma": _Structure(1, "gemma_model", "gemma_layer", {"input_layernorm": "input_norm",
+                                                          "post_attention_layernorm": "post_attention_norm",
+                                                          "pre_feedforward_layernorm": "pre_feedforward_norm",
+                                                          "post_feedforward_layernorm": "post_feedforward_norm"}),
+}
+_NORM_FIELDS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm")
+# attention role -> its child modules; the q/k norms are RMSNorms of [head_size] applied by
+# ops.rms_norm_heads_ before the rotary (Qwen3, Gemma 3).
+_ATTENTION_CHILDREN = {"attention": {"qkv_proj", "o_proj", "attn"},
+                       "attention_qk_norm": {"qkv_proj", "o_proj", "attn", "q_norm", "k_norm"}}
+# MLP role (one for every layer) -> MlpActivation in decoder_forward.h
+_ACTIVATION_CODES = {"silu_mlp": 0, "gelu_tanh_mlp": 1}
+
+
+def has_loop_structure(model: Any) -> bool:
+    """Whether the modules of ``model`` (a LlamaForCausalLM or subclass) are the structure its
+    class names in ``cpu_decoder_structure``, part by part (roles and child modules)."""
+    structure = _STRUCTURES.get(getattr(model, "cpu_decoder_structure", None))
+    inner = model.model
+    if (structure is None or role_of(inner) != structure.model_role or role_of(inner.norm) != "rms_norm"
+            or set(inner._modules) != {"embed_tokens", "layers", "norm", "rotary_emb"}):
+        return False
+    if not all(type(rotary) is RotaryEmbedding for rotary in _layer_rotaries(model)):
+        return False
+    if not all(_is_loop_layer(layer, structure) for layer in inner.layers):
+        return False
+    return len({role_of(layer.mlp) for layer in inner.layers}) == 1
+
+
+def _is_loop_layer(layer: nn.Module, structure: _Structure) -> bool:
+    if (role_of(layer) != structure.layer_role or set(layer._modules) != {*structure.norms, "self_attn", "mlp"}
+            or not all(role_of(getattr(layer, name)) == "rms_norm" for name in structure.norms)):
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    children = _ATTENTION_CHILDREN.get(role_of(attn))
+    if children is None or set(attn._modules) != children or type(attn.attn) is not PagedAttention:
+        return False
+    if "q_norm" in children and not role_of(attn.q_norm) == role_of(attn.k_norm) == "rms_norm":
+        return False
+    return role_of(mlp) in _ACTIVATION_CODES and set(mlp._modules) == {"gate_up_proj", "down_proj"}
+
+
+def _layer_rotaries(model: Any) -> list[Any]:
+    """Each layer's rotary: Gemma's ``layer_rotary`` (a table per layer type), else the one
+    ``rotary_emb``."""
+    inner = model.model
+    if role_of(inner) == "gemma_model":
+        return list(inner.layer_rotary)
+    return [inner.rotary_emb] * len(inner.layers)
+
+
+def _has_head_norms(attn: nn.Module) -> bool:
+    return role_of(attn) == "attention_qk_norm"
 
 
 def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
@@ -33,21 +118,41 @@ def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
             f"{name}_bias": 0 if bias is None else bias.data_ptr()}
 
 
+def _hidden_norms(model: Any) -> list[nn.Module]:
+    structure = _STRUCTURES[model.cpu_decoder_structure]
+    return [model.model.norm] + [getattr(layer, name) for layer in model.model.layers for name in structure.norms]
+
+
+def _head_norms(model: Any) -> list[nn.Module]:
+    return [norm for layer in model.model.layers if _has_head_norms(layer.self_attn)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm)]
+
+
 def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
-    """Whether ``model`` (of the structure the loop implements) with these caches can run on
-    the C++ loop: dtypes, device, tensor parallelism and quantized projections."""
+    """Whether ``model`` (of a structure the loop implements: ``has_loop_structure``) with these
+    caches can run on the C++ loop: dtypes, device, tensor parallelism, quantized projections,
+    static rotary tables, and the sizes and epsilons the loop takes once for every layer."""
     if model.dtype != torch.float32 or tp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]
     if key.device.type != "cpu" or key.dtype not in DTYPE_CODES or value.dtype != key.dtype:
         return False
-    for layer in model.model.layers:
+    layers = model.model.layers
+    attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+    for layer, rotary in zip(layers, _layer_rotaries(model)):
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantizedLinear) for p in parts):
             return False
-    cos_sin = model.model.rotary_emb.cos_sin  # None for rope kinds without a static table (longrope, dynamic)
-    return cos_sin is not None and cos_sin.dtype == torch.float32 and cos_sin.shape[1] == attn.head_size
+        if ((attn.num_heads, attn.num_kv_heads, attn.head_size, mlp.intermediate_size)
+                != (attn0.num_heads, attn0.num_kv_heads, attn0.head_size, mlp0.intermediate_size)):
+            return False
+        # None for rope kinds without a static table (longrope, dynamic)
+        cos_sin = rotary.cos_sin
+        if (cos_sin is None or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous()
+                or rotary.head_size != attn.head_size or cos_sin.shape[1] != rotary.rotary_dim):
+            return False
+    return len({norm.eps for norm in _hidden_norms(model)}) == 1 and len({norm.eps for norm in _head_norms(model)}) <= 1
 
 
 class CpuDecoder:
@@ -55,29 +160,40 @@ class CpuDecoder:
     points into stay alive with the model and the caller's cache list)."""
 
     def __init__(self, model: Any, kv_caches: list[KVCache]):
+        structure = _STRUCTURES[model.cpu_decoder_structure]
         layers = model.model.layers
-        attn0 = layers[0].self_attn
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         entries = []
-        for layer, (key_cache, value_cache) in zip(layers, kv_caches):
+        for layer, rotary, (key_cache, value_cache) in zip(layers, _layer_rotaries(model), kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
+            norms = dict.fromkeys(_NORM_FIELDS, 0)  # 0: a norm the structure lacks
+            norms.update({field: getattr(layer, name).weight.data_ptr() for name, field in structure.norms.items()})
+            head_norms = ((attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if _has_head_norms(attn)
+                          else (0, 0))
+            # The values ops.rotary_embedding and ops.paged_attention hand their kernels.
+            window, cap = attn.attn.sliding_window, attn.attn.logits_soft_cap
             entries.append({
-                "input_norm": layer.input_layernorm.weight.data_ptr(),
-                "post_attention_norm": layer.post_attention_layernorm.weight.data_ptr(),
+                **norms, "q_norm": head_norms[0], "k_norm": head_norms[1],
+                "cos_sin": rotary.cos_sin.data_ptr(), "max_position": rotary.cos_sin.shape[0],
+                "rotary_dim": rotary.rotary_dim, "attention_scale": float(attn.attn.scale),
+                "sliding_window": 0 if window is None else min(int(window), _INT32_MAX),
+                "logits_soft_cap": 0.0 if cap is None else float(cap),
                 "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
                 **_linear_fields("qkv", attn.qkv_proj), **_linear_fields("o", attn.o_proj),
                 **_linear_fields("gate_up", mlp.gate_up_proj), **_linear_fields("down", mlp.down_proj),
             })
         num_blocks, _, _, block_size = kv_caches[0][1].shape
-        cos_sin = model.model.rotary_emb.cos_sin
         norm = model.model.norm
+        head_norms = _head_norms(model)
         self.hidden_size = norm.weight.shape[0]
         self.kv_caches = kv_caches
         self._decoder = _core._CpuDecoder(
-            hidden_size=self.hidden_size, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
-            head_size=attn0.head_size, intermediate_size=layers[0].mlp.intermediate_size,
-            rms_norm_eps=norm.eps, attention_scale=attn0.attn.scale, cos_sin=cos_sin.data_ptr(),
-            max_position=cos_sin.shape[0], final_norm=norm.weight.data_ptr(), num_blocks=num_blocks,
-            block_size=block_size, cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype], layers=entries)
+            structure=structure.code, activation=_ACTIVATION_CODES[role_of(mlp0)], hidden_size=self.hidden_size,
+            num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads, head_size=attn0.head_size,
+            intermediate_size=mlp0.intermediate_size, rms_norm_eps=norm.eps,
+            head_norm_eps=head_norms[0].eps if head_norms else norm.eps, final_norm=norm.weight.data_ptr(),
+            num_blocks=num_blocks, block_size=block_size, cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
+            layers=entries)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token

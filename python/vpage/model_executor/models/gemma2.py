@@ -41,6 +41,8 @@ class GemmaRMSNorm(RMSNorm):
     before the product, where transformers multiplies in float32 and rounds once: up to two more
     roundings of the dtype per element (``1 + w`` in bfloat16 keeps w to 2^-8 for |1 + w| < 2)."""
 
+    cpu_decoder_role = "rms_norm"  # RMSNorm's kernel on the stored 1 + w
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__(hidden_size, eps, dtype)
         set_weight_loader(self.weight, _load_one_plus)
@@ -65,6 +67,8 @@ def gemma_norm(hf_config: Any, dtype: torch.dtype) -> GemmaRMSNorm:
 class GemmaMLP(LlamaMLP):
     """``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused into one projection."""
 
+    cpu_decoder_role = "gelu_tanh_mlp"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str):
         act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None)
         if act not in _GELU_TANH:
@@ -82,6 +86,8 @@ class GemmaMLP(LlamaMLP):
 class GemmaAttention(LlamaAttention):
     """Llama's attention with Gemma's scale ``query_pre_attn_scalar ** -0.5``, the layer's
     sliding window (from ``layer_types``) and the attention logit soft-cap."""
+
+    cpu_decoder_role = "attention"  # the scale, window and soft-cap are read from ``attn``
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int):
         super().__init__(hf_config, dtype, quant, prefix, layer_index)
@@ -101,6 +107,8 @@ class GemmaDecoderLayer(nn.Module):
     """Normed attention then normed MLP, each block normed before and after; the post-norm
     output joins the residual stream, an add fused into the next pre-norm (the MLP's, the next
     layer's input norm, or the final norm)."""
+
+    cpu_decoder_role = "gemma_layer"  # the C++ loop's DecoderStructure::kGemma: keep the two alike
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int,
                  parts: DecoderParts):
@@ -143,6 +151,8 @@ class GemmaModel(nn.Module):
     """Embedding (scaled by sqrt(hidden_size)), decoder layers, the final norm, and a rotary
     table per rope of the layer types (``layer_rotary[i]``: layer i's)."""
 
+    cpu_decoder_role = "gemma_model"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, parts: DecoderParts):
         super().__init__()
         self.embed_tokens = quant.embedding(f"{prefix}.embed_tokens", hf_config.vocab_size, hf_config.hidden_size,
@@ -169,7 +179,8 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
-    """Gemma 2 over a flattened, paged batch (the Python layers; the C++ loop is Llama's)."""
+    """Gemma 2 over a flattened, paged batch (the C++ layer loop's Gemma structure when it
+    qualifies, as Llama's forward; else the Python layers)."""
 
     arch = ModelArch(
         architectures=("Gemma2ForCausalLM",),
@@ -178,7 +189,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     )
     parts = DecoderParts(attention=GemmaAttention, mlp=GemmaMLP, norm=gemma_norm)
     model_class = GemmaModel
-    supports_cpu_decoder = False
+    cpu_decoder_structure = "gemma"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig | None = None):
         if getattr(hf_config, "use_bidirectional_attention", False):
@@ -194,8 +205,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         K/V of the step's tokens are written into the slots of ``batch``)."""
         model = self.model
         layers, rotary = model.layers, model.layer_rotary
-        _check_caches(kv_caches, len(layers))
+        decoder = self._decoder_for(kv_caches)
         h = model.embed_tokens(batch.input_ids).mul_(model.embed_scale)
+        if decoder is not None and batch.layer_events is None:
+            return decoder.forward(h, batch)
+        _check_caches(kv_caches, len(layers))
         # As in Llama's forward: the first layer's ops check the step's arguments, the others
         # see the same batch and like-shaped activations, caches and rotary tables.
         h, residual = layers[0](h, None, rotary[0], batch, kv_caches[0])

@@ -24,6 +24,8 @@ from vpage.model_executor.models.llama import DecoderParts
 class Gemma3Attention(GemmaAttention):
     """Gemma's attention with ``q_norm`` / ``k_norm`` over each query and key head."""
 
+    cpu_decoder_role = "attention_qk_norm"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int):
         super().__init__(hf_config, dtype, quant, prefix, layer_index)
         self.q_norm = GemmaRMSNorm(self.head_size, hf_config.rms_norm_eps, dtype)

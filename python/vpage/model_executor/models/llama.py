@@ -25,7 +25,7 @@ from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding, rope_max_positions
 from vpage.model_executor.layers.weight_utils import shard_ids_of, weight_loader_of
 from vpage.model_executor.models.arch import GgufArch, ModelArch
-from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder
+from vpage.model_executor.models.cpu_decoder import CpuDecoder, eligible_for_cpu_decoder, has_loop_structure
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,6 +81,10 @@ class LlamaAttention(nn.Module):
     replicated head) in ``qkv_proj`` (column-parallel) and the matching input columns of
     ``o_proj`` (row-parallel: one all-reduce)."""
 
+    # What the C++ layer loop runs for this class (models/cpu_decoder.py, role_of: a subclass
+    # states its own role or runs the Python layers).
+    cpu_decoder_role = "attention"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int,
                  qkv_bias: bool = False):
         """qkv_bias: biases on Q, K and V (Qwen2); Llama's ``attention_bias`` turns on every
@@ -119,6 +123,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one projection."""
+
+    cpu_decoder_role = "silu_mlp"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str):
         super().__init__()
@@ -159,6 +165,8 @@ class DecoderParts:
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm MLP block, residual adds fused into the norms."""
 
+    cpu_decoder_role = "llama_layer"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int,
                  parts: DecoderParts):
         super().__init__()
@@ -183,7 +191,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm."""
+    """Embedding, decoder layers and the final norm (every layer rotates with ``rotary_emb``)."""
+
+    cpu_decoder_role = "llama_model"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, parts: DecoderParts):
         super().__init__()
@@ -215,10 +225,10 @@ class LlamaForCausalLM(nn.Module):
     # Builds ``self.model`` as ``model_class(hf_config, dtype, quant, "model", parts)``: a family
     # whose layer stack differs from Llama's (Gemma) swaps the whole stack.
     model_class: Callable[..., nn.Module] = LlamaModel
-    # The C++ layer loop (models/cpu_decoder.py) implements exactly this structure; it runs only
-    # for a class that keeps this True and whose layers are the plain parts above (a family
-    # with other parts or extra modules runs the Python layers).
-    supports_cpu_decoder = True
+    # The layer structure of the C++ layer loop (models/cpu_decoder.py) this class is: "llama",
+    # "gemma" or None (the Python layers only). The loop runs only when every module is a part
+    # it implements for that structure (``has_cpu_decoder_structure``).
+    cpu_decoder_structure: Optional[str] = "llama"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig | None = None):
         super().__init__()
@@ -260,13 +270,10 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def has_cpu_decoder_structure(self) -> bool:
-        """Whether this model is the structure the C++ layer loop implements: the class opts
-        in and every module is the plain Llama part (exact types, no extra children)."""
-        model = self.model
-        if (not self.supports_cpu_decoder or type(model) is not LlamaModel or type(model.norm) is not RMSNorm
-                or set(model._modules) != {"embed_tokens", "layers", "norm", "rotary_emb"}):
-            return False
-        return all(_is_plain_llama_layer(layer) for layer in model.layers)
+        """Whether this model is the structure the C++ layer loop implements: the class names
+        one (``cpu_decoder_structure``) and every module is a part of it (its class states its
+        role for the loop; no extra children)."""
+        return has_loop_structure(self)
 
     def _decoder_for(self, kv_caches: list[KVCache]) -> Optional[CpuDecoder]:
         """The C++ layer loop for these caches (built on first use, kept while the caller
@@ -322,13 +329,3 @@ class LlamaForCausalLM(nn.Module):
                    for shard_id in shard_ids_of(param) if shard_id not in loaded[name]]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. for {sorted(set(missing))[:4]}")
-
-
-def _is_plain_llama_layer(layer: nn.Module) -> bool:
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention and type(mlp) is LlamaMLP
-            and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-            and set(layer._modules) == {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
-            and set(attn._modules) == {"qkv_proj", "o_proj", "attn"}
-            and attn.attn.sliding_window is None and attn.attn.logits_soft_cap is None  # the C++ loop has neither
-            and set(mlp._modules) == {"gate_up_proj", "down_proj"})

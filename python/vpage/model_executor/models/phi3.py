@@ -44,5 +44,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         model_types={"phi3": "Phi3ForCausalLM"},
         gguf=GgufArch("phi3", "Phi3Config", config_fields=phi3_gguf_config, layer_names=PHI3_GGUF_LAYER_NAMES),
     )
-    # The C++ layer loop has neither sliding windows nor partial rotary.
-    supports_cpu_decoder = False
+    # Llama's parts for the C++ layer loop, which takes a static rope table (partial rotary
+    # too) and each layer's window; longrope has no static table: such a model runs the Python layers.
+    cpu_decoder_structure = "llama"

@@ -22,6 +22,8 @@ class Qwen3Attention(LlamaAttention):
     ``head_size`` values, one weight vector shared by the heads) before they are rotated.
     Under tensor parallelism every rank holds the whole norm weights."""
 
+    cpu_decoder_role = "attention_qk_norm"
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, layer_index: int):
         super().__init__(hf_config, dtype, quant, prefix, layer_index)
         # RMSNorm modules for their weights (and HF's names); the heads are normalised by
