@@ -1,8 +1,8 @@
 """Output tok/s of model families against a Llama of the same shape: one GGUF file per
 system, each run in its own process, alternating, on the CPU.
 
-    python bench/make_gguf.py qwen3-0.6b --type Q4_1 --out /tmp/gguf      # and llama-0.6b, ...
-    python bench/bench_families.py /tmp/gguf/llama-0.6b-Q4_1.gguf /tmp/gguf/qwen3-0.6b-Q4_1.gguf \
+    python bench/make_gguf.py qwen3-0.6b --type Q4_1 --out DIR      # and llama-0.6b, ...
+    python bench/bench_families.py DIR/llama-0.6b-Q4_1.gguf DIR/qwen3-0.6b-Q4_1.gguf \
         --rounds 3
 
 Two loads per file: one stream (a 32-token prompt, 128 greedy new tokens, decode tok/s after
