@@ -475,17 +475,22 @@ def _check_heads(x: object, weight: object, eps: float, num_heads: int, head_siz
         raise ValueError(f"epsilon must be >= 0, got {eps}")
 
 
+def _check_gated(out: object, input: object) -> None:
+    """input ``[num_tokens, 2 d]`` (gate half, then up half) and out ``[num_tokens, d]``, d > 0."""
+    _check_rows_2d("input", input)
+    _check_rows_2d("out", out, like=input)
+    d = out.shape[1]
+    if input.shape != (out.shape[0], 2 * d) or d == 0:
+        raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out {tuple(out.shape)}")
+
+
 def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     """``out = silu(input[:, :d]) * input[:, d:]`` for ``input`` ``[num_tokens, 2 d]`` (the gate
     and up halves of a fused projection) and ``out`` ``[num_tokens, d]``; silu rounded to the
     dtype before the product, like torch's ``F.silu(gate) * up``."""
     d = out.shape[1]
     if _checking():
-        _check_rows_2d("input", input)
-        _check_rows_2d("out", out, like=input)
-        if input.shape != (out.shape[0], 2 * d) or d == 0:
-            raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
-                             f"{tuple(out.shape)}")
+        _check_gated(out, input)
     if input.device.type == "cpu":
         _ops_cpu.silu_and_mul(out, input)
     else:
@@ -501,11 +506,7 @@ def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
     -2 (absolute error up to ~6e-8 |x|)."""
     d = out.shape[1]
     if _checking():
-        _check_rows_2d("input", input)
-        _check_rows_2d("out", out, like=input)
-        if input.shape != (out.shape[0], 2 * d) or d == 0:
-            raise ValueError(f"input shape {tuple(input.shape)} must be [num_tokens, 2 * {d}] for out "
-                             f"{tuple(out.shape)}")
+        _check_gated(out, input)
     if input.device.type == "cpu":
         _ops_cpu.gelu_tanh_and_mul(out, input)
     else:
