@@ -66,6 +66,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How grammars are compiled and which reasoning format gates them."""
+
+    backend: str = "xgrammar"  # "xgrammar" or "llguidance"
+    # vpage.reasoning parser name (e.g. "qwen3"): a constraint starts after the reasoning ends.
+    reasoning_parser: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every part of an engine's configuration."""
 
@@ -74,3 +83,4 @@ class EngineConfig:
     parallel: ParallelConfig
     scheduler: SchedulerConfig
     enforce_eager: bool  # CUDA: never capture decode graphs
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()

@@ -513,8 +513,8 @@ def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         torch.mul(F.gelu(input[:, :d], approximate="tanh"), input[:, d:], out=out)
 
 
-def logsumexp_argmax(logits: torch.Tensor,
-                     want_log_norm: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def logsumexp_argmax(logits: torch.Tensor, want_log_norm: Optional[torch.Tensor] = None,
+                     bitmask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row of float32 ``logits`` ``[n, vocab]`` (rows may be strided, columns contiguous):
     ``(torch.logsumexp(logits, -1), logits.argmax(-1))`` as float32 ``[n]`` and int64 ``[n]``.
 
@@ -522,11 +522,19 @@ def logsumexp_argmax(logits: torch.Tensor,
     the log-normaliser is within a few 1e-7 relative of a float64 logsumexp. ``want_log_norm``
     (bool ``[n]``, default all): rows it leaves out get only the argmax (their log-normaliser
     is NaN), which on the CPU costs one pass over the row instead of two. A fused kernel on
-    the CPU (one pass for the maximum, one for the sum of exponentials); torch elsewhere."""
+    the CPU (one pass for the maximum, one for the sum of exponentials); torch elsewhere.
+    ``bitmask`` (int32 ``[n, token_bitmask_words(vocab)]``, see apply_token_bitmask_): the
+    argmax is over the allowed tokens only (a row allowing none gives token 0); the
+    log-normaliser stays that of the whole row."""
     _check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous=False)
     n, vocab = logits.shape
     if vocab == 0:
         raise ValueError("logits must have at least one column")
+    if bitmask is not None:
+        _check_bitmask(logits, bitmask)
+        log_norm, _ = logsumexp_argmax(logits, want_log_norm)
+        allowed = _allowed(bitmask, vocab)
+        return log_norm, logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1).masked_fill_(~allowed.any(-1), 0)
     if want_log_norm is not None:
         _check_tensor("want_log_norm", want_log_norm, dtype=torch.bool, ndim=1)
         if want_log_norm.shape[0] != n or want_log_norm.device.type != "cpu":
@@ -543,6 +551,36 @@ def logsumexp_argmax(logits: torch.Tensor,
     _ops_cpu.logsumexp_argmax(logits, log_norm, argmax,
                               None if want_log_norm is None else want_log_norm.contiguous())
     return log_norm, argmax
+
+
+def token_bitmask_words(vocab: int) -> int:
+    """int32 words of one row of a token bitmask over ``vocab`` tokens (xgrammar's layout:
+    bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed)."""
+    return (vocab + 31) // 32
+
+
+def _check_bitmask(logits: torch.Tensor, bitmask: object) -> None:
+    _check_tensor("bitmask", bitmask, dtype=torch.int32, ndim=2)
+    n, vocab = logits.shape
+    words = bitmask.shape[1]
+    if bitmask.shape[0] != n or words < token_bitmask_words(vocab) or bitmask.device != logits.device:
+        raise ValueError(f"bitmask must be int32 [{n}, >= {token_bitmask_words(vocab)}] on {logits.device}, got "
+                         f"{tuple(bitmask.shape)} on {bitmask.device}")
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[n, vocab]``: which tokens a bitmask allows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: ``-inf`` in float32 ``logits`` ``[n, vocab]`` wherever the int32 ``bitmask``
+    ``[n, token_bitmask_words(vocab)]`` has a 0 bit (rows of all ones are unchanged)."""
+    _check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous=False)
+    _check_bitmask(logits, bitmask)
+    logits.masked_fill_(~_allowed(bitmask, logits.shape[1]), float("-inf"))
 
 
 # GGUF block formats the CPU keeps quantized: name -> (ggml type id, values per block, bytes per block).

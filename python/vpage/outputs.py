@@ -53,6 +53,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first, then its top
+    # logprobs and its own (given once, in the first output of a request, also under DELTA).
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
 
 class _CompletionParts:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
 
@@ -32,11 +32,52 @@ class SamplingType(enum.IntEnum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's names); exactly one of ``json``
+    (a JSON schema, as a dict or its text), ``regex``, ``choice`` (one of these strings),
+    ``grammar`` (EBNF, or Lark for llguidance), ``json_object`` (any JSON object) or
+    ``structural_tag`` (xgrammar's structural tag, as JSON text) is set.
+
+    ``disable_any_whitespace``: JSON without the optional whitespace; ``disable_additional_properties``:
+    objects of a schema that says nothing about additionalProperties accept no other keys."""
+
+    json: Union[str, dict, None] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar, json_object "
+                             f"or structural_tag, got {kinds or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar", "json_object" or "structural_tag"."""
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                    if getattr(self, name) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Sampling settings of one request; invalid combinations raise ValueError.
 
     temperature 0 means greedy; top_k 0 or -1 and top_p 1 and min_p 0 mean "off".
     ``best_of`` defaults to ``n``; with beam search it is the beam width.
+    ``prompt_logprobs``: the top-k logprobs of every prompt token after the first (and the
+    prompt token's own); ``logit_bias``: token id -> value added to its logit; ``allowed_token_ids``:
+    only these may be sampled; ``bad_words``: words (each as it tokenizes alone and after a
+    space) that are never completed; ``structured_outputs``: a grammar the output must match.
     """
 
     n: int = 1
@@ -59,7 +100,12 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -111,6 +157,10 @@ class SamplingParams:
               f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
               f"logprobs must be non-negative, got {self.logprobs}")
+        check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+              f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              f"structured_outputs must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         check(all(isinstance(s, str) and s for s in self.stop),
               f"stop strings must be non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -18,8 +18,9 @@ LAYERS = [
     ("executor", {"executor"}),
     ("worker", {"worker"}),
     ("model_executor", {"model_executor"}),
-    # Shared plain modules every layer above may use: parameters, outputs, text, sampling.
-    ("common", {"sampling_params", "outputs", "tokenizer", "sampler"}),
+    # Shared plain modules every layer above may use: parameters, outputs, text, sampling,
+    # grammars (structured outputs) and reasoning formats.
+    ("common", {"sampling_params", "outputs", "tokenizer", "sampler", "structured_output", "reasoning"}),
     ("distributed", {"distributed"}),
     ("ops", {"ops", "_ops_cpu", "_ops_cuda"}),
     ("config", {"config"}),  # plain data, imports nothing from vpage

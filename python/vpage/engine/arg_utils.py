@@ -6,11 +6,13 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from vpage.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from vpage.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                          StructuredOutputsConfig)
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 _GENERATION_CONFIG_MODES = ("auto", "vpage")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -48,6 +50,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None  # default "mp" when tensor_parallel_size > 1
     generation_config: str = "auto"  # the model's sampling defaults; "vpage": none; or a folder
+    structured_outputs_backend: str = "xgrammar"  # grammar compiler of structured outputs
+    reasoning_parser: Optional[str] = None  # e.g. "qwen3": structured outputs start after the reasoning
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -88,6 +92,9 @@ class EngineArgs:
         check(self.generation_config in _GENERATION_CONFIG_MODES or os.path.isdir(self.generation_config),
               f"generation_config must be one of {_GENERATION_CONFIG_MODES} or a folder, "
               f"got {self.generation_config!r}")
+        check(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+              f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+              f"got {self.structured_outputs_backend!r}")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
@@ -134,4 +141,6 @@ class EngineArgs:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                       preemption_mode=self.preemption_mode),
-            enforce_eager=self.enforce_eager)
+            enforce_eager=self.enforce_eager,
+            structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend,
+                                                       reasoning_parser=self.reasoning_parser))
