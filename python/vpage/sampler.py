@@ -105,6 +105,47 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+def has_token_controls(p: SamplingParams) -> bool:
+    """Whether a request sets allowed_token_ids, bad_words or logit_bias."""
+    return bool(p.allowed_token_ids or p.bad_words_token_ids or p.logit_bias)
+
+
+def apply_token_controls(logits: torch.Tensor, rows: list[SamplingRow], which: list[int]) -> None:
+    """In place on rows ``which`` of ``logits`` ``[len(rows), vocab]`` float32, in vLLM's order:
+    every token outside allowed_token_ids becomes -inf; so does the last token of each bad word
+    whose other tokens are the last ones the row generated (a one-token word always); then
+    logit_bias is added. Each rule is one indexed write over all the rows (never a per-row
+    pass over the vocabulary); a -inf stays -inf whatever the bias."""
+    dev = logits.device
+
+    def index(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=dev)
+
+    allowed = [i for i in which if rows[i].params.allowed_token_ids]
+    if allowed:  # keep the allowed entries (as they are now), fill the rest of the rows with -inf
+        at = (index([i for i in allowed for _ in rows[i].params.allowed_token_ids]),
+              index([t for i in allowed for t in rows[i].params.allowed_token_ids]))
+        kept = logits[at]
+        logits.index_fill_(0, index(allowed), float("-inf"))
+        logits[at] = kept
+    bad_rows, bad_ids = [], []
+    for i in which:
+        out = rows[i].output_token_ids
+        for word in rows[i].params.bad_words_token_ids:
+            before = len(word) - 1  # tokens that must already end the output
+            if before == 0 or (before <= len(out) and list(out[-before:]) == word[:-1]):
+                bad_rows.append(i)
+                bad_ids.append(word[-1])
+    if bad_rows:
+        logits[index(bad_rows), index(bad_ids)] = float("-inf")
+    biased = [i for i in which if rows[i].params.logit_bias]
+    if biased:
+        at = (index([i for i in biased for _ in rows[i].params.logit_bias]),
+              index([t for i in biased for t in rows[i].params.logit_bias]))
+        logits.index_put_(at, index([b for i in biased for b in rows[i].params.logit_bias.values()],
+                                    logits.dtype), accumulate=True)
+
+
 class Sampler:
     """Samples one token per row, batched over the rows of a step."""
 
@@ -133,15 +174,18 @@ class Sampler:
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
         random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
-        logits = raw.clone() if early or penalised or random_rows else raw  # greedy-only steps copy nothing
+        ruled = [i for i, r in enumerate(rows) if has_token_controls(r.params)]
+        logits = raw.clone() if early or penalised or random_rows or ruled else raw  # greedy-only steps copy nothing
         for i, banned in early:
             logits[i, banned] = float("-inf")
+        if ruled:
+            apply_token_controls(logits, rows, ruled)
         if penalised:
             sub = logits[penalised]
             apply_penalties(sub, [rows[i] for i in penalised])
             logits[penalised] = sub
-        changed = sorted({i for i, _ in early}.union(penalised).difference(random_rows))
-        if changed:  # greedy and beam rows whose logits a ban or penalty changed
+        changed = sorted({i for i, _ in early}.union(penalised, ruled).difference(random_rows))
+        if changed:  # greedy and beam rows whose logits a ban, bias or penalty changed
             token_ids[changed] = logits[changed].argmax(dim=-1)
         if random_rows:
             token_ids[random_rows] = self._sample_random(logits[random_rows], [rows[i] for i in random_rows])

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 _GREEDY_EPS = 1e-5
 
@@ -161,6 +162,7 @@ class SamplingParams:
               f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}")
         check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
               f"structured_outputs must be StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+        self._verify_token_controls()
         check(all(isinstance(s, str) and s for s in self.stop),
               f"stop strings must be non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -168,6 +170,58 @@ class SamplingParams:
         check(self.output_kind in tuple(RequestOutputKind),
               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
+
+    def _verify_token_controls(self) -> None:
+        """Types of logit_bias (token id -> finite bias), allowed_token_ids (a non-empty list of
+        ids) and bad_words (non-empty strings); the vocabulary is checked by verify_token_ids."""
+        def is_id(t: object) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    is_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                    for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids (non-negative ints) to finite numbers, "
+                                 f"got {self.logit_bias!r:.200}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not all(map(is_id, self.allowed_token_ids)):
+                raise ValueError(f"allowed_token_ids must be a list of token ids (non-negative ints), "
+                                 f"got {self.allowed_token_ids!r:.200}")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is empty: no token could be generated")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(
+                    isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r:.200}")
+            self.bad_words = list(self.bad_words)
+        if self.use_beam_search and (self.logit_bias or self.allowed_token_ids or self.bad_words):
+            raise ValueError("logit_bias, allowed_token_ids and bad_words are not supported with beam search")
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenizes ``bad_words`` (the engine calls this when it adds the request): each word
+        as it is written at the start of a text and, when that tokenizes differently, after a
+        space (a word inside a text); ``bad_words_token_ids`` holds the results."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or []:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in self._bad_words_token_ids:
+                    self._bad_words_token_ids.append(ids)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token sequences of ``bad_words`` (empty until ``update_from_tokenizer``)."""
+        return getattr(self, "_bad_words_token_ids", [])
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """ValueError naming the field and the ids of logit_bias, allowed_token_ids or the
+        tokenized bad_words that are outside a vocabulary of ``vocab_size`` tokens."""
+        bad = out_of_vocab(self, vocab_size)
+        if bad is not None:
+            name, ids = bad
+            raise ValueError(f"token id(s) {ids} in {name} are out of the vocabulary (size {vocab_size})")
 
     def _verify_beam_search(self) -> None:
         if self.best_of == 1:
@@ -201,3 +255,15 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+
+def out_of_vocab(params: SamplingParams, vocab_size: int) -> Optional[tuple[str, list[int]]]:
+    """The first of logit_bias, allowed_token_ids and bad_words (once tokenized) that holds
+    ids outside ``[0, vocab_size)``, with those ids (at most 10); None when all are inside."""
+    fields = (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or []),
+              ("bad_words", [t for ids in params.bad_words_token_ids for t in ids]))
+    for name, ids in fields:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            return name, bad[:10]
+    return None

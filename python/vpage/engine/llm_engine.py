@@ -113,6 +113,11 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer; this model has none")
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_token_ids(self.model_config.vocab_size)  # logit_bias, allowed_token_ids, bad_words
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
