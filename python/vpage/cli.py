@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="seconds a client has to send a request's body (default: 30)")
     serve.add_argument("--health-stall-timeout", type=float, default=60.0,
                        help="/health answers 503 when the engine has not reported for this long (default: 60)")
+    from vpage.entrypoints.openai.cors import add_cors_arguments
+
+    add_cors_arguments(serve)
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve}")
     from vpage.benchmarks.serve import add_arguments
@@ -138,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
     from vpage.engine.arg_utils import EngineArgs
     from vpage.entrypoints.openai.api_server import HttpLimits
     from vpage.entrypoints.openai.auth import ApiKeys
+    from vpage.entrypoints.openai.cors import cors_options
     from vpage.entrypoints.openai.launcher import ServerOptions, run
     from vpage.entrypoints.openai.serving import ServingLimits
 
@@ -156,7 +160,7 @@ def _serve(args: argparse.Namespace) -> int:
         http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                         health_stall_s=args.health_stall_timeout),
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
-        header_timeout_s=args.timeout_header)
+        header_timeout_s=args.timeout_header, cors=cors_options(args))
     return run(engine_args, options)
 
 

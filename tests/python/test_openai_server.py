@@ -122,7 +122,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2000}, 400, "maximum context length is 1024"),
     ("/v1/completions", {"prompt": _LONG, "max_tokens": 1}, 400, "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logprobs": 1000}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, 400, "min_tokens"),

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API on FastAPI: routes, body limits, API keys and errors.
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``GET /health``
+``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``POST /tokenize``
+and ``POST /detokenize`` (vLLM's), ``GET /health``
 (milliseconds; 503 when the engine is dead, wedged, or the server is draining) and
 ``GET /metrics`` (Prometheus). Every error, from a bad field to an unknown route or a
 wrong method, is OpenAI's JSON error body; nothing answers HTML or a traceback.
@@ -22,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vpage.entrypoints.openai.auth import ApiKeys, cache_salt
+from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from vpage.entrypoints.openai.serving import OpenAIServing
+from vpage.entrypoints.openai.tokenization import Tokenization
 
 logger = logging.getLogger("vpage")
 
@@ -91,7 +94,7 @@ class _HeadLimits:
             await self.app(scope, receive, send)
 
 
-def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits) -> FastAPI:
+def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None) -> FastAPI:
     app = FastAPI(title="vpage", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -115,6 +118,7 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits) -> Fast
         return error_response(ApiError(500, "internal server error", kind="server_error"))
 
     app.add_middleware(_HeadLimits, max_url_bytes=limits.max_url_bytes, max_header_bytes=limits.max_header_bytes)
+    add_cors(app, cors or CorsOptions())  # outermost: the limits' errors carry CORS headers too
 
     def authenticate(request: Request) -> Optional[str]:
         return keys.tenant(request.headers.get("authorization"))
@@ -163,5 +167,17 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits) -> Fast
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
+
+    tokenization = Tokenization(serving)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        authenticate(request)
+        return json_response(200, tokenization.tokenize(await read_body(request, limits)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        authenticate(request)
+        return json_response(200, tokenization.detokenize(await read_body(request, limits)))
 
     return app

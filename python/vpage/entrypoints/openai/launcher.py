@@ -19,6 +19,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_client import EngineCoreClient
 from vpage.entrypoints.openai.api_server import HttpLimits, build_app
 from vpage.entrypoints.openai.auth import ApiKeys
+from vpage.entrypoints.openai.cors import CorsOptions
 from vpage.entrypoints.openai.http_protocol import json_error_protocol
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
@@ -36,6 +37,7 @@ class ServerOptions:
     keys: ApiKeys = field(default_factory=lambda: ApiKeys({}))
     serving: ServingLimits = field(default_factory=ServingLimits)
     http: HttpLimits = field(default_factory=HttpLimits)
+    cors: CorsOptions = field(default_factory=CorsOptions)
     drain_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
@@ -98,7 +100,7 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     client = EngineCoreClient(args, on_step=metrics.on_step)
     await client.start()
     serving = OpenAIServing(client, options.model_name, metrics, options.serving)
-    app = build_app(serving, options.keys, options.http)
+    app = build_app(serving, options.keys, options.http, options.cors)
     config = uvicorn.Config(app, host=options.host, port=options.port, loop="asyncio", lifespan="off",
                             http=json_error_protocol(options.header_timeout_s), backlog=2048,
                             timeout_keep_alive=int(options.keep_alive_s), timeout_graceful_shutdown=5,

@@ -47,7 +47,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: Optional[bool] = None
+    include_usage: Optional[bool] = True  # vLLM's default: stream_options alone asks for usage
+    continuous_usage_stats: Optional[bool] = False  # usage in every chunk (with include_usage)
 
 
 class _SamplingRequest(_Strict):
@@ -78,15 +79,18 @@ class _SamplingRequest(_Strict):
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = Field(None, max_length=1024)
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Token id (as a JSON key) -> bias added to its logit, clamped to [-100, 100] as OpenAI does.
+    logit_bias: Optional[dict[str, float]] = None
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    bad_words: Optional[list[StopString]] = Field(None, max_length=256)
     # OpenAI fields vpage does not implement: refused when given a non-empty value.
-    logit_bias: Optional[Any] = None
     response_format: Optional[Any] = None
     tools: Optional[Any] = None
     functions: Optional[Any] = None
     suffix: Optional[Any] = None
 
     def unsupported(self) -> Optional[str]:
-        for name in ("logit_bias", "response_format", "tools", "functions", "suffix"):
+        for name in ("response_format", "tools", "functions", "suffix"):
             if getattr(self, name) not in (None, {}, [], ""):
                 return name
         return None

@@ -63,16 +63,26 @@ def _chat_logprobs(output: CompletionOutput, start: int) -> Optional[dict]:
     return {"content": content}
 
 
+def _choice_usage(prompt_tokens: int, counts: dict[int, int], index: int, new_tokens: int) -> dict:
+    """vLLM's per-chunk usage: the prompt's tokens and those choice ``index`` generated so far
+    (``counts`` is updated with the chunk's ``new_tokens``)."""
+    counts[index] = completion = counts.get(index, 0) + new_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
 class ResponseBuilder:
     """Builds the response bodies of one API request (one or more engine requests): the whole
     answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None):
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None,
+                 usage_prompt_lens: Optional[list[int]] = None):
         self.id = request_id
         self.model = model
         self.chat = chat
         self.n = n
         self.echo_prompts = echo_prompts  # completions with echo: the prompt texts
+        self.usage_prompt_lens = usage_prompt_lens  # continuous_usage_stats: each prompt's token count
+        self._choice_tokens: dict[int, int] = {}  # choice index -> tokens streamed (continuous usage)
         self.created = int(time.time())
         self._text_offset: dict[int, int] = {}  # choice index -> characters already streamed
         self._finished: set[int] = set()  # choice indices whose finish reason was streamed
@@ -91,12 +101,13 @@ class ResponseBuilder:
                 index = p * self.n + c.index
                 if self.chat:
                     choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c)})
+                                    "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c),
+                                    "stop_reason": c.stop_reason})
                 else:
                     prefix = self.echo_prompts[p] if self.echo_prompts else ""
                     choices.append({"index": index, "text": prefix + c.text,
                                     "logprobs": _completion_logprobs(c, 0, len(prefix)),
-                                    "finish_reason": finish_reason(c)})
+                                    "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
         return {**self._head(False), "choices": choices, "usage": usage(outputs)}
 
     def chunks(self, prompt_index: int, delta: RequestOutput) -> list[dict]:
@@ -122,7 +133,11 @@ class ResponseBuilder:
                 if first and self.echo_prompts:
                     text = self.echo_prompts[prompt_index] + text
                 choice = {"index": index, "text": text, "logprobs": _completion_logprobs(c, 0, offset)}
-            chunks.append({**self._head(True), "choices": [{**choice, "finish_reason": reason}]})
+            chunk = {**self._head(True), "choices": [{**choice, "finish_reason": reason, "stop_reason": c.stop_reason}]}
+            if self.usage_prompt_lens is not None:  # continuous_usage_stats: this choice's usage so far
+                chunk["usage"] = _choice_usage(self.usage_prompt_lens[prompt_index], self._choice_tokens, index,
+                                               len(c.token_ids))
+            chunks.append(chunk)
         return chunks
 
     def abort_chunks(self, prompt_index: int) -> list[dict]:

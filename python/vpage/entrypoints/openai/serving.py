@@ -21,6 +21,7 @@ from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestF
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
+from vpage.entrypoints.openai.token_controls import check_bad_words, token_control_kwargs
 from vpage.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
@@ -90,7 +91,10 @@ class OpenAIServing:
         if not chat and req.echo:
             echo = [self.client.info.tokenizer.decode(ids) for ids in prompts]
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo)
+        options = req.stream_options
+        continuous = bool(req.stream and options and options.include_usage and options.continuous_usage_stats)
+        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo,
+                                  [len(ids) for ids in prompts] if continuous else None)
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -153,10 +157,12 @@ class OpenAIServing:
             kwargs["logprobs"] = req.top_logprobs or 0
         elif not chat and req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
+        kwargs.update(token_control_kwargs(req, info.vocab_size))
         try:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
+        check_bad_words(params, info.tokenizer, info.vocab_size)
         if params.best_of > info.max_num_seqs:
             name = "best_of" if req.best_of is not None else "n"
             raise ApiError(400, f"{name} is {params.best_of}; this server runs at most {info.max_num_seqs} "
