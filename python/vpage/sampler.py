@@ -114,36 +114,33 @@ def apply_token_controls(logits: torch.Tensor, rows: list[SamplingRow], which: l
     """In place on rows ``which`` of ``logits`` ``[len(rows), vocab]`` float32, in vLLM's order:
     every token outside allowed_token_ids becomes -inf; so does the last token of each bad word
     whose other tokens are the last ones the row generated (a one-token word always); then
-    logit_bias is added. Each rule is one indexed write over all the rows (never a per-row
-    pass over the vocabulary); a -inf stays -inf whatever the bias."""
-    dev = logits.device
+    logit_bias is added. Each rule is one write at flat indices (row * vocab + token) over all
+    the rows (never a per-row pass over the vocabulary); a -inf stays -inf whatever the bias."""
+    dev, vocab = logits.device, logits.shape[1]
 
-    def index(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=dev)
+    def flat(pairs: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor([i * vocab + t for i, t in pairs], dtype=torch.int64, device=dev)
 
     allowed = [i for i in which if rows[i].params.allowed_token_ids]
     if allowed:  # keep the allowed entries (as they are now), fill the rest of the rows with -inf
-        at = (index([i for i in allowed for _ in rows[i].params.allowed_token_ids]),
-              index([t for i in allowed for t in rows[i].params.allowed_token_ids]))
-        kept = logits[at]
-        logits.index_fill_(0, index(allowed), float("-inf"))
-        logits[at] = kept
-    bad_rows, bad_ids = [], []
+        at = flat([(i, t) for i in allowed for t in rows[i].params.allowed_token_ids])
+        kept = logits.take(at)
+        logits.index_fill_(0, torch.tensor(allowed, device=dev), float("-inf"))
+        logits.put_(at, kept)
+    banned = []
     for i in which:
         out = rows[i].output_token_ids
         for word in rows[i].params.bad_words_token_ids:
             before = len(word) - 1  # tokens that must already end the output
             if before == 0 or (before <= len(out) and list(out[-before:]) == word[:-1]):
-                bad_rows.append(i)
-                bad_ids.append(word[-1])
-    if bad_rows:
-        logits[index(bad_rows), index(bad_ids)] = float("-inf")
+                banned.append((i, word[-1]))
+    if banned:
+        logits.put_(flat(banned), torch.full((len(banned),), float("-inf"), device=dev))
     biased = [i for i in which if rows[i].params.logit_bias]
     if biased:
-        at = (index([i for i in biased for _ in rows[i].params.logit_bias]),
-              index([t for i in biased for t in rows[i].params.logit_bias]))
-        logits.index_put_(at, index([b for i in biased for b in rows[i].params.logit_bias.values()],
-                                    logits.dtype), accumulate=True)
+        at = flat([(i, t) for i in biased for t in rows[i].params.logit_bias])
+        values = [b for i in biased for b in rows[i].params.logit_bias.values()]
+        logits.put_(at, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 class Sampler:
