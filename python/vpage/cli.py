@@ -84,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling(chat)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                            description="Serve /v1/models, /v1/completions and /v1/chat/completions "
-                                       "(streaming included) with continuous batching of concurrent requests.")
+                                       "(streaming included), /tokenize and /detokenize, with continuous batching "
+                                       "of concurrent requests.")
     _add_model(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")

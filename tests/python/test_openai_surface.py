@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 
 import pytest
 
@@ -17,27 +18,41 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "The capital of France is"
 
 
+def _load_tokenizer():
+    from vpage.model_executor.loader.default_model import default_model_path
+    from vpage.tokenizer import get_tokenizer
+
+    path = default_model_path()
+    return get_tokenizer(path.parent, path.name)
+
+
 @pytest.fixture(scope="module")
-def server():
+def served():
+    """The server and, loaded while it starts (both take seconds), the default model's tokenizer."""
+    loaded = {}
+    thread = threading.Thread(target=lambda: loaded.update(tokenizer=_load_tokenizer()))
+    thread.start()
     srv = LiveServer("--dtype", "float32", "--kv-cache-memory", "0.1", "--max-model-len", "512",
                      "--max-num-seqs", "4", "--api-key", KEY, "--allowed-origins", json.dumps([ORIGIN]))
-    yield srv
+    thread.join()
+    yield srv, loaded["tokenizer"]
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
 def client(server):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from vpage.model_executor.loader.default_model import default_model_path
-    from vpage.tokenizer import get_tokenizer
-
-    path = default_model_path()
-    return get_tokenizer(path.parent, path.name)
 
 
 @pytest.fixture(scope="module")
