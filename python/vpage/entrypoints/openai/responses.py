@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from vpage.entrypoints.openai.prompt_logprobs import PromptEcho, prompt_logprobs_json
 from vpage.outputs import CompletionOutput, RequestOutput
 
 _MIN_LOGPROB = -9999.0
@@ -67,12 +68,12 @@ class ResponseBuilder:
     """Builds the response bodies of one API request (one or more engine requests): the whole
     answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None):
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo: Optional[PromptEcho] = None):
         self.id = request_id
         self.model = model
         self.chat = chat
         self.n = n
-        self.echo_prompts = echo_prompts  # completions with echo: the prompt texts
+        self.echo = echo  # completions with echo: the prompts (and their logprobs)
         self.created = int(time.time())
         self._text_offset: dict[int, int] = {}  # choice index -> characters already streamed
         self._finished: set[int] = set()  # choice indices whose finish reason was streamed
@@ -85,6 +86,8 @@ class ResponseBuilder:
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         """The whole answer: outputs[i] is the final output of prompt i."""
+        if self.echo is not None:
+            outputs = [self.echo.visible(o) for o in outputs]
         choices = []
         for p, out in enumerate(outputs):
             for c in out.outputs:
@@ -93,20 +96,29 @@ class ResponseBuilder:
                     choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
                                     "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c)})
                 else:
-                    prefix = self.echo_prompts[p] if self.echo_prompts else ""
+                    prefix = self.echo.texts[p] if self.echo else ""
+                    logprobs = _completion_logprobs(c, 0, len(prefix))
                     choices.append({"index": index, "text": prefix + c.text,
-                                    "logprobs": _completion_logprobs(c, 0, len(prefix)),
+                                    "logprobs": self.echo.logprobs(p, out, logprobs) if self.echo else logprobs,
                                     "finish_reason": finish_reason(c)})
-        return {**self._head(False), "choices": choices, "usage": usage(outputs)}
+                    if out.prompt_logprobs is not None:
+                        choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        body = {**self._head(False), "choices": choices, "usage": usage(outputs)}
+        if self.chat and outputs and outputs[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+        return body
 
     def chunks(self, prompt_index: int, delta: RequestOutput) -> list[dict]:
         """Stream chunks for a DELTA output of prompt ``prompt_index`` (what its step added)."""
         self._cached_tokens[prompt_index] = delta.num_cached_tokens
+        if self.echo is not None:
+            delta = self.echo.visible(delta)
         chunks = []
         for c in delta.outputs:
             index = prompt_index * self.n + c.index
             first = index not in self._text_offset
-            offset = self._text_offset.get(index, 0)
+            prefix = self.echo.texts[prompt_index] if first and self.echo else ""  # echoed in the first chunk
+            offset = self._text_offset.get(index, 0) + len(prefix)
             reason = finish_reason(c)
             if not (c.text or reason or first or c.token_ids):
                 continue
@@ -118,10 +130,10 @@ class ResponseBuilder:
                 message = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
                 choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
             else:
-                text = c.text
-                if first and self.echo_prompts:
-                    text = self.echo_prompts[prompt_index] + text
-                choice = {"index": index, "text": text, "logprobs": _completion_logprobs(c, 0, offset)}
+                logprobs = _completion_logprobs(c, 0, offset)
+                if first and self.echo:
+                    logprobs = self.echo.logprobs(prompt_index, delta, logprobs)
+                choice = {"index": index, "text": prefix + c.text, "logprobs": logprobs}
             chunks.append({**self._head(True), "choices": [{**choice, "finish_reason": reason}]})
         return chunks
 
