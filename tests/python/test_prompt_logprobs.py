@@ -28,7 +28,7 @@ from vpage.sampling_params import RequestOutputKind
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BS = 8
-_BLOCK_BYTES = 4096  # one KV block of the tiny Llama (2 layers x 2 KV heads x 16 dims x 8 tokens, float32)
+_BLOCK_BYTES = 4096  # one KV block of the tiny Llama: K and V, 2 layers x 2 KV heads x 16 dims x 8 tokens, float32
 
 
 @pytest.fixture(scope="module")
