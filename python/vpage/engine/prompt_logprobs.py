@@ -105,9 +105,9 @@ class PromptLogprobs:
             entries = state.prompt_logprobs
             for i in range(row, row + end - begin):
                 entry = {targets[i]: Logprob(own[i], ranks[i], text(targets[i]))}
-                for rank, (tid, value) in enumerate(zip(top_ids[i][:want] if want else (),
-                                                        top_values[i][:want] if want else ()), start=1):
-                    entry.setdefault(tid, Logprob(value, rank, text(tid)))
+                best = zip(top_ids[i][:want], top_values[i][:want]) if want else ()
+                for rank, (tid, value) in enumerate(best, start=1):
+                    entry.setdefault(tid, Logprob(value, rank, text(tid)))  # the prompt token keeps its entry
                 entries.append(entry)
             row += end - begin
             if len(entries) == len(state.prompt_token_ids):
