@@ -92,6 +92,7 @@ class OutputAccumulator:
         self.prompt_token_ids = prompt_token_ids
         self._parts: dict[int, _CompletionParts] = {}
         self._last: Optional[RequestOutput] = None
+        self._prompt_logprobs = None  # the one delta that carries them (the first)
 
     @property
     def empty(self) -> bool:
@@ -104,9 +105,11 @@ class OutputAccumulator:
                 parts = self._parts[c.index] = _CompletionParts(c.index)
             parts.add(c)
         self._last = delta
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
 
     def output(self) -> RequestOutput:
         last = self._last
         completions = [self._parts[i].output() for i in sorted(self._parts)]
         return RequestOutput(self.request_id, last.prompt, self.prompt_token_ids, completions, last.finished,
-                             last.metrics, last.num_cached_tokens)
+                             last.metrics, last.num_cached_tokens, self._prompt_logprobs)

@@ -145,3 +145,24 @@ def test_blocks_freed_before_a_sliding_window_arrive_as_minus_one():
     assert any(-1 in t for t in tables.values())
     # Each sequence gains a block at one step of every BLOCK and frees one at another.
     assert max(sent[1:]) <= 2 * len(tables) and sum(sent[16:40]) == 2 * len(tables) * 24 // BLOCK
+
+
+def test_extra_logit_rows_travel_after_the_tables():
+    """Prompt rows of prompt_logprobs requests: sent with some steps, absent (None) otherwise,
+    and the tables still change against the previous step's."""
+    rng = random.Random(3)
+    cpu = torch.device("cpu")
+    sender, receiver = StepSender(cpu, BLOCK), StepReceiver(cpu, BLOCK)
+    tables = {i: [10 * i, 10 * i + 1] for i in range(5)}
+    lens = {i: 5 + i for i in range(5)}
+    for step in range(6):
+        plan = plan_of(tables, lens, rng)
+        rows = np.array(rng.sample(range(40), rng.randrange(1, 9)), dtype=np.int64) if step % 2 else None
+        header, payload = sender.pack(plan, rows)
+        assert len(payload) == receiver.payload_size(header)
+        got = receiver.unpack(header, payload.copy())
+        assert (got.logit_rows is None) if rows is None else np.array_equal(got.logit_rows, rows), step
+        for r, seq in enumerate(plan.seq_ids.tolist()):
+            assert got.block_tables[r, :2].tolist() == tables[seq], (step, seq)
+        for seq in tables:
+            tables[seq][1] += 100 * (step % 3 == 0)

@@ -10,12 +10,14 @@ differ from it (a copy-on-write copy; -1 for a block freed before a sliding wind
 it, so a steady decode batch sends one entry per sequence every ``block_size`` tokens (two with
 a sliding window) instead of every table every step. Only the first
 ``ceil(context_len / block_size)`` entries of a row are meaningful (the kernels read no others);
-the worker's tables hold zeros elsewhere.
+the worker's tables hold zeros elsewhere. Last come the extra rows whose logits the step
+computes besides the sampled ones (prompt rows of prompt_logprobs requests; usually none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -47,6 +49,7 @@ class StepInput:
     blocks_to_copy: np.ndarray
     max_context_len: int
     max_query_len: int
+    logit_rows: Optional[np.ndarray] = None  # [n] int64 token indices, or None
 
     @property
     def num_seqs(self) -> int:
@@ -93,23 +96,26 @@ class StepSender:
         index = np.flatnonzero(send)
         return [prev_rows, kept, index.astype(np.int64), tables.reshape(-1)[index].astype(np.int64)]
 
-    def pack(self, plan) -> tuple[list[int], np.ndarray]:
-        """(header, payload) of ``plan``; remembers its tables for the next step."""
+    def pack(self, plan, logit_rows: Optional[np.ndarray] = None) -> tuple[list[int], np.ndarray]:
+        """(header, payload) of ``plan`` and its extra ``logit_rows``; remembers its tables for
+        the next step."""
         parts = [np.asarray(getattr(plan, name)) for name in _FLAT]
         tables = np.asarray(plan.block_tables)
         seq_ids = np.asarray(plan.seq_ids, dtype=np.int64)
         used = _used_blocks(np.asarray(plan.context_lens), self.block_size)
         table_parts = self._table_change(seq_ids, tables, used)
+        extra = [] if logit_rows is None else [np.asarray(logit_rows)]
         rows, width = tables.shape
         header = [CMD_STEP, len(parts[0]), rows, width, len(parts[5]), len(parts[6]), len(parts[7]), len(parts[8]),
-                  len(table_parts[2]), plan.max_context_len, plan.max_query_len, 0]
-        payload = np.concatenate([p.reshape(-1).astype(np.int64, copy=False) for p in parts + table_parts])
+                  len(table_parts[2]), plan.max_context_len, plan.max_query_len, len(extra[0]) if extra else 0]
+        payload = np.concatenate([p.reshape(-1).astype(np.int64, copy=False) for p in parts + table_parts + extra])
         self._seq_ids, self._tables, self._used = seq_ids.copy(), tables.copy(), used
         return header, payload
 
-    def send(self, plan) -> None:
-        """Broadcasts ``plan`` (a SchedulePlan) to the workers: header, then payload."""
-        header, payload = self.pack(plan)
+    def send(self, plan, logit_rows: Optional[np.ndarray] = None) -> None:
+        """Broadcasts ``plan`` (a SchedulePlan) and its extra ``logit_rows`` to the workers:
+        header, then payload."""
+        header, payload = self.pack(plan, logit_rows)
         broadcast(torch.tensor(header, dtype=torch.int64, device=self.device), control=True)
         broadcast(torch.from_numpy(payload).to(self.device), control=False)
 
@@ -125,7 +131,8 @@ class StepReceiver:
     @staticmethod
     def payload_size(header: list[int]) -> int:
         num_tokens, rows, _, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
-        return 3 * num_tokens + 2 * rows + 1 + num_samples + 2 * (n_out + n_in + n_copy) + 2 * rows + 2 * n_entries
+        return (3 * num_tokens + 2 * rows + 1 + num_samples + 2 * (n_out + n_in + n_copy) + 2 * rows + 2 * n_entries
+                + header[11])
 
     def unpack(self, header: list[int], payload: np.ndarray) -> StepInput:
         num_tokens, rows, width, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
@@ -148,7 +155,9 @@ class StepReceiver:
             tables[:, :common] = np.where(keep, self._tables[np.maximum(prev_rows, 0), :common], 0)
         tables.reshape(-1)[index] = blocks
         self._tables = tables
-        return StepInput(**arrays, block_tables=tables, max_context_len=header[9], max_query_len=header[10])
+        logit_rows = payload[offset:offset + header[11]] if header[11] else None
+        return StepInput(**arrays, block_tables=tables, max_context_len=header[9], max_query_len=header[10],
+                         logit_rows=logit_rows)
 
     def receive(self) -> StepInput | None:
         """Waits for the next step; None when the driver shuts down."""

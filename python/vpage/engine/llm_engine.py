@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -79,6 +80,7 @@ class LLMEngine:
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
+        self._private_salts = itertools.count()
         logger.info("vpage: %s on %s (%s), KV cache %d blocks x %d tokens (%.1f KiB per block) = %d tokens, "
                     "swap %d blocks, max_model_len %d", self.model_config.architecture, self.device,
                     str(self.model_config.dtype).removeprefix("torch."), num_gpu_blocks, cache.block_size,
@@ -140,6 +142,11 @@ class LLMEngine:
                                     stop_token_ids=params.stop_token_ids,
                                     ignore_eos=params.ignore_eos or beam is not None)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.prompt_logprobs is not None:
+            # Cached prompt tokens get no logits: a salt no other request has keeps this one off
+            # others' cached blocks. (Its own blocks may serve its recompute after a preemption;
+            # their positions are scored already.)
+            cache_salt = f"\x00prompt-logprobs-{next(self._private_salts)}"
         seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
                                                     cache_salt or "")
         self.outputs.add(RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival,
@@ -179,11 +186,15 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
-        logits = self.executor.execute(plan)
+        prompt_rows = self.outputs.prompt_logprobs.rows(plan)
+        logits = self.executor.execute(plan, None if prompt_rows is None else prompt_rows.rows)
         seq_ids: list[int] = []
         sampled = None
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
+            if prompt_rows is not None:  # the prompt rows' logits follow the sampled rows'
+                self.outputs.prompt_logprobs.score(logits[len(seq_ids):], prompt_rows)
+                logits = logits[:len(seq_ids)]
             sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
         outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
         self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)

@@ -19,6 +19,7 @@ import numpy as np
 
 from vpage import _core
 from vpage.engine.metrics import EngineMetrics
+from vpage.engine.prompt_logprobs import PromptLogprobs
 from vpage.engine.request_state import RequestState, SequenceState
 from vpage.outputs import Logprob, RequestOutput
 from vpage.sampler import SamplerOutput, SamplingRow
@@ -42,6 +43,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, RequestState] = {}
         self.unscheduled: dict[str, RequestState] = {}  # added, never in a step yet (queue time)
+        self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -50,6 +52,7 @@ class OutputProcessor:
         self.unscheduled[state.request_id] = state
         for seq_id in state.seqs:
             self.seq_owner[seq_id] = state
+        self.prompt_logprobs.add(state)
 
     def abort(self, request_id: str) -> None:
         """Aborts an unfinished request (unknown ids are ignored) and frees its blocks."""
@@ -65,6 +68,7 @@ class OutputProcessor:
         self.unscheduled.pop(state.request_id, None)
         for seq_id in state.seqs:
             self.seq_owner.pop(seq_id, None)
+        self.prompt_logprobs.forget(state)
 
     # ------------------------------------------------------------ before sampling
 

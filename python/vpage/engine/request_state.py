@@ -106,6 +106,9 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
         self.finished = False
+        # With params.prompt_logprobs: per prompt token scored so far (None for the first);
+        # engine/prompt_logprobs.py fills it. A DELTA output hands it out once, then drops it.
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
 
     def fork(self, parent: int, child: int) -> None:
         """A new beam `child` continuing `parent` (before parent's token of this step)."""
@@ -165,5 +168,8 @@ class RequestState:
             outputs = self._cumulative()
         else:
             outputs = [d for d in (s.delta() for s in self.seqs.values()) if d is not None]
+        prompt_logprobs = self.prompt_logprobs
+        if kind == RequestOutputKind.DELTA:
+            self.prompt_logprobs = None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.metrics, self.num_cached_tokens)
+                             self.metrics, self.num_cached_tokens, prompt_logprobs)

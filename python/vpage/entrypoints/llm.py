@@ -12,6 +12,24 @@ from vpage.outputs import RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
+# vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}, optionally with "cache_salt".
+PromptDict = dict[str, Any]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
+
+
+def _unpack_prompt(prompt: Union[PromptType, PromptDict]) -> tuple[PromptType, Optional[str]]:
+    """(text or token ids, cache salt) of a prompt given as text, token ids or a vLLM prompt dict."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - _PROMPT_KEYS
+    if unknown:
+        raise ValueError(f"unsupported prompt keys {sorted(unknown)}; a prompt dict has 'prompt' or "
+                         "'prompt_token_ids' (and optionally 'cache_salt')")
+    if "prompt_token_ids" in prompt:
+        return prompt["prompt_token_ids"], prompt.get("cache_salt")
+    if "prompt" not in prompt:
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    return prompt["prompt"], prompt.get("cache_salt")
 
 
 class LLM:
@@ -43,13 +61,14 @@ class LLM:
         over SamplingParams' own; what ``generate`` and ``chat`` use when given none."""
         return SamplingParams(**self.engine.config.model.generation_defaults)
 
-    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+    def generate(self, prompts: Union[PromptType, PromptDict, Sequence[Union[PromptType, PromptDict]]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt (text or token ids) to completion; outputs in prompt order.
-        A single SamplingParams applies to all prompts; a list gives one per prompt; None
-        takes ``get_default_sampling_params()``."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Runs every prompt (text, token ids, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``) to completion; outputs in prompt order. A single
+        SamplingParams applies to all prompts; a list gives one per prompt; None takes
+        ``get_default_sampling_params()``."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -60,7 +79,8 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 request_id = str(next(self._ids))
                 final_only = dataclasses.replace(p or default, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, prompt, final_only)
+                prompt, cache_salt = _unpack_prompt(prompt)
+                self.engine.add_request(request_id, prompt, final_only, cache_salt=cache_salt)
                 order[request_id] = len(order)
             return self._run(order, use_tqdm)
         except BaseException:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from vpage.config import EngineConfig
@@ -57,9 +58,9 @@ class Executor:
         """Bytes of one KV block on one rank."""
         return self.driver_worker.block_bytes()
 
-    def execute(self, plan) -> Optional[torch.Tensor]:
+    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
         """Runs ``plan`` (block moves, then the forward); the float32 logits of its sampled rows,
-        None without rows."""
+        then of ``logit_rows`` (int64 token indices: prompt rows), None without rows."""
         raise NotImplementedError
 
     def check_health(self) -> None:

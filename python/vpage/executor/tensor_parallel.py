@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vpage.config import EngineConfig
@@ -95,14 +96,16 @@ class TensorParallelExecutor(Executor):
         if dead:
             self._fail(None, dead)
 
-    def execute(self, plan) -> Optional[torch.Tensor]:
-        """Runs ``plan`` on every rank; the float32 logits of its sampled rows (None without rows)."""
+    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+        """Runs ``plan`` on every rank; the float32 logits of its sampled rows, then of
+        ``logit_rows`` (None without rows). Every rank computes the same rows (the logits are
+        gathered across ranks), so the rows travel in the step message."""
         self.check_health()
         if not has_work(plan):
             return None
         try:
-            self._sender.send(plan)
-            return self.driver_worker.execute(plan)
+            self._sender.send(plan, logit_rows)
+            return self.driver_worker.execute(plan, logit_rows)
         except BaseException as e:
             self._fail(e)
 

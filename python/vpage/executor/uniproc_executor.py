@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vpage import ops
@@ -22,5 +23,5 @@ class UniProcExecutor(Executor):
         self.num_gpu_blocks, self.num_cpu_blocks = self.driver_worker.determine_num_blocks()
         self.driver_worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
 
-    def execute(self, plan) -> Optional[torch.Tensor]:
-        return self.driver_worker.execute(plan)
+    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+        return self.driver_worker.execute(plan, logit_rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vpage import _core
@@ -48,15 +49,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None) -> torch.Tensor:
-        """Forward of the plan's tokens; returns float32 logits ``[num_samples, vocab]``.
-        ``layer_events`` (CUDA): layer i's attention waits on event i (that layer's swaps)."""
+    def execute(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None,
+                logit_rows: Optional[np.ndarray] = None) -> torch.Tensor:
+        """Forward of the plan's tokens; returns float32 logits ``[num_samples + len(logit_rows),
+        vocab]``: the sampled rows', then those of ``logit_rows`` (int64 token indices, e.g. the
+        prompt rows of prompt_logprobs requests). ``layer_events`` (CUDA): layer i's attention
+        waits on event i (that layer's swaps)."""
         if self.staging is None:
             hidden = self.model(self.batch_of(plan), self.kv_caches)
             rows = self._tensor(plan.sample_token_indices)
         else:
             hidden, rows = self._execute_staged(plan, layer_events)
-        return self.model.compute_logits(hidden.index_select(0, rows), self._logits_buffer(rows.shape[0]))
+        if logit_rows is None:
+            return self.model.compute_logits(hidden.index_select(0, rows), self._logits_buffer(rows.shape[0]))
+        # Up to a whole chunk of rows, rarely: a fresh tensor, not the kept buffer grown for good.
+        rows = torch.cat([rows, self._tensor(logit_rows)])
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     def _logits_buffer(self, rows: int) -> Optional[torch.Tensor]:
         """On the CPU, the first ``rows`` rows of a float32 logits buffer kept across steps (grown

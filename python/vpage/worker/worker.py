@@ -15,6 +15,7 @@ import math
 import os
 from typing import Optional
 
+import numpy as np
 import psutil
 import torch
 
@@ -162,9 +163,10 @@ class Worker:
             blocks = int(free // block_bytes)
         return blocks
 
-    def execute(self, plan) -> Optional[torch.Tensor]:
+    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
         """Block moves (swap out, swap in, copy: in that order), then the forward of the plan's
-        rows; the float32 logits of the sampled rows on rank 0, None elsewhere or without rows.
+        rows; the float32 logits of the sampled rows, then of ``logit_rows`` (int64 token
+        indices), on rank 0, None elsewhere or without rows.
         On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
         cache = self.cache_engine
         cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
@@ -172,7 +174,7 @@ class Worker:
         if not plan.num_seqs:
             cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
             return None
-        return self.model_runner.execute(plan, cache.take_layer_events())
+        return self.model_runner.execute(plan, cache.take_layer_events(), logit_rows)
 
     def serve_steps(self) -> None:
         """A non-driver rank: runs the driver's steps until it sends shutdown."""
@@ -182,7 +184,7 @@ class Worker:
             step = receiver.receive()
             if step is None:
                 return
-            self.execute(step)
+            self.execute(step, step.logit_rows)
 
 
 def init_worker(config: EngineConfig, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:

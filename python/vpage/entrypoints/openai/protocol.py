@@ -69,7 +69,7 @@ class _SamplingRequest(_Strict):
     stop_token_ids: Optional[list[TokenId]] = Field(None, max_length=256)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT32)
-    max_tokens: Optional[int] = Field(None, ge=1, le=_INT32)
+    max_tokens: Optional[int] = Field(None, ge=0, le=_INT32)  # 0: completions with echo (prompt_logprobs.py)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     use_beam_search: bool = False
@@ -83,6 +83,7 @@ class _SamplingRequest(_Strict):
     logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
     bad_words: Optional[list[StopString]] = Field(None, max_length=256)
+    prompt_logprobs: Optional[Int32] = None  # vLLM's; checked in prompt_logprobs.py
     # OpenAI fields vpage does not implement: refused when given a non-empty value.
     response_format: Optional[Any] = None
     tools: Optional[Any] = None

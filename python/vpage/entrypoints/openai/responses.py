@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from vpage.entrypoints.openai.prompt_logprobs import PromptEcho, prompt_logprobs_json
 from vpage.outputs import CompletionOutput, RequestOutput
 
 _MIN_LOGPROB = -9999.0
@@ -74,13 +75,13 @@ class ResponseBuilder:
     """Builds the response bodies of one API request (one or more engine requests): the whole
     answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None,
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo: Optional[PromptEcho] = None,
                  usage_prompt_lens: Optional[list[int]] = None):
         self.id = request_id
         self.model = model
         self.chat = chat
         self.n = n
-        self.echo_prompts = echo_prompts  # completions with echo: the prompt texts
+        self.echo = echo  # completions with echo: the prompts (and their logprobs)
         self.usage_prompt_lens = usage_prompt_lens  # continuous_usage_stats: each prompt's token count
         self._choice_tokens: dict[int, int] = {}  # choice index -> tokens streamed (continuous usage)
         self.created = int(time.time())
@@ -95,6 +96,8 @@ class ResponseBuilder:
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         """The whole answer: outputs[i] is the final output of prompt i."""
+        if self.echo is not None:
+            outputs = [self.echo.visible(o) for o in outputs]
         choices = []
         for p, out in enumerate(outputs):
             for c in out.outputs:
@@ -104,20 +107,29 @@ class ResponseBuilder:
                                     "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c),
                                     "stop_reason": c.stop_reason})
                 else:
-                    prefix = self.echo_prompts[p] if self.echo_prompts else ""
+                    prefix = self.echo.texts[p] if self.echo else ""
+                    logprobs = _completion_logprobs(c, 0, len(prefix))
                     choices.append({"index": index, "text": prefix + c.text,
-                                    "logprobs": _completion_logprobs(c, 0, len(prefix)),
+                                    "logprobs": self.echo.logprobs(p, out, logprobs) if self.echo else logprobs,
                                     "finish_reason": finish_reason(c), "stop_reason": c.stop_reason})
-        return {**self._head(False), "choices": choices, "usage": usage(outputs)}
+                    if out.prompt_logprobs is not None:
+                        choices[-1]["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        body = {**self._head(False), "choices": choices, "usage": usage(outputs)}
+        if self.chat and outputs and outputs[0].prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+        return body
 
     def chunks(self, prompt_index: int, delta: RequestOutput) -> list[dict]:
         """Stream chunks for a DELTA output of prompt ``prompt_index`` (what its step added)."""
         self._cached_tokens[prompt_index] = delta.num_cached_tokens
+        if self.echo is not None:
+            delta = self.echo.visible(delta)
         chunks = []
         for c in delta.outputs:
             index = prompt_index * self.n + c.index
             first = index not in self._text_offset
-            offset = self._text_offset.get(index, 0)
+            prefix = self.echo.texts[prompt_index] if first and self.echo else ""  # echoed in the first chunk
+            offset = self._text_offset.get(index, 0) + len(prefix)
             reason = finish_reason(c)
             if not (c.text or reason or first or c.token_ids):
                 continue
@@ -129,10 +141,10 @@ class ResponseBuilder:
                 message = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
                 choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
             else:
-                text = c.text
-                if first and self.echo_prompts:
-                    text = self.echo_prompts[prompt_index] + text
-                choice = {"index": index, "text": text, "logprobs": _completion_logprobs(c, 0, offset)}
+                logprobs = _completion_logprobs(c, 0, offset)
+                if first and self.echo:
+                    logprobs = self.echo.logprobs(prompt_index, delta, logprobs)
+                choice = {"index": index, "text": prefix + c.text, "logprobs": logprobs}
             chunk = {**self._head(True), "choices": [{**choice, "finish_reason": reason, "stop_reason": c.stop_reason}]}
             if self.usage_prompt_lens is not None:  # continuous_usage_stats: this choice's usage so far
                 chunk["usage"] = _choice_usage(self.usage_prompt_lens[prompt_index], self._choice_tokens, index,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
+from vpage.entrypoints.openai import prompt_logprobs
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
@@ -85,11 +86,13 @@ class OpenAIServing:
             raise ApiError(503, f"the server is overloaded ({limit} requests waiting); retry later",
                            kind="service_unavailable", headers={"Retry-After": "1"})
         chat = isinstance(req, ChatCompletionRequest)
+        prompt_logprobs.check_request(req, chat)
         prompts = [self._chat_ids(req)] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
         params = [self._params(req, len(ids), chat) for ids in prompts]
         echo = None
         if not chat and req.echo:
-            echo = [self.client.info.tokenizer.decode(ids) for ids in prompts]
+            echo = prompt_logprobs.PromptEcho(self._tokenizer(), prompts, req.logprobs,
+                                              prompt_logprobs.scores_only(req, chat))
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         options = req.stream_options
         continuous = bool(req.stream and options and options.include_usage and options.continuous_usage_stats)
@@ -149,6 +152,8 @@ class OpenAIServing:
             default = defaults.get("max_tokens", None if chat else 16)
             max_tokens = None if default is None else min(default, info.max_model_len - prompt_len)
         defaults.pop("max_tokens", None)
+        if prompt_logprobs.scores_only(req, chat):
+            max_tokens = 1  # generated, not reported
         kwargs = {**defaults,
                   **{name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}}
         if kwargs.get("top_k", 0) >= info.vocab_size:
@@ -158,6 +163,8 @@ class OpenAIServing:
         elif not chat and req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
         kwargs.update(token_control_kwargs(req, info.vocab_size))
+        if (k := prompt_logprobs.engine_prompt_logprobs(req, chat)) is not None:
+            kwargs["prompt_logprobs"] = k
         try:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
