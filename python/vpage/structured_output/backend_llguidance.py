@@ -52,8 +52,8 @@ def _structural_tag_grammar(text: str, params: StructuredOutputsParams) -> str:
             trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
             if trigger is None:
                 raise ValueError(f"structural_tag: no trigger starts {s['begin']!r} (triggers {triggers})")
-            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=_json_grammar(s["schema"], params),
-                                             end=s["end"]))
+            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"],
+                                             grammar=_json_grammar(s["schema"], params), end=s["end"]))
     except (TypeError, KeyError, json.JSONDecodeError) as e:
         raise ValueError('llguidance takes structural tags as {"structures": [{"begin", "schema", "end"}, ...], '
                          f'"triggers": [...]}} ({type(e).__name__}: {e})') from None
