@@ -194,3 +194,15 @@ def test_compiler_shares_and_caches_compiles(tokenizer):
         assert grammar_key(SO(choice=["a", "b"])) != grammar_key(SO(choice=["b", "a"]))
     finally:
         compiler.shutdown()
+
+
+def test_structural_tag_constrains_only_the_tagged_parts(backend, tokenizer):
+    tag = json.dumps({"structures": [{"begin": "<f>", "end": "</f>", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}], "triggers": ["<f"]})
+    compiled = backend.compile(SO(structural_tag=tag))
+    good = backend.matcher(compiled)
+    assert good.accept_tokens(tokenizer.encode('hi <f>{"a": 12}</f> bye')) and good.accept_token(EOS)
+    assert good.is_terminated()
+    bad = backend.matcher(compiled)
+    ids = tokenizer.encode('hi <f>{"a": "x"')  # a string where the schema wants an integer
+    assert not all(bad.accept_token(t) for t in ids)
