@@ -243,8 +243,10 @@ def test_preemption_by_recompute_keeps_outputs_valid(tiny_folder, tiny):
         requests = [(list(range(10 + i, 40 + i)), greedy(so, 60)) for i in range(6)]
         outs = run(engine, requests, "p")
         assert engine.get_stats().num_preempted_recompute > 0
-        alone = [run(engine, [r], f"a{i}-")[0] for i, r in enumerate(requests)]
-        for out, ref in zip(outs, alone):
+        before = tiny.get_stats().num_preempted_recompute
+        unpreempted = run(tiny, requests, "np")  # a KV cache that holds them all
+        assert tiny.get_stats().num_preempted_recompute == before
+        for out, ref in zip(outs, unpreempted):
             check(so, out.outputs[0].text)
             assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     finally:
@@ -366,6 +368,11 @@ def test_reasoning_gate_constrains_only_the_answer(tiny_folder, tiny):
         assert re.fullmatch("[0-9]{3}", out[1].outputs[0].text)
     finally:
         engine.shutdown()
+
+
+def test_unknown_reasoning_parser_fails_at_start(tiny_folder):
+    with pytest.raises(ValueError, match="unknown reasoning parser 'no-such-format'.*vpage-test-after-three"):
+        tiny_engine(tiny_folder, reasoning_parser="no-such-format")
 
 
 @pytest.mark.usefixtures("one_torch_thread")
