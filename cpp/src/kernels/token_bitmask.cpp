@@ -1,6 +1,8 @@
-// apply_token_bitmask (see vpage/kernels/token_bitmask.h). The word loop selects -inf lanes
-// with GNU vectors, so VPAGE_TARGET_CLONES compiles it for AVX-512, AVX2 and baseline x86-64,
-// chosen at load time.
+// apply_token_bitmask (see vpage/kernels/token_bitmask.h). Words of all ones are skipped,
+// words of zeros filled with -inf, mixed words blended branch-free with GNU vectors, so
+// VPAGE_TARGET_CLONES compiles every path for AVX-512, AVX2 and baseline x86-64, chosen at load
+// time. (Conditional stores instead of the blend, masked stores in the AVX clones, measured the
+// same within the noise on Zen 4: one row of 151936 tokens 25-41 us either way.)
 #include "vpage/kernels/token_bitmask.h"
 
 #include <algorithm>
@@ -23,6 +25,7 @@ constexpr int64_t kWordsPerTask = 512;
 VPAGE_TARGET_CLONES
 void mask_words(float* x, const int32_t* words, int64_t begin, int64_t end, int64_t n) {
   const float low = -std::numeric_limits<float>::infinity();
+  const Lanes8 lows = {low, low, low, low, low, low, low, low};
   const int64_t full_end = std::min(end, n / 32);
   for (int64_t w = begin; w < full_end; ++w) {
     const uint32_t word = static_cast<uint32_t>(words[w]);
@@ -32,8 +35,13 @@ void mask_words(float* x, const int32_t* words, int64_t begin, int64_t end, int6
       for (int l = 0; l < 32; ++l) p[l] = low;
       continue;
     }
-    for (int l = 0; l < 32; ++l) {
-      if (((word >> l) & 1u) == 0) p[l] = low;
+    for (int k = 0; k < 4; ++k) {
+      Lanes8 a;
+      std::memcpy(&a, p + 8 * k, sizeof(a));
+      Mask8 allowed;
+      allowed_lanes(word, k, &allowed);
+      a = allowed ? a : lows;
+      std::memcpy(p + 8 * k, &a, sizeof(a));
     }
   }
   if (full_end < end) {  // the partial last word of the row
