@@ -13,14 +13,14 @@ namespace vpage::cpu {
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef int32_t Mask8 __attribute__((vector_size(32)));  // their masks: -1 (true) or 0
 
-/// *lanes = the masks of tokens [8 k, 8 k + 8) of a bitmask word (k in [0, 4)): -1 where the
-/// token's bit is set. (An out-parameter: a vector return value would change with the ABI of
-/// the clone that inlines it.)
-inline void allowed_lanes(uint32_t word, int k, Mask8* lanes) {
-  const Mask8 bits = {1, 2, 4, 8, 16, 32, 64, 128};
-  const Mask8 byte = Mask8{} + static_cast<int32_t>((word >> (8 * k)) & 0xffu);
-  *lanes = (byte & bits) != 0;
-}
+/// kLaneBits[k][l] = bit 8 k + l of a bitmask word: `(word_lanes & bits_k) != 0` is the mask of
+/// tokens [8 k, 8 k + 8) of that word, with word_lanes the word in every lane.
+alignas(32) inline constexpr int32_t kLaneBits[4][8] = {
+    {1 << 0, 1 << 1, 1 << 2, 1 << 3, 1 << 4, 1 << 5, 1 << 6, 1 << 7},
+    {1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12, 1 << 13, 1 << 14, 1 << 15},
+    {1 << 16, 1 << 17, 1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23},
+    {1 << 24, 1 << 25, 1 << 26, 1 << 27, 1 << 28, 1 << 29, 1 << 30, INT32_MIN},
+};
 
 /// True when the bitmask `words` allows every token of [0, vocab) (bits past vocab ignored).
 inline bool allows_all(const int32_t* words, int64_t vocab) {

@@ -102,42 +102,40 @@ int64_t find_first(const float* x, int64_t n, float m) {
 }
 
 // Pass 1 over a row with a bitmask `words`: the maximum of every entry and of the allowed ones
-// (NaNs ignored, -inf for none), and whether the row or its allowed part holds a NaN.
+// (NaNs ignored, -inf for none), and whether the row holds a NaN. Per 8 lanes: the word's bits
+// as a lane mask (and + compare), the allowed values (-inf elsewhere), two maxima.
 struct MaskedRowMax {
   float max;
   float allowed_max;
   bool has_nan;
-  bool allowed_nan;
 };
 
 VPAGE_TARGET_CLONES
 MaskedRowMax row_max_masked(const float* x, const int32_t* words, int64_t n) {
   const float low = -std::numeric_limits<float>::infinity();
   const Lanes8 lows = {low, low, low, low, low, low, low, low};
+  Mask8 bits[4];
+  std::memcpy(bits, kLaneBits, sizeof(bits));
   Lanes8 acc[4] = {lows, lows, lows, lows}, allowed_acc[4] = {lows, lows, lows, lows};
-  Mask8 nan = {0, 0, 0, 0, 0, 0, 0, 0}, allowed_nan = nan;
+  Mask8 nan = {0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t full = n / 32;
   for (int64_t w = 0; w < full; ++w) {
-    const uint32_t word = static_cast<uint32_t>(words[w]);
+    const Mask8 word = Mask8{} + words[w];
     for (int k = 0; k < 4; ++k) {
       Lanes8 a;
       std::memcpy(&a, x + 32 * w + 8 * k, sizeof(a));
-      Mask8 allowed;
-      allowed_lanes(word, k, &allowed);
-      const Mask8 is_nan = a != a;
       acc[k] = a > acc[k] ? a : acc[k];
-      allowed_acc[k] = (allowed & (a > allowed_acc[k])) ? a : allowed_acc[k];
-      nan |= is_nan;
-      allowed_nan |= is_nan & allowed;
+      nan |= a != a;
+      const Lanes8 allowed = (word & bits[k]) != 0 ? a : lows;
+      allowed_acc[k] = allowed > allowed_acc[k] ? allowed : allowed_acc[k];
     }
   }
-  MaskedRowMax out{low, low, false, false};
+  MaskedRowMax out{low, low, false};
   for (int64_t i = 32 * full; i < n; ++i) {
     const bool allowed = (static_cast<uint32_t>(words[full]) >> (i % 32)) & 1u;
     out.max = x[i] > out.max ? x[i] : out.max;
     out.allowed_max = allowed && x[i] > out.allowed_max ? x[i] : out.allowed_max;
     out.has_nan |= std::isnan(x[i]);
-    out.allowed_nan |= allowed && std::isnan(x[i]);
   }
   for (int k = 0; k < 4; ++k) {
     for (int l = 0; l < 8; ++l) {
@@ -145,10 +143,7 @@ MaskedRowMax row_max_masked(const float* x, const int32_t* words, int64_t n) {
       out.allowed_max = allowed_acc[k][l] > out.allowed_max ? allowed_acc[k][l] : out.allowed_max;
     }
   }
-  for (int l = 0; l < 8; ++l) {
-    out.has_nan |= nan[l] != 0;
-    out.allowed_nan |= allowed_nan[l] != 0;
-  }
+  for (int l = 0; l < 8; ++l) out.has_nan |= nan[l] != 0;
   return out;
 }
 
@@ -178,15 +173,15 @@ int64_t find_first_allowed(const float* x, const int32_t* words, int64_t n, floa
   return n;
 }
 
-// The argmax of torch over x with the disallowed entries replaced by -inf.
+// The argmax of torch over x with the disallowed entries replaced by -inf. A row holding a NaN
+// (rare: a broken model) is searched for an allowed NaN first, one more pass.
 int64_t masked_argmax(const float* x, const int32_t* words, int64_t n, const MaskedRowMax& s) {
-  int64_t index = n;
-  if (s.allowed_nan) {
-    index = find_first_allowed(x, words, n, std::numeric_limits<float>::quiet_NaN(), true);
-  } else if (s.allowed_max > -std::numeric_limits<float>::infinity()) {
-    index = find_first_allowed(x, words, n, s.allowed_max, false);
+  if (s.has_nan) {
+    const int64_t index = find_first_allowed(x, words, n, std::numeric_limits<float>::quiet_NaN(), true);
+    if (index < n) return index;
   }
-  return index == n ? 0 : index;  // a row of -inf once masked: torch picks the first
+  if (s.allowed_max == -std::numeric_limits<float>::infinity()) return 0;  // all -inf once masked
+  return find_first_allowed(x, words, n, s.allowed_max, false);
 }
 
 void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {

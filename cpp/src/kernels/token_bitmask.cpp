@@ -26,6 +26,8 @@ VPAGE_TARGET_CLONES
 void mask_words(float* x, const int32_t* words, int64_t begin, int64_t end, int64_t n) {
   const float low = -std::numeric_limits<float>::infinity();
   const Lanes8 lows = {low, low, low, low, low, low, low, low};
+  Mask8 bits[4];
+  std::memcpy(bits, kLaneBits, sizeof(bits));
   const int64_t full_end = std::min(end, n / 32);
   for (int64_t w = begin; w < full_end; ++w) {
     const uint32_t word = static_cast<uint32_t>(words[w]);
@@ -35,12 +37,11 @@ void mask_words(float* x, const int32_t* words, int64_t begin, int64_t end, int6
       for (int l = 0; l < 32; ++l) p[l] = low;
       continue;
     }
+    const Mask8 word_lanes = Mask8{} + static_cast<int32_t>(word);
     for (int k = 0; k < 4; ++k) {
       Lanes8 a;
       std::memcpy(&a, p + 8 * k, sizeof(a));
-      Mask8 allowed;
-      allowed_lanes(word, k, &allowed);
-      a = allowed ? a : lows;
+      a = (word_lanes & bits[k]) != 0 ? a : lows;
       std::memcpy(p + 8 * k, &a, sizeof(a));
     }
   }
