@@ -9,6 +9,8 @@ Backend contract, shared with ``vpage._ops_cuda`` (same functions, same signatur
   sliding_window and logits_soft_cap 0 = off)
 * ``copy_blocks(key_caches, value_caches, block_mapping) -> None``
 * ``swap_blocks(src, dst, block_mapping) -> None``
+* ``apply_token_bitmask(logits, bitmask) -> None`` (float32 logits with contiguous columns,
+  contiguous int32 bitmask)
 
 Every tensor has already been checked by :mod:`vpage.ops` (dtype, device, shape,
 contiguity; key/value/query rows may be strided, their inner dims are contiguous) and
