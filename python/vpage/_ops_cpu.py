@@ -9,6 +9,8 @@ Backend contract, shared with ``vpage._ops_cuda`` (same functions, same signatur
   sliding_window and logits_soft_cap 0 = off)
 * ``copy_blocks(key_caches, value_caches, block_mapping) -> None``
 * ``swap_blocks(src, dst, block_mapping) -> None``
+* ``apply_token_bitmask(logits, bitmask) -> None`` (float32 logits with contiguous columns,
+  contiguous int32 bitmask)
 
 Every tensor has already been checked by :mod:`vpage.ops` (dtype, device, shape,
 contiguity; key/value/query rows may be strided, their inner dims are contiguous) and
@@ -145,8 +147,18 @@ def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows
 
 
 def logsumexp_argmax(logits: torch.Tensor, log_norm: torch.Tensor, argmax: torch.Tensor,
-                     want_log_norm: Optional[torch.Tensor]) -> None:
-    """CPU only; see vpage.ops.logsumexp_argmax (``want_log_norm``: contiguous bool or None)."""
+                     want_log_norm: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None) -> None:
+    """CPU only; see vpage.ops.logsumexp_argmax (``want_log_norm``: contiguous bool or None;
+    ``bitmask``: contiguous int32 [rows, >= words] or None)."""
     _core._cpu_logsumexp_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1],
                                 max(logits.stride(0), logits.shape[1]), log_norm.data_ptr(), argmax.data_ptr(),
-                                0 if want_log_norm is None else want_log_norm.data_ptr(), get_num_threads())
+                                0 if want_log_norm is None else want_log_norm.data_ptr(), get_num_threads(),
+                                0 if bitmask is None else bitmask.data_ptr(),
+                                0 if bitmask is None else bitmask.shape[1])
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place; see vpage.ops.apply_token_bitmask_ (columns contiguous, bitmask contiguous)."""
+    _core._cpu_apply_token_bitmask(logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                   max(logits.stride(0), logits.shape[1]), bitmask.data_ptr(),
+                                   bitmask.shape[1], get_num_threads())

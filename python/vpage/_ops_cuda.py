@@ -153,3 +153,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         _cuda.swap_blocks(
             src=src.data_ptr(), dst=dst.data_ptr(), block_bytes=src.stride(0) * src.element_size(),
             block_mapping=mapping.data_ptr(), num_pairs=mapping.shape[0], stream=_stream(device))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: -inf in float32 logits [n, vocab] (rows may be strided, columns contiguous)
+    wherever the contiguous int32 bitmask [n, >= ceil(vocab / 32)] has a 0 bit."""
+    device = logits.device
+    with torch.cuda.device(device):
+        _cuda.apply_token_bitmask(
+            logits=logits.data_ptr(), num_rows=logits.shape[0], vocab=logits.shape[1],
+            row_stride=max(logits.stride(0), logits.shape[1]), bitmask=bitmask.data_ptr(),
+            bitmask_stride=bitmask.shape[1], stream=_stream(device))

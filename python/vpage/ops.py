@@ -35,7 +35,7 @@ __all__ = [
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
     "silu_and_mul", "gelu_tanh_and_mul", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
-    "dequantize_rows", "logsumexp_argmax", "trusted_arguments",
+    "dequantize_rows", "logsumexp_argmax", "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -524,33 +524,41 @@ def logsumexp_argmax(logits: torch.Tensor, want_log_norm: Optional[torch.Tensor]
     is NaN), which on the CPU costs one pass over the row instead of two. A fused kernel on
     the CPU (one pass for the maximum, one for the sum of exponentials); torch elsewhere.
     ``bitmask`` (int32 ``[n, token_bitmask_words(vocab)]``, see apply_token_bitmask_): the
-    argmax is over the allowed tokens only (a row allowing none gives token 0); the
-    log-normaliser stays that of the whole row."""
+    argmax is over the allowed tokens only, i.e. torch's argmax of the row with its disallowed
+    entries set to -inf (a row allowing none gives token 0); the log-normaliser stays that of
+    the whole row. On the CPU from the same passes (rows allowing every token cost what they
+    cost without a bitmask); elsewhere the argmax of a masked copy."""
     _check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous=False)
     n, vocab = logits.shape
     if vocab == 0:
         raise ValueError("logits must have at least one column")
-    if bitmask is not None:
-        _check_bitmask(logits, bitmask)
-        log_norm, _ = logsumexp_argmax(logits, want_log_norm)
-        allowed = _allowed(bitmask, vocab)
-        return log_norm, logits.masked_fill(~allowed, float("-inf")).argmax(dim=-1).masked_fill_(~allowed.any(-1), 0)
     if want_log_norm is not None:
         _check_tensor("want_log_norm", want_log_norm, dtype=torch.bool, ndim=1)
         if want_log_norm.shape[0] != n or want_log_norm.device.type != "cpu":
             raise ValueError(f"want_log_norm must be a CPU bool tensor of {n} rows, got "
                              f"{tuple(want_log_norm.shape)} on {want_log_norm.device}")
-    if logits.device.type != "cpu" or n == 0 or (vocab > 1 and logits.stride(1) != 1) or (
-            n > 1 and logits.stride(0) < vocab):
+    if bitmask is not None:
+        _check_bitmask(logits, bitmask)
+    if logits.device.type != "cpu" or n == 0 or not _rows_apart(logits):
         log_norm = torch.logsumexp(logits, dim=-1)
         if want_log_norm is not None:
             log_norm.masked_fill_(~want_log_norm.to(log_norm.device), float("nan"))
-        return log_norm, logits.argmax(dim=-1)
+        if bitmask is None:
+            return log_norm, logits.argmax(dim=-1)
+        masked = logits.clone(memory_format=torch.contiguous_format)
+        apply_token_bitmask_(masked, bitmask)
+        return log_norm, masked.argmax(dim=-1)
     log_norm = torch.empty(n, dtype=torch.float32)
     argmax = torch.empty(n, dtype=torch.int64)
     _ops_cpu.logsumexp_argmax(logits, log_norm, argmax,
-                              None if want_log_norm is None else want_log_norm.contiguous())
+                              None if want_log_norm is None else want_log_norm.contiguous(), bitmask)
     return log_norm, argmax
+
+
+def _rows_apart(x: torch.Tensor) -> bool:
+    """Contiguous columns and rows at least a row apart (the layout of the row kernels)."""
+    n, width = x.shape
+    return (width <= 1 or x.stride(1) == 1) and (n <= 1 or x.stride(0) >= width)
 
 
 def token_bitmask_words(vocab: int) -> int:
@@ -568,19 +576,19 @@ def _check_bitmask(logits: torch.Tensor, bitmask: object) -> None:
                          f"{tuple(bitmask.shape)} on {bitmask.device}")
 
 
-def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool ``[n, vocab]``: which tokens a bitmask allows."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-
-
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: ``-inf`` in float32 ``logits`` ``[n, vocab]`` wherever the int32 ``bitmask``
-    ``[n, token_bitmask_words(vocab)]`` has a 0 bit (rows of all ones are unchanged)."""
+    """In place: ``-inf`` in float32 ``logits`` ``[n, vocab]`` (rows may be strided, columns
+    contiguous) wherever the contiguous int32 ``bitmask`` ``[n, >= token_bitmask_words(vocab)]``
+    has a 0 bit (bits past ``vocab`` are ignored; rows of all ones are unchanged). A kernel on
+    the CPU (vectorised, threads over rows and over the vocabulary) and on CUDA."""
     _check_tensor("logits", logits, dtype=torch.float32, ndim=2, contiguous=False)
     _check_bitmask(logits, bitmask)
-    logits.masked_fill_(~_allowed(bitmask, logits.shape[1]), float("-inf"))
+    if not _rows_apart(logits):
+        raise ValueError(f"logits must have contiguous columns and rows at least a row apart (strides "
+                         f"{logits.stride()})")
+    if logits.numel() == 0:
+        return
+    _backend(logits.device).apply_token_bitmask(logits, bitmask)
 
 
 # GGUF block formats the CPU keeps quantized: name -> (ggml type id, values per block, bytes per block).

@@ -14,6 +14,7 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/rotary.cpp
   ${_vpage_kernels_dir}/layer_ops.cpp
   ${_vpage_kernels_dir}/sampler_ops.cpp
+  ${_vpage_kernels_dir}/token_bitmask.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp
   ${_vpage_kernels_dir}/quant_matmul.cpp
   ${_vpage_kernels_dir}/decoder_forward.cpp

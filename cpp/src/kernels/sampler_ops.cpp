@@ -1,4 +1,5 @@
-// The sampler's row statistics (see sampler_ops.h). The row loops keep 16 float32 lanes of
+// The sampler's row statistics (see sampler_ops.h), with the argmax over the tokens a bitmask
+// allows found in the same passes (one pass computes both maxima). The row loops keep 16 float32 lanes of
 // partial results, so GCC vectorises them; VPAGE_TARGET_CLONES compiles them for AVX-512,
 // AVX2 and baseline x86-64, chosen at load time.
 #include "vpage/kernels/sampler_ops.h"
@@ -8,23 +9,17 @@
 #include <cstring>
 #include <limits>
 
+#include "bitmask_lanes.h"
 #include "exp_approx.h"
 #include "target_clones.h"
 #include "thread_pool.h"
 #include "vpage/common.h"
+#include "vpage/kernels/token_bitmask.h"
 
 namespace vpage::cpu {
 namespace {
 
 constexpr int kLanes = 16;
-
-// Eight float lanes as a GNU vector (GCC, Clang). The select `a > b ? a : b` on it compiles to
-// maxps in every clone; written over an array of lanes GCC 12 left it scalar, one maxss per
-// value (logsumexp_argmax over [256, 49152] logits, 2 threads, Zen 3: 8.5 -> 7.7 ms median of
-// 6 alternating runs; one row 75 -> 62 us).
-typedef float Lanes8 __attribute__((vector_size(32)));
-
-typedef int32_t Mask8 __attribute__((vector_size(32)));
 
 // The largest value of x[0, n) (NaNs ignored: a comparison with NaN is false; -inf for none);
 // *has_nan tells whether x holds a NaN (x != x), found in the same pass.
@@ -106,12 +101,105 @@ int64_t find_first(const float* x, int64_t n, float m) {
   return n;
 }
 
+// Pass 1 over a row with a bitmask `words`: the maximum of every entry and of the allowed ones
+// (NaNs ignored, -inf for none), and whether the row holds a NaN. Per 8 lanes: the word's bits
+// as a lane mask (and + compare), the allowed values (-inf elsewhere), two maxima.
+struct MaskedRowMax {
+  float max;
+  float allowed_max;
+  bool has_nan;
+};
+
+VPAGE_TARGET_CLONES
+MaskedRowMax row_max_masked(const float* x, const int32_t* words, int64_t n) {
+  const float low = -std::numeric_limits<float>::infinity();
+  const Lanes8 lows = {low, low, low, low, low, low, low, low};
+  Mask8 bits[4];
+  std::memcpy(bits, kLaneBits, sizeof(bits));
+  Lanes8 acc[4] = {lows, lows, lows, lows}, allowed_acc[4] = {lows, lows, lows, lows};
+  Mask8 nan = {0, 0, 0, 0, 0, 0, 0, 0};
+  const int64_t full = n / 32;
+  for (int64_t w = 0; w < full; ++w) {
+    const Mask8 word = Mask8{} + words[w];
+    for (int k = 0; k < 4; ++k) {
+      Lanes8 a;
+      std::memcpy(&a, x + 32 * w + 8 * k, sizeof(a));
+      acc[k] = a > acc[k] ? a : acc[k];
+      nan |= a != a;
+      const Lanes8 allowed = (word & bits[k]) != 0 ? a : lows;
+      allowed_acc[k] = allowed > allowed_acc[k] ? allowed : allowed_acc[k];
+    }
+  }
+  MaskedRowMax out{low, low, false};
+  for (int64_t i = 32 * full; i < n; ++i) {
+    const bool allowed = (static_cast<uint32_t>(words[full]) >> (i % 32)) & 1u;
+    out.max = x[i] > out.max ? x[i] : out.max;
+    out.allowed_max = allowed && x[i] > out.allowed_max ? x[i] : out.allowed_max;
+    out.has_nan |= std::isnan(x[i]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    for (int l = 0; l < 8; ++l) {
+      out.max = acc[k][l] > out.max ? acc[k][l] : out.max;
+      out.allowed_max = allowed_acc[k][l] > out.allowed_max ? allowed_acc[k][l] : out.allowed_max;
+    }
+  }
+  for (int l = 0; l < 8; ++l) out.has_nan |= nan[l] != 0;
+  return out;
+}
+
+// The first allowed index of x[0, n) holding `m` (or, with find_nan, a NaN: pass m = NaN
+// then), or n. Words are tested with a vectorised "any hit" first.
+VPAGE_TARGET_CLONES
+int64_t find_first_allowed(const float* x, const int32_t* words, int64_t n, float m, bool find_nan) {
+  const int32_t nan_bit = find_nan ? 1 : 0;
+  const int64_t words_in_row = token_bitmask_words(n);
+  for (int64_t w = 0; w < words_in_row; ++w) {
+    const uint32_t word = static_cast<uint32_t>(words[w]);
+    if (word == 0) continue;
+    const float* p = x + 32 * w;
+    const int64_t len = std::min<int64_t>(32, n - 32 * w);
+    int32_t any = 0;
+    if (len == 32) {
+      for (int l = 0; l < 32; ++l) {
+        any |= (static_cast<int32_t>(p[l] == m) | (static_cast<int32_t>(p[l] != p[l]) & nan_bit)) &
+               static_cast<int32_t>(word >> l);
+      }
+      if ((any & 1) == 0) continue;
+    }
+    for (int64_t l = 0; l < len; ++l) {
+      if (((word >> l) & 1u) && (p[l] == m || (find_nan && std::isnan(p[l])))) return 32 * w + l;
+    }
+  }
+  return n;
+}
+
+// The argmax of torch over x with the disallowed entries replaced by -inf. A row holding a NaN
+// (rare: a broken model) is searched for an allowed NaN first, one more pass.
+int64_t masked_argmax(const float* x, const int32_t* words, int64_t n, const MaskedRowMax& s) {
+  if (s.has_nan) {
+    const int64_t index = find_first_allowed(x, words, n, std::numeric_limits<float>::quiet_NaN(), true);
+    if (index < n) return index;
+  }
+  if (s.allowed_max == -std::numeric_limits<float>::infinity()) return 0;  // all -inf once masked
+  return find_first_allowed(x, words, n, s.allowed_max, false);
+}
+
 void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
   const float* x = a.logits + r * a.row_stride;
   const int64_t n = a.vocab;
+  const int32_t* words = a.bitmask == nullptr ? nullptr : a.bitmask + r * a.bitmask_stride;
+  if (words != nullptr && allows_all(words, n)) words = nullptr;  // the unmasked passes
   bool has_nan = false;
-  const float m = row_max(x, n, &has_nan);
-  float log_norm = std::numeric_limits<float>::quiet_NaN();  // rows that do not want it
+  float m = 0.0f;
+  MaskedRowMax masked{};
+  if (words == nullptr) {
+    m = row_max(x, n, &has_nan);
+  } else {
+    masked = row_max_masked(x, words, n);
+    m = masked.max;
+    has_nan = masked.has_nan;
+  }
+  float log_norm = std::numeric_limits<float>::quiet_NaN();  // rows that do not want it, NaN rows
   const bool wanted = a.want_log_norm == nullptr || a.want_log_norm[r] != 0;
   if (wanted && !has_nan && std::isfinite(m)) {
     log_norm = m + std::log(row_sum_exp(x, n, m));
@@ -119,9 +207,10 @@ void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
     log_norm = m;  // every entry -inf, or a +inf entry
   }
   int64_t index = 0;
-  if (has_nan) {
+  if (words != nullptr) {
+    index = masked_argmax(x, words, n, masked);
+  } else if (has_nan) {
     while (!std::isnan(x[index])) ++index;
-    log_norm = std::numeric_limits<float>::quiet_NaN();
   } else {
     index = find_first(x, n, m);
     if (index == n) index = 0;  // a row of -inf: torch picks the first
@@ -133,9 +222,11 @@ void one_row(const LogsumexpArgmaxArgs& a, int64_t r) {
 }  // namespace
 
 void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads) {
-  VPAGE_CHECK(args.num_rows >= 0 && args.vocab > 0 && args.row_stride >= args.vocab,
+  VPAGE_CHECK(args.num_rows >= 0 && args.vocab > 0 && args.row_stride >= args.vocab &&
+                  (args.bitmask == nullptr || args.bitmask_stride >= token_bitmask_words(args.vocab)),
               "logsumexp_argmax: bad sizes (num_rows " << args.num_rows << ", vocab " << args.vocab << ", row_stride "
-                                                       << args.row_stride << ")");
+                                                       << args.row_stride << ", bitmask_stride "
+                                                       << args.bitmask_stride << ")");
   ThreadPool::instance().parallel_for(args.num_rows, std::max(num_threads, 1),
                                       [&](int64_t row, int) { one_row(args, row); });
 }

@@ -11,6 +11,7 @@
 #include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/rotary.h"
 #include "vpage/kernels/sampler_ops.h"
+#include "vpage/kernels/token_bitmask.h"
 
 namespace py = pybind11;
 
@@ -96,7 +97,7 @@ void bind_cpu_kernels(py::module_& m) {
   m.def(
       "_cpu_logsumexp_argmax",
       [](uintptr_t logits, int64_t num_rows, int64_t vocab, int64_t row_stride, uintptr_t log_norm,
-         uintptr_t argmax, uintptr_t want_log_norm, int num_threads) {
+         uintptr_t argmax, uintptr_t want_log_norm, int num_threads, uintptr_t bitmask, int64_t bitmask_stride) {
         LogsumexpArgmaxArgs args;
         args.logits = ptr<const float>(logits);
         args.num_rows = num_rows;
@@ -105,14 +106,36 @@ void bind_cpu_kernels(py::module_& m) {
         args.log_norm = ptr<float>(log_norm);
         args.argmax = ptr<int64_t>(argmax);
         args.want_log_norm = ptr<const uint8_t>(want_log_norm);
+        args.bitmask = ptr<const int32_t>(bitmask);
+        args.bitmask_stride = bitmask_stride;
         py::gil_scoped_release release;
         cpu::logsumexp_argmax(args, num_threads);
       },
       py::arg("logits"), py::arg("num_rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("log_norm"),
-      py::arg("argmax"), py::arg("want_log_norm"), py::arg("num_threads"),
+      py::arg("argmax"), py::arg("want_log_norm"), py::arg("num_threads"), py::arg("bitmask") = 0,
+      py::arg("bitmask_stride") = 0,
       "Per row of float32 logits [num_rows, vocab] (rows row_stride apart): log_norm (float32) =\n"
       "logsumexp (NaN for rows whose uint8 want_log_norm entry is 0; 0 pointer: every row),\n"
-      "argmax (int64) = index of the first maximum, as torch.argmax.");
+      "argmax (int64) = index of the first maximum, as torch.argmax; with an int32 token bitmask\n"
+      "[num_rows, bitmask_stride] (0: none) the argmax is over the allowed tokens only.");
+  m.def(
+      "_cpu_apply_token_bitmask",
+      [](uintptr_t logits, int64_t num_rows, int64_t vocab, int64_t row_stride, uintptr_t bitmask,
+         int64_t bitmask_stride, int num_threads) {
+        TokenBitmaskArgs args;
+        args.logits = ptr<float>(logits);
+        args.num_rows = num_rows;
+        args.vocab = vocab;
+        args.row_stride = row_stride;
+        args.bitmask = ptr<const int32_t>(bitmask);
+        args.bitmask_stride = bitmask_stride;
+        py::gil_scoped_release release;
+        cpu::apply_token_bitmask(args, num_threads);
+      },
+      py::arg("logits"), py::arg("num_rows"), py::arg("vocab"), py::arg("row_stride"), py::arg("bitmask"),
+      py::arg("bitmask_stride"), py::arg("num_threads"),
+      "In place: -inf in float32 logits [num_rows, vocab] (rows row_stride apart) wherever the int32\n"
+      "token bitmask [num_rows, bitmask_stride] has a 0 bit (bit t % 32 of word t / 32: token t).");
   m.def(
       "_cpu_rotary_embedding",
       [](uintptr_t x, int64_t row_stride, uintptr_t positions, uintptr_t cos_sin, int64_t max_position,

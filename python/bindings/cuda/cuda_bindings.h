@@ -26,5 +26,6 @@ T as_ptr(std::uintptr_t address) {
 void bind_device(pybind11::module_& m);     // module.cpp
 void bind_attention(pybind11::module_& m);  // bind_attention.cpp
 void bind_cache_ops(pybind11::module_& m);  // bind_cache_ops.cpp
+void bind_token_bitmask(pybind11::module_& m);  // bind_token_bitmask.cpp
 
 }  // namespace vpage::cuda_bindings

@@ -20,6 +20,10 @@ struct LogsumexpArgmaxArgs {
   // [num_rows] or null (every row): rows with 0 skip the sum of exponentials (one pass over
   // the row instead of two) and get a NaN log_norm.
   const uint8_t* want_log_norm = nullptr;
+  // int32 [num_rows, bitmask_stride] token bitmask (see token_bitmask.h) or null: the argmax
+  // is then over the allowed tokens only; log_norm stays that of the whole row.
+  const int32_t* bitmask = nullptr;
+  int64_t bitmask_stride = 0;  // words, >= token_bitmask_words(vocab)
 };
 
 namespace cpu {
@@ -29,8 +33,11 @@ namespace cpu {
 /// with exp by a polynomial within ~1 ulp of expf (float32 lanes, so within a few 1e-7
 /// relative of a float64 logsumexp). A row of -inf gives -inf and index 0; a row holding +inf
 /// gives +inf; a row holding NaN gives NaN and the first NaN's index. Rows that
-/// ``want_log_norm`` leaves out get only the argmax (log_norm NaN). One row per task,
-/// multi-threaded over rows. Throws vpage::CheckError on bad sizes.
+/// ``want_log_norm`` leaves out get only the argmax (log_norm NaN). With a bitmask, the argmax
+/// is torch's over the row with its disallowed entries replaced by -inf (so 0 for a row that
+/// allows no token, or only -inf ones), found in the same passes (a row whose bitmask allows
+/// every token costs one extra read of its bitmask words). One row per task, multi-threaded
+/// over rows. Throws vpage::CheckError on bad sizes.
 void logsumexp_argmax(const LogsumexpArgmaxArgs& args, int num_threads);
 
 }  // namespace cpu
