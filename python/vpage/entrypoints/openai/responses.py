@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from vpage.entrypoints.openai.chat_output import ChatOutput
 from vpage.outputs import CompletionOutput, RequestOutput
 
 _MIN_LOGPROB = -9999.0
@@ -67,8 +68,10 @@ class ResponseBuilder:
     """Builds the response bodies of one API request (one or more engine requests): the whole
     answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None):
+    def __init__(self, request_id: str, model: str, chat: bool, n: int, echo_prompts: Optional[list[str]] = None,
+                 chat_output: Optional[ChatOutput] = None):
         self.id = request_id
+        self.chat_output = chat_output  # reads reasoning and tool calls out of chat answers
         self.model = model
         self.chat = chat
         self.n = n
@@ -90,8 +93,11 @@ class ResponseBuilder:
             for c in out.outputs:
                 index = p * self.n + c.index
                 if self.chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c)})
+                    message, reason = {"role": "assistant", "content": c.text}, finish_reason(c)
+                    if self.chat_output is not None:
+                        message, reason = self.chat_output.message(c.text, reason)
+                    choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(c, 0),
+                                    "finish_reason": reason})
                 else:
                     prefix = self.echo_prompts[p] if self.echo_prompts else ""
                     choices.append({"index": index, "text": prefix + c.text,
@@ -114,7 +120,11 @@ class ResponseBuilder:
             self._completion_tokens += len(c.token_ids)
             if reason is not None:
                 self._finished.add(index)
-            if self.chat:
+            if self.chat and self.chat_output is not None:
+                fields, reason = self.chat_output.delta(index, c.text, reason)
+                message = {"role": "assistant", **fields} if first else fields
+                choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
+            elif self.chat:
                 message = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
                 choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
             else:

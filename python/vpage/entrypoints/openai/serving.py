@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
+from vpage.entrypoints.openai.chat_utils import ChatOptions, ChatServing, PreparedChat
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
@@ -48,8 +49,9 @@ class Submission:
 
 class OpenAIServing:
     def __init__(self, client: EngineCoreClient, model_name: str, metrics: ServerMetrics,
-                 limits: ServingLimits):
+                 limits: ServingLimits, chat: Optional[ChatOptions] = None):
         self.client = client
+        self.chat = ChatServing(chat or ChatOptions())  # templates, tools, reasoning
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
@@ -84,13 +86,14 @@ class OpenAIServing:
             raise ApiError(503, f"the server is overloaded ({limit} requests waiting); retry later",
                            kind="service_unavailable", headers={"Retry-After": "1"})
         chat = isinstance(req, ChatCompletionRequest)
-        prompts = [self._chat_ids(req)] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
-        params = [self._params(req, len(ids), chat) for ids in prompts]
+        prepared = self.chat.prepare(self._tokenizer(), req) if chat else None
+        prompts = [prepared.prompt_token_ids] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
+        params = [self._params(req, len(ids), chat, prepared) for ids in prompts]
         echo = None
         if not chat and req.echo:
             echo = [self.client.info.tokenizer.decode(ids) for ids in prompts]
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo)
+        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo, prepared and prepared.output)
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -117,17 +120,8 @@ class OpenAIServing:
             raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
         return list(prompt)
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            return list(self._tokenizer().apply_chat_template(conversation, add_generation_prompt=True,
-                                                              tokenize=True, return_dict=False))
-        except ApiError:
-            raise
-        except Exception:  # noqa: BLE001 - a template error is the request's fault
-            raise ApiError(400, "the chat template failed on these messages", param="messages") from None
-
-    def _params(self, req: AnyRequest, prompt_len: int, chat: bool) -> SamplingParams:
+    def _params(self, req: AnyRequest, prompt_len: int, chat: bool,
+                prepared: Optional[PreparedChat] = None) -> SamplingParams:
         info = self.client.info
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -153,6 +147,8 @@ class OpenAIServing:
             kwargs["logprobs"] = req.top_logprobs or 0
         elif not chat and req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
+        if prepared is not None:  # a tool_choice constraint; special tokens the tool parser reads
+            prepared.update_sampling(kwargs)
         try:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
