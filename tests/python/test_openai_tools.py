@@ -13,6 +13,8 @@ tool-choice --tool-call-parser hermes --reasoning-parser qwen3.
   true; with one worked example in the conversation the model closes the block and answers, so
   reasoning_content and content split at its </think> (also streamed); with thinking off the
   prompt holds an empty block and all is content.
+- the conversation reaches the template as Hugging Face templates expect it (tool call
+  arguments as objects, the tool result after the call, the tools, chat_template_kwargs).
 - 400s (missing named tool, auto without the flag, tool_choice without tools, an untrusted
   request template, reserved chat_template_kwargs) leave the server serving; an unknown
   --tool-call-parser makes `vpage serve` exit non-zero naming the choices.
@@ -175,6 +177,36 @@ def test_bad_tool_requests(server, client, body, message):
                                     {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **body})
     assert status == 400 and message in answer["error"]["message"], answer
     assert _create(client, messages=QUESTION, max_tokens=2).choices[0].finish_reason == "length"
+
+
+class _RenderingTokenizer:
+    """apply_chat_template renders with transformers' Jinja (as a tokenizer does) and returns
+    the code points of the text."""
+
+    def apply_chat_template(self, conversation, tools=None, chat_template=None, add_generation_prompt=False,
+                            tokenize=True, return_dict=False, **kwargs):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        assert tokenize and not return_dict
+        rendered, _ = render_jinja_template([conversation], tools=tools, chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt, **kwargs)
+        return [ord(c) for c in rendered[0]]
+
+
+def test_conversation_reaches_the_template():
+    from vpage.entrypoints.openai.chat_utils import ChatOptions, ChatServing, load_chat_template
+    from vpage.entrypoints.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({
+        "messages": QUESTION + _call("Paris", 7), "tools": TOOLS, "tool_choice": "none",
+        "chat_template_kwargs": {"enable_thinking": True}})
+    serving = ChatServing(ChatOptions(chat_template=load_chat_template(str(TEMPLATE))))
+    prompt = "".join(map(chr, serving.prepare(_RenderingTokenizer(), req).prompt_token_ids))
+    assert json.dumps(TOOLS[1]) in prompt  # the tools, in the system prompt
+    # The call's JSON-text arguments reach the template as an object; the result follows it.
+    assert prompt.endswith('<|im_start|>assistant\n<think>\n</think>\n<tool_call>\n{"name": "get_weather", '
+                           '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>\n'
+                           '<|im_start|>tool\n{"temperature": 21}<|im_end|>\n<|im_start|>assistant\n<think>\n')
 
 
 def test_auto_needs_the_flag():
