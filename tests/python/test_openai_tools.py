@@ -124,9 +124,10 @@ def _call(city: str, i: int) -> list[dict]:
 
 
 AUTO = ([{"role": "user", "content": "Weather in Paris?"}] + _call("Paris", 1)
-        + [{"role": "assistant", "content": "It is 21 degrees in Paris."}, {"role": "user", "content": "Weather in Berlin?"}]
-        + _call("Berlin", 2)
-        + [{"role": "assistant", "content": "It is 21 degrees in Berlin."}, {"role": "user", "content": "Weather in Rome?"}])
+        + [{"role": "assistant", "content": "It is 21 degrees in Paris."},
+           {"role": "user", "content": "Weather in Berlin?"}] + _call("Berlin", 2)
+        + [{"role": "assistant", "content": "It is 21 degrees in Berlin."},
+           {"role": "user", "content": "Weather in Rome?"}])
 
 
 def test_auto_tool_choice(client):
