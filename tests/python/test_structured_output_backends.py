@@ -61,7 +61,8 @@ def fill(matcher) -> set[int]:
     return allowed(mask, 1)
 
 
-@pytest.mark.parametrize("so", [SO(regex=r"(ab|c)[0-9]{1,2}e"), SO(regex="[0-9]{1,3}"), SO(choice=["fox", "dog", "café"]),
+@pytest.mark.parametrize("so", [SO(regex=r"(ab|c)[0-9]{1,2}e"), SO(regex="[0-9]{1,3}"),
+                                SO(choice=["fox", "dog", "café"]),
                                 SO(json={"type": "object", "properties": {"a": {"type": "boolean"}},
                                          "required": ["a"], "additionalProperties": False},
                                    disable_any_whitespace=True)],
@@ -112,7 +113,8 @@ def test_step_bitmask_fills_only_active_rows(backend):
     from vpage.structured_output import SequenceConstraint
 
     compiled = backend.compile(SO(regex="[0-9]+"))
-    a, b = SequenceConstraint(backend.matcher(compiled), [1], []), SequenceConstraint(backend.matcher(compiled), [1], [])
+    a = SequenceConstraint(backend.matcher(compiled), [1], [])
+    b = SequenceConstraint(backend.matcher(compiled), [1], [])
     step = StepBitmask(VOCAB, max_rows=2)
     assert step.build([None, None]) is None
     mask = step.build([None, a, None, b])  # more rows than it was sized for
@@ -192,3 +194,15 @@ def test_compiler_shares_and_caches_compiles(tokenizer):
         assert grammar_key(SO(choice=["a", "b"])) != grammar_key(SO(choice=["b", "a"]))
     finally:
         compiler.shutdown()
+
+
+def test_structural_tag_constrains_only_the_tagged_parts(backend, tokenizer):
+    tag = json.dumps({"structures": [{"begin": "<f>", "end": "</f>", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}], "triggers": ["<f"]})
+    compiled = backend.compile(SO(structural_tag=tag))
+    good = backend.matcher(compiled)
+    assert good.accept_tokens(tokenizer.encode('hi <f>{"a": 12}</f> bye')) and good.accept_token(EOS)
+    assert good.is_terminated()
+    bad = backend.matcher(compiled)
+    ids = tokenizer.encode('hi <f>{"a": "x"')  # a string where the schema wants an integer
+    assert not all(bad.accept_token(t) for t in ids)

@@ -29,16 +29,24 @@ def _close_objects(schema: Any) -> None:
             _close_objects(value)
 
 
-def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
-    import llguidance
-
+def _schema_with_options(schema: Any, params: StructuredOutputsParams) -> Any:
+    """The schema with the request's JSON options: closed objects, and llguidance's
+    ``x-guidance`` whitespace settings (unless the schema sets its own)."""
     if params.disable_additional_properties:
         schema = copy.deepcopy(schema)
         _close_objects(schema)
-    defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if not isinstance(schema, dict):
+        return schema
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
-        defaults["whitespace_pattern"] = params.whitespace_pattern
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        options["whitespace_pattern"] = params.whitespace_pattern
+    return {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(_schema_with_options(schema, params))
 
 
 def _structural_tag_grammar(text: str, params: StructuredOutputsParams) -> str:
@@ -52,8 +60,10 @@ def _structural_tag_grammar(text: str, params: StructuredOutputsParams) -> str:
             trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
             if trigger is None:
                 raise ValueError(f"structural_tag: no trigger starts {s['begin']!r} (triggers {triggers})")
-            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=_json_grammar(s["schema"], params),
-                                             end=s["end"]))
+            schema = _schema_with_options(s["schema"], params)
+            if not isinstance(schema, dict):
+                raise ValueError(f"structural_tag: the schema of {s['begin']!r} must be a JSON object")
+            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     except (TypeError, KeyError, json.JSONDecodeError) as e:
         raise ValueError('llguidance takes structural tags as {"structures": [{"begin", "schema", "end"}, ...], '
                          f'"triggers": [...]}} ({type(e).__name__}: {e})') from None
