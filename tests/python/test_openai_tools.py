@@ -160,11 +160,11 @@ def test_reasoning_split(client):
     assert (content, reasoning, calls, finish) == (message.content, message.reasoning_content, [], "stop")
     hidden = _create(client, messages=THINK, extra_body={**thinking, "include_reasoning": False})
     assert hidden.choices[0].message.reasoning_content is None and hidden.choices[0].message.content == message.content
-    off = _create(client, messages=THINK).choices[0].message  # empty <think></think> in the prompt
+    off = _create(client, max_tokens=8, messages=THINK).choices[0].message  # empty <think></think> in the prompt
     assert off.reasoning_content is None and off.content
 
 
-@pytest.mark.parametrize("body,message", [
+BAD_REQUESTS = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
      "Tool 'get_stock' has not been passed in `tools`."),
     ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
@@ -172,11 +172,14 @@ def test_reasoning_split(client):
     ({"chat_template": "{{ messages }}"}, "--trust-request-chat-template"),
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs may not set tokenize"),
     ({"functions": [{"name": "f"}]}, "'functions' is not supported"),
-])
-def test_bad_tool_requests(server, client, body, message):
-    status, answer = server.request("POST", "/v1/chat/completions",
-                                    {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **body})
-    assert status == 400 and message in answer["error"]["message"], answer
+]
+
+
+def test_bad_tool_requests(server, client):
+    for body, message in BAD_REQUESTS:
+        status, answer = server.request("POST", "/v1/chat/completions",
+                                        {"model": "smollm2", "messages": QUESTION, "max_tokens": 4, **body})
+        assert status == 400 and message in answer["error"]["message"], answer
     assert _create(client, messages=QUESTION, max_tokens=2).choices[0].finish_reason == "length"
 
 
@@ -208,6 +211,20 @@ def test_conversation_reaches_the_template():
     assert prompt.endswith('<|im_start|>assistant\n<think>\n</think>\n<tool_call>\n{"name": "get_weather", '
                            '"arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>\n'
                            '<|im_start|>tool\n{"temperature": 21}<|im_end|>\n<|im_start|>assistant\n<think>\n')
+
+
+def test_tool_choice_constraint_is_the_only_one():
+    from vpage.entrypoints.openai.chat_utils import PreparedChat
+    from vpage.entrypoints.openai.protocol import ApiError
+    from vpage.sampling_params import StructuredOutputsParams
+
+    prepared = PreparedChat([1], {"structured_outputs": StructuredOutputsParams(json=WEATHER_PARAMETERS)})
+    kwargs = {"temperature": 0.0}
+    prepared.update_sampling(kwargs)
+    assert kwargs["structured_outputs"].json == WEATHER_PARAMETERS
+    with pytest.raises(ApiError) as err:
+        prepared.update_sampling({"structured_outputs": StructuredOutputsParams(regex="a+")})
+    assert err.value.status == 400 and err.value.param == "tool_choice"
 
 
 def test_auto_needs_the_flag():
