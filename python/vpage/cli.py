@@ -69,6 +69,29 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampler, for reproducible output")
 
 
+def _add_chat(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template file (or the template itself) to use instead of the model's")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat_template")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="tool_choice \"auto\": read the tool calls the model writes (needs --tool-call-parser)")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the format of the model's tool calls: hermes, llama3_json, mistral or pythonic")
+
+
+def _chat_options(args: argparse.Namespace):
+    """The chat flags, checked (ValueError) before the engine starts."""
+    from vpage.entrypoints.openai.chat_utils import ChatOptions, load_chat_template
+
+    options = ChatOptions(chat_template=load_chat_template(args.chat_template),
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template)
+    options.validate()
+    return options
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vpage", description="High-throughput LLM inference with PagedAttention.",
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     from vpage.entrypoints.openai.cors import add_cors_arguments
 
     add_cors_arguments(serve)
+    _add_chat(serve)
     bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True, metavar="{serve}")
     from vpage.benchmarks.serve import add_arguments
@@ -153,6 +177,7 @@ def _serve(args: argparse.Namespace) -> int:
     from vpage.entrypoints.openai.launcher import ServerOptions, run
     from vpage.entrypoints.openai.serving import ServingLimits
 
+    chat = _chat_options(args)  # bad chat flags fail before the engine starts
     engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                              tensor_parallel_size=args.tensor_parallel_size,
                              distributed_executor_backend=args.distributed_executor_backend,
@@ -170,7 +195,8 @@ def _serve(args: argparse.Namespace) -> int:
         http=HttpLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.timeout_body,
                         health_stall_s=args.health_stall_timeout),
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
-        header_timeout_s=args.timeout_header, cors=cors_options(args))
+        header_timeout_s=args.timeout_header, cors=cors_options(args),
+        chat=chat)
     return run(engine_args, options)
 
 

@@ -20,6 +20,7 @@ from vpage.engine.core_client import EngineCoreClient
 from vpage.entrypoints.openai.api_server import HttpLimits, build_app
 from vpage.entrypoints.openai.auth import ApiKeys
 from vpage.entrypoints.openai.cors import CorsOptions
+from vpage.entrypoints.openai.chat_utils import ChatOptions
 from vpage.entrypoints.openai.http_protocol import json_error_protocol
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
@@ -41,6 +42,7 @@ class ServerOptions:
     drain_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
     header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
 
 
 class _Server(uvicorn.Server):
@@ -99,7 +101,7 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     metrics = ServerMetrics(options.model_name)
     client = EngineCoreClient(args, on_step=metrics.on_step)
     await client.start()
-    serving = OpenAIServing(client, options.model_name, metrics, options.serving)
+    serving = OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
     app = build_app(serving, options.keys, options.http, options.cors)
     config = uvicorn.Config(app, host=options.host, port=options.port, loop="asyncio", lifespan="off",
                             http=json_error_protocol(options.header_timeout_s), backlog=2048,

@@ -86,12 +86,11 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: Optional[Int32] = None  # vLLM's; checked in prompt_logprobs.py
     # OpenAI fields vpage does not implement: refused when given a non-empty value.
     response_format: Optional[Any] = None
-    tools: Optional[Any] = None
     functions: Optional[Any] = None
     suffix: Optional[Any] = None
 
     def unsupported(self) -> Optional[str]:
-        for name in ("response_format", "tools", "functions", "suffix"):
+        for name in ("response_format", "functions", "suffix"):
             if getattr(self, name) not in (None, {}, [], ""):
                 return name
         return None
@@ -118,9 +117,50 @@ class TextPart(_Strict):
     text: str
 
 
+ToolName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class FunctionDefinition(_Strict):
+    name: ToolName
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments
+    strict: Optional[bool] = None
+
+
+class ChatCompletionToolsParam(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: ToolName
+
+
+class ChatCompletionNamedToolChoiceParam(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: ToolName
+    arguments: Union[str, dict[str, Any]]  # JSON text (OpenAI's), or the object itself
+
+
+class ToolCall(_Strict):
+    id: Optional[str] = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
+    """A message of the conversation: an assistant's may carry ``tool_calls`` (and no content),
+    a ``tool`` message answers one of them by ``tool_call_id``."""
+
     role: Annotated[str, Field(min_length=1, max_length=64)]
     content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = Field(None, max_length=256)
+    tool_calls: Optional[list[ToolCall]] = Field(None, max_length=1024)
+    tool_call_id: Optional[str] = Field(None, max_length=256)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -133,6 +173,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=_INT32)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # tools (tool_choice.py, chat_utils.py); reasoning_content is left out with include_reasoning false
+    tools: Optional[Annotated[list[ChatCompletionToolsParam], Field(max_length=1024)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], ChatCompletionNamedToolChoiceParam, None] = None
+    parallel_tool_calls: Optional[bool] = True
+    chat_template: Optional[str] = Field(None, max_length=1 << 20)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    include_reasoning: bool = True
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "constrained-str", "literal"}

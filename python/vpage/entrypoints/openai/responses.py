@@ -10,6 +10,7 @@ import time
 from typing import Optional
 
 from vpage.entrypoints.openai.prompt_logprobs import PromptEcho, prompt_logprobs_json
+from vpage.entrypoints.openai.chat_output import ChatOutput
 from vpage.outputs import CompletionOutput, RequestOutput
 
 _MIN_LOGPROB = -9999.0
@@ -76,8 +77,10 @@ class ResponseBuilder:
     answer from final outputs, or stream chunks from DELTA outputs as they come."""
 
     def __init__(self, request_id: str, model: str, chat: bool, n: int, echo: Optional[PromptEcho] = None,
-                 usage_prompt_lens: Optional[list[int]] = None):
+                 usage_prompt_lens: Optional[list[int]] = None,
+                 chat_output: Optional[ChatOutput] = None):
         self.id = request_id
+        self.chat_output = chat_output  # reads reasoning and tool calls out of chat answers
         self.model = model
         self.chat = chat
         self.n = n
@@ -103,9 +106,11 @@ class ResponseBuilder:
             for c in out.outputs:
                 index = p * self.n + c.index
                 if self.chat:
-                    choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": _chat_logprobs(c, 0), "finish_reason": finish_reason(c),
-                                    "stop_reason": c.stop_reason})
+                    message, reason = {"role": "assistant", "content": c.text}, finish_reason(c)
+                    if self.chat_output is not None:
+                        message, reason = self.chat_output.message(c.text, reason)
+                    choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(c, 0),
+                                    "finish_reason": reason, "stop_reason": c.stop_reason})
                 else:
                     prefix = self.echo.texts[p] if self.echo else ""
                     logprobs = _completion_logprobs(c, 0, len(prefix))
@@ -137,7 +142,11 @@ class ResponseBuilder:
             self._completion_tokens += len(c.token_ids)
             if reason is not None:
                 self._finished.add(index)
-            if self.chat:
+            if self.chat and self.chat_output is not None:
+                fields, reason = self.chat_output.delta(index, c.text, reason)
+                message = {"role": "assistant", **fields} if first else fields
+                choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
+            elif self.chat:
                 message = {"role": "assistant", "content": c.text} if first else ({"content": c.text} if c.text else {})
                 choice = {"index": index, "delta": message, "logprobs": _chat_logprobs(c, 0)}
             else:

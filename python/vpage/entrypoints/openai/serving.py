@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
 from vpage.entrypoints.openai import prompt_logprobs
+from vpage.entrypoints.openai.chat_utils import ChatOptions, ChatServing, PreparedChat
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
@@ -50,8 +51,9 @@ class Submission:
 
 class OpenAIServing:
     def __init__(self, client: EngineCoreClient, model_name: str, metrics: ServerMetrics,
-                 limits: ServingLimits):
+                 limits: ServingLimits, chat: Optional[ChatOptions] = None):
         self.client = client
+        self.chat = ChatServing(chat or ChatOptions())  # templates, tools, reasoning
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
@@ -87,8 +89,9 @@ class OpenAIServing:
                            kind="service_unavailable", headers={"Retry-After": "1"})
         chat = isinstance(req, ChatCompletionRequest)
         prompt_logprobs.check_request(req, chat)
-        prompts = [self._chat_ids(req)] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
-        params = [self._params(req, len(ids), chat) for ids in prompts]
+        prepared = self.chat.prepare(self._tokenizer(), req) if chat else None
+        prompts = [prepared.prompt_token_ids] if chat else [self._prompt_ids(p) for p in req.prompt_list()]
+        params = [self._params(req, len(ids), chat, prepared) for ids in prompts]
         echo = None
         if not chat and req.echo:
             echo = prompt_logprobs.PromptEcho(self._tokenizer(), prompts, req.logprobs,
@@ -97,7 +100,8 @@ class OpenAIServing:
         options = req.stream_options
         continuous = bool(req.stream and options and options.include_usage and options.continuous_usage_stats)
         builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo,
-                                  [len(ids) for ids in prompts] if continuous else None)
+                                  [len(ids) for ids in prompts] if continuous else None,
+                                  prepared and prepared.output)
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -124,17 +128,8 @@ class OpenAIServing:
             raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
         return list(prompt)
 
-    def _chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
-        try:
-            return list(self._tokenizer().apply_chat_template(conversation, add_generation_prompt=True,
-                                                              tokenize=True, return_dict=False))
-        except ApiError:
-            raise
-        except Exception:  # noqa: BLE001 - a template error is the request's fault
-            raise ApiError(400, "the chat template failed on these messages", param="messages") from None
-
-    def _params(self, req: AnyRequest, prompt_len: int, chat: bool) -> SamplingParams:
+    def _params(self, req: AnyRequest, prompt_len: int, chat: bool,
+                prepared: Optional[PreparedChat] = None) -> SamplingParams:
         info = self.client.info
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -165,6 +160,8 @@ class OpenAIServing:
         kwargs.update(token_control_kwargs(req, info.vocab_size))
         if (k := prompt_logprobs.engine_prompt_logprobs(req, chat)) is not None:
             kwargs["prompt_logprobs"] = k
+        if prepared is not None:  # a tool_choice constraint; special tokens the tool parser reads
+            prepared.update_sampling(kwargs)
         try:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
