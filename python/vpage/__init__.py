@@ -17,6 +17,7 @@ _LAZY = {
     "LLMEngine": "vpage.engine.llm_engine",
     "EngineArgs": "vpage.engine.arg_utils",
     "SamplingParams": "vpage.sampling_params",
+    "StructuredOutputsParams": "vpage.sampling_params",
     "RequestOutput": "vpage.outputs",
     "CompletionOutput": "vpage.outputs",
 }
