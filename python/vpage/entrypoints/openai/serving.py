@@ -21,6 +21,7 @@ from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestF
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
+from vpage.entrypoints.openai.structured_outputs import structured_outputs_params
 from vpage.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
@@ -154,6 +155,10 @@ class OpenAIServing:
         elif not chat and req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
         try:
+            kwargs["structured_outputs"] = structured_outputs_params(req)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=getattr(exc, "param", "structured_outputs")) from None
+        try:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
@@ -212,8 +217,11 @@ class OpenAIServing:
     async def stream(self, sub: Submission) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per new piece of text, an optional usage chunk, then
         ``data: [DONE]``. Prompts are streamed in order (their requests run concurrently).
-        Closing the generator (client gone) aborts what is still running."""
+        Closing the generator (client gone) aborts what is still running. A request that fails
+        before its first event (the engine refused it: a grammar that does not compile) raises
+        ApiError instead, so the caller can answer with its status."""
         builder = sub.builder
+        started = False
         deadline = None if self.limits.request_timeout_s is None else time.monotonic() + self.limits.request_timeout_s
         try:
             for i, stream in enumerate(sub.streams):
@@ -229,13 +237,17 @@ class OpenAIServing:
                             yield _event(chunk)
                         break
                     for chunk in builder.chunks(i, out):
+                        started = True
                         yield _event(chunk)
                     if out.finished:
                         break
             if sub.include_usage:
                 yield _event(builder.stream_usage_chunk([len(s.prompt_token_ids) for s in sub.streams]))
         except RequestFailed as exc:
-            yield _event(ApiError(exc.status, str(exc), kind="server_error").body())
+            kind = "invalid_request_error" if exc.status == 400 else "server_error"
+            if not started:
+                raise ApiError(exc.status, str(exc), kind=kind) from None
+            yield _event(ApiError(exc.status, str(exc), kind=kind).body())
         except EngineDeadError:
             yield _event(ApiError(503, "the engine is not available", kind="service_unavailable").body())
         finally:
