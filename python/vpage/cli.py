@@ -50,6 +50,11 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="auto: sampling settings left unset take the model's defaults (its "
                              "generation_config.json, or a GGUF file's general.sampling.* metadata); vpage: ignore "
                              "them; or a folder holding the generation_config.json to use (default: auto)")
+    parser.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar", "llguidance"],
+                        help="grammar library of structured outputs (default: xgrammar; llguidance for Lark grammars)")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help="the model's reasoning format (e.g. qwen3, deepseek_r1): structured outputs start "
+                             "after the reasoning ends")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
 
 
@@ -131,7 +136,9 @@ def _engine(args: argparse.Namespace):
                                 distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-                                generation_config=args.generation_config))
+                                generation_config=args.generation_config,
+                                structured_outputs_backend=args.structured_outputs_backend,
+                                reasoning_parser=args.reasoning_parser))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -148,7 +155,9 @@ def _serve(args: argparse.Namespace) -> int:
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                             generation_config=args.generation_config)
+                             generation_config=args.generation_config,
+                             structured_outputs_backend=args.structured_outputs_backend,
+                             reasoning_parser=args.reasoning_parser)
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),

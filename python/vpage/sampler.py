@@ -112,12 +112,16 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)  # sizes beam candidate lists
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """logits ``[len(rows), vocab]`` float32 (not modified) -> one token per row.
 
         Greedy and beam rows take the exact argmax of the penalised logits. Random rows
         draw by the exponential race ``argmax(probs / E)``, E ~ Exp(1); a row with its own
         generator draws E from it alone, so its tokens do not depend on the other rows.
+        ``token_bitmask`` (int32 ``[len(rows), token_bitmask_words(vocab)]`` on the logits'
+        device, all ones for free rows): only the tokens it allows may be picked (structured
+        outputs); the logprobs stay the model's own.
         """
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
@@ -128,7 +132,8 @@ class Sampler:
         # logprob = logit - log_norm, without a softmax copy; the argmax of the raw rows is the
         # greedy token of every row that no ban or penalty changes.
         want = [needs_logprob(r.params) for r in rows]
-        log_norm, token_ids = ops.logsumexp_argmax(raw, None if all(want) else torch.tensor(want))
+        log_norm, token_ids = ops.logsumexp_argmax(raw, None if all(want) else torch.tensor(want),
+                                                   bitmask=token_bitmask)
         early = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
@@ -141,6 +146,8 @@ class Sampler:
             apply_penalties(sub, [rows[i] for i in penalised])
             logits[penalised] = sub
         changed = sorted({i for i, _ in early}.union(penalised).difference(random_rows))
+        if token_bitmask is not None and (changed or random_rows):  # the copy they pick from
+            ops.apply_token_bitmask_(logits, token_bitmask)
         if changed:  # greedy and beam rows whose logits a ban or penalty changed
             token_ids[changed] = logits[changed].argmax(dim=-1)
         if random_rows:

@@ -84,6 +84,9 @@ class EngineCore:
             message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
             errors = [RequestError(rid, 500, message) for rid in failed]
             outputs = []
+        for request_id, message in self.engine.take_request_errors():  # e.g. a grammar that did not compile
+            errors.append(RequestError(request_id, 400, message))
+            self.live.discard(request_id)
         finished = False
         for out in outputs:
             out.prompt_token_ids = None  # the API process has them; the message carries only news

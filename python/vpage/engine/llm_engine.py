@@ -16,6 +16,7 @@ from vpage.engine.beam_search import BeamSearch
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.engine.structured_outputs import StructuredOutputs
 from vpage.executor.abstract import Executor
 from vpage.outputs import RequestOutput
 from vpage.sampler import Sampler
@@ -79,6 +80,13 @@ class LLMEngine:
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
+        try:
+            self.structured = StructuredOutputs(self.config.structured_outputs, self.tokenizer,
+                                                self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                                sched.max_num_seqs, self.device)
+        except ValueError:  # an unknown reasoning parser
+            self.shutdown()
+            raise
         logger.info("vpage: %s on %s (%s), KV cache %d blocks x %d tokens (%.1f KiB per block) = %d tokens, "
                     "swap %d blocks, max_model_len %d", self.model_config.architecture, self.device,
                     str(self.model_config.dtype).removeprefix("torch."), num_gpu_blocks, cache.block_size,
@@ -106,12 +114,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
         """Queues a request. Raises ValueError for a duplicate id, an empty or too long prompt,
-        or parameters the engine cannot serve; the engine is unchanged then."""
+        or parameters the engine cannot serve; the engine is unchanged then. A request with
+        structured outputs waits in the engine until its grammar compiles; one whose grammar
+        fails to compile then ends without output (``take_request_errors``)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = str(request_id)
-        if request_id in self.outputs.requests:
+        if request_id in self.outputs.requests or self.structured.is_pending(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         if not ids:
@@ -124,6 +134,8 @@ class LLMEngine:
         if blocks_per_sequence(len(ids), self.config.cache, self.config.scheduler) > capacity:
             raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * block_size} "
                              "tokens for one request: raise kv_cache_memory")
+        if params.structured_outputs is not None:
+            self.structured.validate(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         eos = [] if params.ignore_eos else self.model_config.eos_token_ids
         beam = None
@@ -135,15 +147,25 @@ class LLMEngine:
                                     stop_token_ids=params.stop_token_ids,
                                     ignore_eos=params.ignore_eos or beam is not None)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
-                                                    cache_salt or "")
-        self.outputs.add(RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival,
-                                      beam))
+
+        def admit(grammar=None) -> None:
+            seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
+                                                        cache_salt or "")
+            state = RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival, beam)
+            if grammar is not None:
+                self.structured.attach(state, grammar)
+            self.outputs.add(state)
+
+        if params.structured_outputs is None:
+            admit()
+        else:
+            self.structured.submit(request_id, params, admit)
 
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
         """Aborts unfinished requests (unknown ids are ignored) and frees their blocks."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            self.outputs.abort(rid)
+            if not self.structured.abort(rid):
+                self.outputs.abort(rid)
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -156,10 +178,15 @@ class LLMEngine:
         self.executor.check_health()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.requests)
+        return bool(self.outputs.requests) or bool(self.structured.pending)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.outputs.requests)
+        return len(self.outputs.requests) + len(self.structured.pending)
+
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of the requests that ended in an error since the last call
+        (a grammar that did not compile): they produced no output and are gone."""
+        return self.structured.take_errors()
 
     def get_stats(self) -> EngineStats:
         """The engine's statistics, computed now (not kept up to date every step)."""
@@ -171,6 +198,8 @@ class LLMEngine:
         """Runs one engine step (schedule, cache operations, forward, sample, process the
         outputs); returns the outputs of requests that advanced or finished."""
         start, scheduled_at = time.perf_counter(), time.monotonic()
+        if self.structured.pending:  # nothing else to run: wait a little for a grammar
+            self.structured.admit_ready(wait=not self.scheduler.has_unfinished())
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
@@ -179,7 +208,8 @@ class LLMEngine:
         sampled = None
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
-            sampled = self.sampler.sample(logits, self.outputs.sampling_rows(seq_ids))
+            rows = self.outputs.sampling_rows(seq_ids)
+            sampled = self.sampler.sample(logits, rows, self.structured.bitmask(seq_ids, self.outputs.seq_owner))
         outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
         self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)
         return outputs
@@ -192,6 +222,9 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+        structured = getattr(self, "structured", None)
+        if structured is not None:
+            structured.shutdown()
 
     def __del__(self) -> None:
         try:

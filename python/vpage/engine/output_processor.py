@@ -165,9 +165,11 @@ class OutputProcessor:
 
     def _apply_token(self, seq: SequenceState, token: int, logprob: float, top: Optional[list[tuple[int, float]]],
                      status: int, stop_token: int) -> bool:
-        """Records a committed token and the stop rules' verdict on it. Returns True when a
-        stop string matched (the caller finishes the sequence in the scheduler)."""
+        """Records a committed token and the stop rules' verdict on it (the grammar of a
+        structured output accepts it). Returns True when a stop string matched or the grammar
+        ended (the caller finishes the sequence in the scheduler)."""
         seq.output_token_ids.append(token)
+        grammar_ended = seq.constraint is not None and seq.constraint.accept(token)
         if seq.cumulative_logprob is not None:
             seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
@@ -187,6 +189,9 @@ class OutputProcessor:
             return False
         if seq.stop_matcher.stopped:
             seq.stop_reason = seq.stop_matcher.stop_str
+            seq.finish("stop")
+            return True
+        if grammar_ended:  # its stop token under ignore_eos, or a token outside the grammar
             seq.finish("stop")
             return True
         return False

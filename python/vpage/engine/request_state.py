@@ -15,6 +15,7 @@ from vpage.engine.beam_search import BeamSearch
 from vpage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vpage.sampler import SamplingRow, make_generator, needs_logprob
 from vpage.sampling_params import RequestOutputKind, SamplingParams
+from vpage.structured_output import SequenceConstraint
 from vpage.tokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
@@ -44,6 +45,8 @@ class SequenceState:
         self.stop_reason: int | str | None = None
         # A view of the prompt + output for the sampler (penalties).
         self.row = SamplingRow(params, prompt_token_ids, self.output_token_ids)
+        # The grammar of a request with structured outputs (engine/structured_outputs.py).
+        self.constraint: Optional[SequenceConstraint] = None
         # What earlier DELTA outputs reported: tokens, text pieces, the finish reason.
         self._sent_tokens = 0
         self._sent_parts = 0

@@ -87,7 +87,11 @@ class LLM:
             bar = tqdm(total=len(order), desc="Processed prompts", unit="req", dynamic_ncols=True)
         generated = 0
         while len(finished) < len(order):
-            for out in self.engine.step():
+            outputs = self.engine.step()
+            for request_id, message in self.engine.take_request_errors():
+                if request_id in order:
+                    raise ValueError(f"request {request_id} (prompt {order[request_id]}): {message}")
+            for out in outputs:
                 if out.finished and out.request_id in order:
                     finished[out.request_id] = out
                     generated += sum(len(o.token_ids) for o in out.outputs)
