@@ -10,7 +10,6 @@ finished (others go on meanwhile). A compile that fails ends its request with an
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -20,8 +19,6 @@ from vpage.config import StructuredOutputsConfig
 from vpage.engine.request_state import RequestState
 from vpage.sampling_params import SamplingParams
 from vpage.structured_output import SequenceConstraint, StepBitmask, StructuredOutputCompiler
-
-logger = logging.getLogger("vpage")
 
 # How long a step with nothing else to run waits for a compile to finish (seconds).
 _IDLE_WAIT_S = 0.02

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -29,16 +29,24 @@ def _close_objects(schema: Any) -> None:
             _close_objects(value)
 
 
-def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
-    import llguidance
-
+def _schema_with_options(schema: Any, params: StructuredOutputsParams) -> Any:
+    """The schema with the request's JSON options: closed objects, and llguidance's
+    ``x-guidance`` whitespace settings (unless the schema sets its own)."""
     if params.disable_additional_properties:
         schema = copy.deepcopy(schema)
         _close_objects(schema)
-    defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if not isinstance(schema, dict):
+        return schema
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
-        defaults["whitespace_pattern"] = params.whitespace_pattern
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
+        options["whitespace_pattern"] = params.whitespace_pattern
+    return {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_json_schema(_schema_with_options(schema, params))
 
 
 def _structural_tag_grammar(text: str, params: StructuredOutputsParams) -> str:
@@ -52,8 +60,10 @@ def _structural_tag_grammar(text: str, params: StructuredOutputsParams) -> str:
             trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
             if trigger is None:
                 raise ValueError(f"structural_tag: no trigger starts {s['begin']!r} (triggers {triggers})")
-            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=_json_grammar(s["schema"], params),
-                                             end=s["end"]))
+            schema = _schema_with_options(s["schema"], params)
+            if not isinstance(schema, dict):
+                raise ValueError(f"structural_tag: the schema of {s['begin']!r} must be a JSON object")
+            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     except (TypeError, KeyError, json.JSONDecodeError) as e:
         raise ValueError('llguidance takes structural tags as {"structures": [{"begin", "schema", "end"}, ...], '
                          f'"triggers": [...]}} ({type(e).__name__}: {e})') from None
@@ -121,15 +131,19 @@ class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: Any, eos_token_ids: Sequence[int]):
         self._matcher = matcher
         self._eos = frozenset(eos_token_ids)
-        self._num_tokens = 0
-        self._terminated_at: Optional[int] = None  # tokens accepted when a stop token ended it
+        self._terminated = False
+        # llguidance takes a stop token without recording it once the grammar has stopped
+        # (nothing else allowed), so a rollback over that token undoes one token less.
+        self._eos_unrecorded = False
 
     def accept_token(self, token: int) -> bool:
-        if self._terminated_at is not None or not self._matcher.consume_token(token):
+        if self._terminated:
             return False
-        self._num_tokens += 1
+        stopped = self._matcher.is_stopped()
+        if not self._matcher.consume_token(token):
+            return False
         if token in self._eos:
-            self._terminated_at = self._num_tokens
+            self._terminated, self._eos_unrecorded = True, stopped
         return True
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -137,16 +151,17 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def is_terminated(self) -> bool:
-        return self._terminated_at is not None
+        return self._terminated
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
             return
-        self._matcher.rollback(num_tokens)
-        self._num_tokens -= num_tokens
-        if self._terminated_at is not None and self._num_tokens < self._terminated_at:
-            self._terminated_at = None
+        if self._terminated:  # the stop token is the last one accepted
+            num_tokens -= self._eos_unrecorded
+            self._terminated = self._eos_unrecorded = False
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
 
     def reset(self) -> None:
         self._matcher.reset()
-        self._num_tokens, self._terminated_at = 0, None
+        self._terminated = self._eos_unrecorded = False

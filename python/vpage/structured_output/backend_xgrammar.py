@@ -103,7 +103,8 @@ class XgrammarBackend(StructuredOutputBackend):
             if kind == "json":
                 schema = schema_of(params)
                 if not isinstance(schema, (dict, bool)):
-                    raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}")
+                    raise ValueError("structured_outputs.json must be a JSON schema object, got "
+                                     f"{type(schema).__name__}")
                 unenforced = _unenforced(schema)
                 if unenforced:
                     raise ValueError(f"xgrammar does not enforce {unenforced} of the JSON schema{_SUGGEST}")
