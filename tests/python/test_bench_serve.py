@@ -29,3 +29,15 @@ def test_cli_reports_failures_against_a_closed_port(tmp_path):
     report = json.loads(result.read_text())
     assert report["num_requests"] == 3 and report["completed"] == 0 and report["failed"] == 3
     assert report["errors"] and report["ttft_ms"]["p99"] is None
+
+
+def test_request_schemas_ratio_and_unique_copies():
+    from vpage.benchmarks.serve import request_schemas
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert request_schemas(4, None) == [None] * 4
+    half = request_schemas(10, schema, ratio=0.5, seed=1)
+    assert half == request_schemas(10, schema, ratio=0.5, seed=1) and sum(s is not None for s in half) == 5
+    unique = request_schemas(3, schema, unique=True)
+    assert len({json.dumps(s, sort_keys=True) for s in unique}) == 3
+    assert all(s["required"] == ["a"] and "a" in s["properties"] for s in unique) and schema["properties"].keys() == {"a"}

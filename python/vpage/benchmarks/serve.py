@@ -8,6 +8,12 @@ once or as a Poisson process, with at most ``--max-concurrency`` in flight. Repo
 request and output-token throughput, TTFT, TPOT, ITL and E2E (mean, median, P95, P99), and
 goodput (requests/s meeting ``--slo-ttft-ms`` and ``--slo-tpot-ms``). Standard library
 only, so it runs anywhere vpage is installed.
+
+Structured outputs (the names of vLLM's benchmark_serving_structured_output.py):
+``--json-schema-path FILE`` puts that JSON schema on a seeded ``--structured-output-ratio`` of
+the requests (all by default), sent as vLLM's ``structured_outputs: {"json": ...}`` field;
+``--unique-schemas`` gives each request its own copy (one more optional property), so no
+request finds its grammar compiled already.
 """
 
 from __future__ import annotations
@@ -64,11 +70,13 @@ def load_jsonl(path: str) -> list[tuple[str, int]]:
 
 
 def _stream_one(url: str, model: Optional[str], api_key: Optional[str], prompt: str, out_len: int,
-                timeout: float) -> Result:
+                timeout: float, schema: Optional[dict] = None) -> Result:
     parts = urlsplit(url)
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     body = {"prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["structured_outputs"] = {"json": schema}
     if model:
         body["model"] = model
     headers = {"Content-Type": "application/json"}
@@ -127,19 +135,41 @@ def _summary(values: list[float]) -> dict:
     return {"mean": sum(xs) / len(xs) * 1000, "median": pct(50) * 1000, "p95": pct(95) * 1000, "p99": pct(99) * 1000}
 
 
+def request_schemas(num: int, schema: Optional[dict], ratio: float = 1.0, unique: bool = False,
+                    seed: int = 0) -> list[Optional[dict]]:
+    """The schema of each of ``num`` requests: ``schema`` on a seeded ``ratio`` of them (None on
+    the others); with ``unique``, each its own copy with one more optional property."""
+    if schema is None:
+        return [None] * num
+    chosen = set(random.Random(seed).sample(range(num), round(num * ratio)))
+    schemas: list[Optional[dict]] = []
+    for i in range(num):
+        if i not in chosen:
+            schemas.append(None)
+        elif unique:
+            copy = json.loads(json.dumps(schema))
+            copy.setdefault("properties", {})[f"unique_{i}"] = {"type": "boolean"}
+            schemas.append(copy)
+        else:
+            schemas.append(schema)
+    return schemas
+
+
 def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str] = None, api_key: Optional[str] = None,
                   request_rate: float = float("inf"), max_concurrency: int = 64, seed: int = 0,
                   slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None, timeout: float = 600.0,
-                  progress: bool = True) -> dict:
-    """Sends the trace to ``url`` (ending in /v1) and returns the report (times in ms)."""
+                  progress: bool = True, schemas: Optional[list[Optional[dict]]] = None) -> dict:
+    """Sends the trace to ``url`` (ending in /v1) and returns the report (times in ms);
+    ``schemas[i]``, when given and not None, constrains request i to that JSON schema."""
     rng = random.Random(seed)
     results: list[Result] = []
     lock = threading.Lock()
     done = 0
+    schemas = schemas or [None] * len(trace)
 
-    def one(item: tuple[str, int]) -> None:
+    def one(item: tuple[str, int], schema: Optional[dict]) -> None:
         nonlocal done
-        r = _stream_one(url, model, api_key, item[0], item[1], timeout)
+        r = _stream_one(url, model, api_key, item[0], item[1], timeout, schema)
         with lock:
             results.append(r)
             done += 1
@@ -150,8 +180,8 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
-        for item in trace:
-            pool.submit(one, item)
+        for item, schema in zip(trace, schemas):
+            pool.submit(one, item, schema)
             if request_rate != float("inf"):
                 time.sleep(rng.expovariate(request_rate))
     wall = time.perf_counter() - start
@@ -165,6 +195,7 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
         "url": url, "num_requests": len(trace), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "request_rate": "inf" if request_rate == float("inf") else request_rate, "max_concurrency": max_concurrency,
+        "structured_requests": sum(s is not None for s in schemas),
         "duration_s": wall, "request_throughput": len(ok) / wall, "output_throughput": output_tokens / wall,
         "total_output_tokens": output_tokens, "goodput": len(good) / wall,
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
@@ -174,7 +205,8 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
 
 
 def format_report(report: dict) -> str:
-    lines = [f"requests: {report['completed']} ok, {report['failed']} failed in {report['duration_s']:.1f} s",
+    lines = [f"requests: {report['completed']} ok, {report['failed']} failed in {report['duration_s']:.1f} s"
+             + (f" ({report['structured_requests']} with a JSON schema)" if report.get("structured_requests") else ""),
              f"request throughput: {report['request_throughput']:.2f} req/s, "
              f"output: {report['output_throughput']:.1f} tok/s, goodput: {report['goodput']:.2f} req/s"]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
@@ -197,6 +229,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--json-schema-path", default=None, metavar="FILE",
+                        help="constrain requests to this JSON schema (structured outputs)")
+    parser.add_argument("--structured-output-ratio", type=float, default=1.0,
+                        help="the share of requests that carry the schema (default: 1, all)")
+    parser.add_argument("--unique-schemas", action="store_true",
+                        help="a distinct copy of the schema per request (none is compiled already)")
     parser.add_argument("--result-file", default=None, help="write the report as JSON here")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -204,10 +242,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     trace = load_jsonl(args.dataset) if args.dataset else synthetic_trace(args.num_prompts, args.seed)
     trace = trace[:args.num_prompts]
+    if not 0.0 <= args.structured_output_ratio <= 1.0:
+        raise SystemExit("--structured-output-ratio must be within [0, 1]")
+    schema = None
+    if args.json_schema_path:
+        with open(args.json_schema_path) as f:
+            schema = json.load(f)
+    schemas = request_schemas(len(trace), schema, args.structured_output_ratio, args.unique_schemas, args.seed)
     report = run_benchmark(args.base_url, trace, model=args.model, api_key=args.api_key,
                            request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
                            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, timeout=args.timeout,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, schemas=schemas)
     print(format_report(report))
     if args.result_file:
         with open(args.result_file, "w") as f:

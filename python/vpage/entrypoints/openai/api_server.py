@@ -151,7 +151,15 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
         req = parse_body(await read_body(request, limits), kind)
         sub = serving.submit(req, cache_salt(tenant, req.cache_salt))
         if req.stream:
-            return StreamingResponse(serving.stream(sub), media_type="text/event-stream",
+            events = serving.stream(sub)
+            first = await events.__anext__()  # raises ApiError (answered as such) if the engine refuses it
+
+            async def all_events():
+                yield first
+                async for event in events:
+                    yield event
+
+            return StreamingResponse(all_events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
 
         async def disconnected() -> None:

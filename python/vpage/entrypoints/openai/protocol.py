@@ -16,6 +16,9 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vpage.entrypoints.openai.structured_outputs import (Choices, JsonSchema, NonEmpty, ResponseFormat,
+                                                         StructuredOutputsRequest)
+
 MAX_TOP_LOGPROBS = 20
 _INT32 = 2**31 - 1
 _INT64 = 2**63 - 1
@@ -84,13 +87,20 @@ class _SamplingRequest(_Strict):
     allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
     bad_words: Optional[list[StopString]] = Field(None, max_length=256)
     prompt_logprobs: Optional[Int32] = None  # vLLM's; checked in prompt_logprobs.py
+    # structured outputs (structured_outputs.py): at most one constraint
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[JsonSchema] = None
+    guided_regex: Optional[NonEmpty] = None
+    guided_choice: Optional[Choices] = None
+    guided_grammar: Optional[NonEmpty] = None
+    guided_whitespace_pattern: Optional[NonEmpty] = None
     # OpenAI fields vpage does not implement: refused when given a non-empty value.
-    response_format: Optional[Any] = None
     functions: Optional[Any] = None
     suffix: Optional[Any] = None
 
     def unsupported(self) -> Optional[str]:
-        for name in ("response_format", "functions", "suffix"):
+        for name in ("functions", "suffix"):
             if getattr(self, name) not in (None, {}, [], ""):
                 return name
         return None

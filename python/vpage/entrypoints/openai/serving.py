@@ -23,6 +23,7 @@ from vpage.entrypoints.openai.chat_utils import ChatOptions, ChatServing, Prepar
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
+from vpage.entrypoints.openai.structured_outputs import structured_outputs_params
 from vpage.entrypoints.openai.token_controls import check_bad_words, token_control_kwargs
 from vpage.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
@@ -160,6 +161,10 @@ class OpenAIServing:
         kwargs.update(token_control_kwargs(req, info.vocab_size))
         if (k := prompt_logprobs.engine_prompt_logprobs(req, chat)) is not None:
             kwargs["prompt_logprobs"] = k
+        try:
+            kwargs["structured_outputs"] = structured_outputs_params(req)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=getattr(exc, "param", "structured_outputs")) from None
         if prepared is not None:  # a tool_choice constraint; special tokens the tool parser reads
             prepared.update_sampling(kwargs)
         try:
@@ -222,8 +227,11 @@ class OpenAIServing:
     async def stream(self, sub: Submission) -> AsyncIterator[bytes]:
         """Server-sent events: a chunk per new piece of text, an optional usage chunk, then
         ``data: [DONE]``. Prompts are streamed in order (their requests run concurrently).
-        Closing the generator (client gone) aborts what is still running."""
+        Closing the generator (client gone) aborts what is still running. A request that fails
+        before its first event (the engine refused it: a grammar that does not compile) raises
+        ApiError instead, so the caller can answer with its status."""
         builder = sub.builder
+        started = False
         deadline = None if self.limits.request_timeout_s is None else time.monotonic() + self.limits.request_timeout_s
         try:
             for i, stream in enumerate(sub.streams):
@@ -239,13 +247,17 @@ class OpenAIServing:
                             yield _event(chunk)
                         break
                     for chunk in builder.chunks(i, out):
+                        started = True
                         yield _event(chunk)
                     if out.finished:
                         break
             if sub.include_usage:
                 yield _event(builder.stream_usage_chunk([len(s.prompt_token_ids) for s in sub.streams]))
         except RequestFailed as exc:
-            yield _event(ApiError(exc.status, str(exc), kind="server_error").body())
+            kind = "invalid_request_error" if exc.status == 400 else "server_error"
+            if not started:
+                raise ApiError(exc.status, str(exc), kind=kind) from None
+            yield _event(ApiError(exc.status, str(exc), kind=kind).body())
         except EngineDeadError:
             yield _event(ApiError(503, "the engine is not available", kind="service_unavailable").body())
         finally:
