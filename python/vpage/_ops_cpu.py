@@ -141,6 +141,21 @@ def quant_matmul(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, type
                             get_num_threads())
 
 
+def dense_pack(packed: torch.Tensor, weight: torch.Tensor) -> None:
+    """CPU only; see vpage.ops.pack_dense_weight."""
+    _core._cpu_dense_pack(packed.data_ptr(), weight.data_ptr(), weight.shape[0], weight.shape[1],
+                          max(weight.stride(0), weight.shape[1]), DTYPE_CODES[weight.dtype], get_num_threads())
+
+
+def dense_matmul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor],
+                 n: int) -> None:
+    """CPU only; see vpage.ops.dense_matmul."""
+    k = packed.shape[1]
+    _core._cpu_dense_matmul(out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                            x.shape[0], n, k, max(x.stride(0), k), max(out.stride(0), n), DTYPE_CODES[x.dtype],
+                            DTYPE_CODES[packed.dtype], get_num_threads())
+
+
 def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int, k: int) -> None:
     """CPU only; see vpage.ops.dequantize_rows."""
     _core._cpu_quant_dequantize_rows(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)

@@ -35,7 +35,7 @@ __all__ = [
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
     "silu_and_mul", "gelu_tanh_and_mul", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
-    "dequantize_rows", "logsumexp_argmax", "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
+    "dequantize_rows", "pack_dense_weight", "dense_matmul", "dense_rows", "logsumexp_argmax", "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -46,7 +46,7 @@ _local = threading.local()  # .trusted: inside trusted_arguments()
 def trusted_arguments() -> Iterator[None]:
     """Within the block, on this thread, reshape_and_cache, paged_attention,
     paged_prefill_attention, rotary_embedding, rms_norm, fused_add_rms_norm, rms_norm_heads_,
-    silu_and_mul, gelu_tanh_and_mul and quant_matmul skip their argument checks. Only for
+    silu_and_mul, gelu_tanh_and_mul, quant_matmul and dense_matmul skip their argument checks. Only for
     arguments of the kind the caller has just seen pass them (same dtypes, devices, layouts and
     consistent shapes): a wrong argument then reaches the kernel unchecked."""
     previous = getattr(_local, "trusted", False)
@@ -664,6 +664,73 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
         raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
     _ops_cpu.quant_matmul(out, x, qweight, type_id, n, k)
+    return out
+
+
+DENSE_PANEL_ROWS = 32  # weight rows per packed panel (_core.DENSE_PANEL_ROWS)
+
+
+def pack_dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight ``[n, k]`` (float32, bfloat16 or float16, CPU, contiguous columns)
+    packed for :func:`dense_matmul`: ``[ceil(n / 32), k, 32]`` of its dtype, panel p holding
+    rows ``[32 p, 32 p + 32)`` column by column (zeros past row n). Packed once at load time,
+    so no matmul repacks it."""
+    _check_tensor("weight", weight, ndim=2, device=torch.device("cpu"), contiguous=False)
+    n, k = weight.shape
+    if weight.dtype not in _SUPPORTED_DTYPES or k == 0 or (k > 1 and weight.stride(1) != 1) or (
+            n > 1 and weight.stride(0) < k):
+        raise ValueError(f"weight must be a float [n, k > 0] tensor with contiguous columns, got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    packed = torch.empty(-(-n // DENSE_PANEL_ROWS), k, DENSE_PANEL_ROWS, dtype=weight.dtype)
+    if n:
+        _ops_cpu.dense_pack(packed, weight)
+    return packed
+
+
+def dense_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[r]``) of the weight that ``packed`` holds, ``[r, k]`` (embedding
+    lookups in a table packed for its tied output projection)."""
+    return packed[rows // DENSE_PANEL_ROWS, :, rows % DENSE_PANEL_ROWS]
+
+
+def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = x @ W.T (+ bias)`` with ``W`` ``[n, k]`` packed by :func:`pack_dense_weight` (CPU only).
+
+    x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous); bias
+    float32 ``[n]`` or None. Returns out ``[m, n]`` in x's dtype. float32 accumulation, each
+    output summed in k order (a row's result does not depend on its batch); 16-bit weights are
+    widened in registers, so no 16-bit arithmetic is needed."""
+    if not _checking():
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        _ops_cpu.dense_matmul(out, x, packed, bias, n)
+        return out
+    _check_tensor("packed", packed, ndim=3, device=torch.device("cpu"))
+    if packed.dtype not in _SUPPORTED_DTYPES or packed.shape[2] != DENSE_PANEL_ROWS or not isinstance(n, int) or not (
+            0 <= n <= packed.shape[0] * DENSE_PANEL_ROWS and packed.shape[0] == -(-n // DENSE_PANEL_ROWS)):
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} does not hold {n!r} rows packed by "
+                         "pack_dense_weight")
+    k = packed.shape[1]
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    if x.device.type != "cpu":
+        raise ValueError(f"dense_matmul runs on the CPU, x is on {x.device}")
+    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
+            k > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    if bias is not None:
+        _check_tensor("bias", bias, dtype=torch.float32, ndim=1, device=torch.device("cpu"))
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
+    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    _ops_cpu.dense_matmul(out, x, packed, bias, n)
     return out
 
 

@@ -1,8 +1,9 @@
 """The C++ layer loop (models/cpu_decoder.py) against the layer-by-layer Python path on tiny
-quantized Llama and Qwen2 (biased QKV) models: the same hidden states and KV caches bit for
-bit over prefill, chunked prefill and decode steps; models that do not qualify stay on the
-Python path (float weights; a family built on Llama with an extra norm, or one that does not
-opt in); a malformed batch is refused before anything runs."""
+quantized Llama and Qwen2 (biased QKV) models, and on their float weights packed for the dense
+kernel (float32, bfloat16 and float16 activations): the same hidden states and KV caches bit
+for bit over prefill, chunked prefill and decode steps; models that do not qualify stay on the
+Python path (float weights not packed; a family built on Llama with an extra norm, or one that
+does not opt in); a malformed batch is refused before anything runs."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from quant_fixtures import quantized_rows
 from vpage import ops
 from vpage.model_executor import load_model
 from vpage.model_executor import models as registry
+from vpage.model_executor.layers.linear import pack_dense_weights
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.models.llama import DecoderParts, LlamaAttention, LlamaForCausalLM
@@ -99,7 +101,25 @@ def test_cpu_decoder_with_a_16_bit_cache_matches_python_layers_bitwise(cache_dty
         assert 0 < error < 0.05
 
 
-def test_float_model_stays_on_python_layers(tmp_path):
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_packed_float_model_matches_python_layers_bitwise(kind, dtype, tmp_path):
+    save_tiny_model(kind, tmp_path / kind, hidden_size=256, intermediate_size=512)
+    loaded = load_model(str(tmp_path / kind), dtype=dtype, device="cpu")
+    net = loaded.model
+    pack_dense_weights(net)
+    assert net.model.layers[0].self_attn.qkv_proj.packed.dtype == getattr(torch, dtype)
+    net_config[id(net)] = loaded.config
+    fast_hidden, fast_caches = _run(net, True)
+    slow_hidden, slow_caches = _run(net, False)
+    assert fast_hidden[0].dtype == getattr(torch, dtype) and fast_hidden[0].abs().max() > 0.1
+    for fast, slow in zip(fast_hidden, slow_hidden):
+        assert torch.equal(fast, slow)
+    for (fk, fv), (sk, sv) in zip(fast_caches, slow_caches):
+        assert torch.equal(fk, sk) and torch.equal(fv, sv)
+
+
+def test_unpacked_float_model_stays_on_python_layers(tmp_path):
     loaded = load_model(_tiny_gguf("llama", "Q4_0", tmp_path), device="cpu", quantization="none")
     net = loaded.model
     cache = PagedKVCache(loaded.config)

@@ -2,8 +2,9 @@
 (per-head q/k norms), Gemma 2 (Gemma's layer structure, GELU-tanh MLP, attention logit
 soft-cap, sliding layers), Gemma 3 (q/k norms, a rope table per layer type), Mistral, Qwen2
 (a window on some layers) and Phi-3 (a window; partial rotary). Each tiny random model, written
-as a GGUF file with Q8_0 or Q4_K matrices and random norm weights, gives bitwise the Python
-layers' hidden states and KV caches over prefill chunks past the window and decode steps, with
+as a GGUF file with Q8_0 or Q4_K matrices and random norm weights (or those dequantized and
+packed for the dense kernel, float32 and bfloat16), gives bitwise the Python layers' hidden
+states and KV caches over prefill chunks past the window and decode steps, with
 the loop built; the window and the soft-cap it is given change its result; a part the loop does
 not implement (longrope, a subclassed Gemma attention) keeps the model on the Python layers."""
 
@@ -19,6 +20,7 @@ from model_fixtures import _TINY, TINY_VOCAB, PagedKVCache, save_tiny_gguf, save
 from quant_fixtures import quantized_rows
 from vpage.model_executor import load_model
 from vpage.model_executor import models as registry
+from vpage.model_executor.layers.linear import pack_dense_weights
 from vpage.model_executor.loader import model_loader
 from vpage.model_executor.models.gemma3 import Gemma3Attention, Gemma3ForCausalLM
 
@@ -73,10 +75,10 @@ _WINDOW_CONFIG = {
 }
 
 
-def _load(path: str, family: str):
+def _load(path: str, family: str, **options):
     fields = _WINDOW_CONFIG.get(family)
     if fields is None:
-        return load_model(path, device="cpu")
+        return load_model(path, device="cpu", **options)
     read = model_loader._load_hf_config
 
     def windowed(*args, **kwargs):
@@ -87,7 +89,7 @@ def _load(path: str, family: str):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_loader, "_load_hf_config", windowed)
-        return load_model(path, device="cpu")
+        return load_model(path, device="cpu", **options)
 
 
 def _tiny_gguf(family: str, qtype: str, folder) -> str:
@@ -178,6 +180,16 @@ def test_loop_matches_python_layers_bitwise(models, family, qtype):
         tables = [rotary.cos_sin for rotary in net.model.layer_rotary]
         assert not torch.equal(tables[0], tables[5]) and tables[0] is tables[6]
     _assert_bitwise(_run(loaded, True), _run(loaded, False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loop_with_packed_float_weights_matches_python_layers_bitwise(tmp_path, family, dtype):
+    loaded = _load(_tiny_gguf(family, "Q8_0", tmp_path), family, quantization="none", dtype=dtype)
+    pack_dense_weights(loaded.model)
+    fast = _run(loaded, True)
+    assert fast[0][0].dtype == getattr(torch, dtype)
+    _assert_bitwise(fast, _run(loaded, False))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])

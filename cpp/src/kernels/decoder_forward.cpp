@@ -17,7 +17,7 @@ namespace {
 
 // Activations of one step, grown as needed and kept for the next call of the same thread.
 struct Workspace {
-  std::vector<float> residual, hidden, qkv, attention, gate_up, activation;
+  std::vector<char> residual, hidden, qkv, attention, gate_up, activation;
 
   static Workspace& of_this_thread() {
     thread_local Workspace workspace;
@@ -25,16 +25,24 @@ struct Workspace {
   }
 };
 
-float* sized(std::vector<float>& buffer, int64_t rows, int64_t cols) {
-  buffer.resize(static_cast<size_t>(rows * cols));
-  return buffer.data();
+// Row-major [rows, cols] activations of the step's dtype, in a workspace buffer.
+struct Rows {
+  char* data;
+  int64_t cols;
+  int64_t element;  // bytes
+  char* at(int64_t row, int64_t col = 0) const { return data + (row * cols + col) * element; }
+};
+
+Rows sized(std::vector<char>& buffer, int64_t rows, int64_t cols, DType dtype) {
+  buffer.resize(static_cast<size_t>(rows * cols * dtype_size(dtype)));
+  return {buffer.data(), cols, dtype_size(dtype)};
 }
 
 void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num_layers, const DecoderBatch& b) {
   const bool sizes_ok = s.hidden_size > 0 && s.num_heads > 0 && s.num_kv_heads > 0 && s.head_size > 0 &&
                         s.intermediate_size > 0 && s.num_heads % s.num_kv_heads == 0 &&
                         s.cache.num_kv_heads == s.num_kv_heads && s.cache.head_size == s.head_size &&
-                        kv_dtypes_supported(DType::kFloat32, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 &&
+                        kv_dtypes_supported(s.dtype, s.cache.dtype) && num_layers > 0 && b.num_tokens >= 0 &&
                         b.num_seqs >= 0;
   VPAGE_CHECK(sizes_ok, "decoder_forward: inconsistent sizes (hidden "
                             << s.hidden_size << ", heads " << s.num_heads << "/" << s.num_kv_heads << ", head_size "
@@ -62,34 +70,56 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
                                           << " the Gemma structure's feed-forward norms");
     VPAGE_CHECK(l.sliding_window >= 0 && l.logits_soft_cap >= 0.0f,
                 "decoder_forward: layer " << i << " has a negative sliding window or soft-cap");
+    for (const LinearWeights* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      VPAGE_CHECK(w->format == WeightFormat::kPackedDense || s.dtype == DType::kFloat32,
+                  "decoder_forward: layer " << i << " has quantized projections under 16-bit activations");
+    }
   }
 }
 
-// `linear`: out [n, rows] = x [n, cols] @ W^T (+ bias), as QuantizedLinear.forward.
-void linear(const QuantLinearWeights& w, const float* x, int64_t n, int32_t cols, float* out, int32_t rows,
-            int num_threads) {
+// `linear`: out [n, rows] = x [n, cols] @ W^T (+ bias), as DenseWeight.matmul or (float32
+// activations) QuantizedLinear.forward.
+void linear(const LinearWeights& w, const void* x, int64_t n, int32_t cols, void* out, int32_t rows,
+            const DecoderShape& s, int num_threads) {
+  if (w.format == WeightFormat::kPackedDense) {
+    DenseMatmulArgs args;
+    args.out = out;
+    args.x = x;
+    args.weight = w.weight;
+    args.bias = w.bias;
+    args.m = n;
+    args.n = rows;
+    args.k = cols;
+    args.x_stride = cols;
+    args.out_stride = rows;
+    args.dtype = s.dtype;
+    args.weight_dtype = w.dense_dtype;
+    dense_matmul(args, num_threads);
+    return;
+  }
   QuantMatmulArgs args;
   args.out = out;
   args.x = x;
-  args.weight = w.weight;
+  args.weight = static_cast<const uint8_t*>(w.weight);
   args.m = n;
   args.n = rows;
   args.k = cols;
   args.x_stride = cols;
   args.out_stride = rows;
   args.type = w.type;
-  args.dtype = DType::kFloat32;
+  args.dtype = DType::kFloat32;  // check(): quantized projections only under float32 activations
   quant_matmul(args, num_threads);
   if (w.bias == nullptr) return;
+  float* values = static_cast<float*>(out);
   for (int64_t t = 0; t < n; ++t) {
-    float* row = out + t * rows;
+    float* row = values + t * rows;
     for (int32_t j = 0; j < rows; ++j) row[j] += w.bias[j];
   }
 }
 
 // RMSNorm.forward: without a residual, out = norm(x) and x becomes the residual stream (the
 // caller keeps x); with one, residual += x and x = norm(residual) in place.
-void rms_norm_step(const float* weight, float* x, float* residual, float* out, int64_t n, const DecoderShape& s,
+void rms_norm_step(const void* weight, void* x, void* residual, void* out, int64_t n, const DecoderShape& s,
                    int num_threads) {
   RmsNormArgs args;
   args.out = out;
@@ -99,13 +129,13 @@ void rms_norm_step(const float* weight, float* x, float* residual, float* out, i
   args.num_tokens = n;
   args.hidden_size = s.hidden_size;
   args.eps = s.rms_norm_eps;
-  args.dtype = DType::kFloat32;
+  args.dtype = s.dtype;
   rms_norm(args, num_threads);
 }
 
 // ops.rms_norm_heads_ on `num_heads` heads of each [n, row_stride] row from `x`: the
 // per-head q or k norm of Qwen3Attention / Gemma3Attention.position_qk.
-void head_norm_step(const float* weight, float* x, int64_t row_stride, int32_t num_heads, int64_t n,
+void head_norm_step(const void* weight, void* x, int64_t row_stride, int32_t num_heads, int64_t n,
                     const DecoderShape& s, int num_threads) {
   RmsNormHeadsArgs args;
   args.x = x;
@@ -115,26 +145,26 @@ void head_norm_step(const float* weight, float* x, int64_t row_stride, int32_t n
   args.num_heads = num_heads;
   args.head_size = s.head_size;
   args.eps = s.head_norm_eps;
-  args.dtype = DType::kFloat32;
+  args.dtype = s.dtype;
   rms_norm_heads(args, num_threads);
 }
 
 // LlamaAttention.forward from the normed input `x` to attention output rows `out`
 // [n, num_heads * head_size] (the o projection is the caller's).
-void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, const DecoderBatch& b, const float* x,
-                    float* qkv, float* out, int num_threads) {
+void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, const DecoderBatch& b, const void* x,
+                    const Rows& qkv, void* out, int num_threads) {
   const int64_t n = b.num_tokens;
   const int32_t q_size = s.num_heads * s.head_size;
   const int32_t kv_size = s.num_kv_heads * s.head_size;
   const int32_t width = q_size + 2 * kv_size;
-  linear(layer.qkv, x, n, s.hidden_size, qkv, width, num_threads);
+  linear(layer.qkv, x, n, s.hidden_size, qkv.data, width, s, num_threads);
 
   // position_qk: the q heads' norm, the k heads' norm (when the layer has them), then the
   // rotary of both.
-  if (layer.q_norm != nullptr) head_norm_step(layer.q_norm, qkv, width, s.num_heads, n, s, num_threads);
-  if (layer.k_norm != nullptr) head_norm_step(layer.k_norm, qkv + q_size, width, s.num_kv_heads, n, s, num_threads);
+  if (layer.q_norm != nullptr) head_norm_step(layer.q_norm, qkv.data, width, s.num_heads, n, s, num_threads);
+  if (layer.k_norm != nullptr) head_norm_step(layer.k_norm, qkv.at(0, q_size), width, s.num_kv_heads, n, s, num_threads);
   RotaryArgs rotary;  // rotary.rotate_: query then key heads lead each row
-  rotary.x = qkv;
+  rotary.x = qkv.data;
   rotary.row_stride = width;
   rotary.positions = b.positions;
   rotary.cos_sin = layer.cos_sin;
@@ -143,25 +173,25 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   rotary.num_heads = s.num_heads + s.num_kv_heads;
   rotary.head_size = s.head_size;
   rotary.rotary_dim = layer.rotary_dim;
-  rotary.dtype = DType::kFloat32;
+  rotary.dtype = s.dtype;
   rotary_embedding(rotary, num_threads);
 
   ReshapeAndCacheArgs cache;  // PagedAttention.forward: ops.reshape_and_cache
-  cache.key = qkv + q_size;
-  cache.value = qkv + q_size + kv_size;
+  cache.key = qkv.at(0, q_size);
+  cache.value = qkv.at(0, q_size + kv_size);
   cache.key_cache = layer.key_cache;
   cache.value_cache = layer.value_cache;
   cache.slot_mapping = b.slot_mapping;
   cache.num_tokens = n;
   cache.key_stride = width;
   cache.value_stride = width;
-  cache.dtype = DType::kFloat32;
+  cache.dtype = s.dtype;
   cache.cache = s.cache;
   reshape_and_cache(cache, num_threads);
 
   PagedAttentionArgs attention;  // ops.paged_attention / paged_prefill_attention
   attention.out = out;
-  attention.query = qkv;
+  attention.query = qkv.data;
   attention.key_cache = layer.key_cache;
   attention.value_cache = layer.value_cache;
   attention.block_tables = b.block_tables;
@@ -174,7 +204,7 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   attention.max_context_len = b.max_context_len;
   attention.query_stride = width;
   attention.scale = layer.attention_scale;
-  attention.dtype = DType::kFloat32;
+  attention.dtype = s.dtype;
   attention.cache = s.cache;
   attention.sliding_window = layer.sliding_window;
   attention.logits_soft_cap = layer.logits_soft_cap;
@@ -182,21 +212,21 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
 }
 
 // LlamaMLP.forward (GemmaMLP.forward with kGeluTanh): out [n, hidden] = down(act(gate(x)) * up(x)).
-void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const float* x, float* gate_up,
-              float* activation, float* out, int num_threads) {
-  linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * s.intermediate_size, num_threads);
+void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x, void* gate_up,
+              void* activation, void* out, int num_threads) {
+  linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * s.intermediate_size, s, num_threads);
   SiluAndMulArgs act;  // the layout of GeluTanhAndMulArgs too
   act.out = activation;
   act.x = gate_up;
   act.num_tokens = n;
   act.d = s.intermediate_size;
-  act.dtype = DType::kFloat32;
+  act.dtype = s.dtype;
   if (s.activation == MlpActivation::kGeluTanh) {
     gelu_tanh_and_mul(act, num_threads);
   } else {
     silu_and_mul(act, num_threads);
   }
-  linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, num_threads);
+  linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, s, num_threads);
 }
 
 }  // namespace
@@ -208,35 +238,35 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
   if (n == 0) return;
   Workspace& w = Workspace::of_this_thread();
   const int32_t q_size = s.num_heads * s.head_size;
-  float* residual = sized(w.residual, n, s.hidden_size);
-  float* hidden = sized(w.hidden, n, s.hidden_size);
-  float* qkv = sized(w.qkv, n, q_size + 2 * s.num_kv_heads * s.head_size);
-  float* attention = sized(w.attention, n, q_size);
-  float* gate_up = sized(w.gate_up, n, 2 * static_cast<int64_t>(s.intermediate_size));
-  float* activation = sized(w.activation, n, s.intermediate_size);
+  const Rows residual = sized(w.residual, n, s.hidden_size, s.dtype);
+  void* hidden = sized(w.hidden, n, s.hidden_size, s.dtype).data;
+  const Rows qkv = sized(w.qkv, n, q_size + 2 * s.num_kv_heads * s.head_size, s.dtype);
+  void* attention = sized(w.attention, n, q_size, s.dtype).data;
+  void* gate_up = sized(w.gate_up, n, 2 * static_cast<int64_t>(s.intermediate_size), s.dtype).data;
+  void* activation = sized(w.activation, n, s.intermediate_size, s.dtype).data;
 
   // Layer 0's input norm has no residual yet: the embeddings become the residual stream.
-  std::memcpy(residual, b.embeddings, sizeof(float) * static_cast<size_t>(n * s.hidden_size));
-  rms_norm_step(layers[0].input_norm, residual, nullptr, hidden, n, s, num_threads);
+  std::memcpy(residual.data, b.embeddings, static_cast<size_t>(n * s.hidden_size * residual.element));
+  rms_norm_step(layers[0].input_norm, residual.data, nullptr, hidden, n, s, num_threads);
   const bool gemma = s.structure == DecoderStructure::kGemma;
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& layer = layers[i];
-    if (i > 0) rms_norm_step(layer.input_norm, hidden, residual, hidden, n, s, num_threads);
+    if (i > 0) rms_norm_step(layer.input_norm, hidden, residual.data, hidden, n, s, num_threads);
     attention_step(s, layer, b, hidden, qkv, attention, num_threads);
-    linear(layer.o, attention, n, q_size, hidden, s.hidden_size, num_threads);
+    linear(layer.o, attention, n, q_size, hidden, s.hidden_size, s, num_threads);
     if (gemma) {
       // GemmaDecoderLayer.forward: post_attention_layernorm.normed_ (in place, no residual),
       // then the pre-feedforward norm takes the residual add.
       rms_norm_step(layer.post_attention_norm, hidden, nullptr, hidden, n, s, num_threads);
-      rms_norm_step(layer.pre_feedforward_norm, hidden, residual, hidden, n, s, num_threads);
+      rms_norm_step(layer.pre_feedforward_norm, hidden, residual.data, hidden, n, s, num_threads);
       mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
       rms_norm_step(layer.post_feedforward_norm, hidden, nullptr, hidden, n, s, num_threads);
     } else {
-      rms_norm_step(layer.post_attention_norm, hidden, residual, hidden, n, s, num_threads);
+      rms_norm_step(layer.post_attention_norm, hidden, residual.data, hidden, n, s, num_threads);
       mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
     }
   }
-  rms_norm_step(s.final_norm, hidden, residual, b.out, n, s, num_threads);
+  rms_norm_step(s.final_norm, hidden, residual.data, b.out, n, s, num_threads);
 }
 
 }  // namespace vpage::cpu

@@ -1,8 +1,8 @@
-# CPU kernels of vpage_core. The attention task kernels (attention_*impl.h) and the quantized
-# matmul task (quant_matmul_impl.h) are compiled once per instruction set, each build in its
-# own namespace with its own -m flags; cpu_isa.cpp picks one at run time with
-# __builtin_cpu_supports (quant_matmul.cpp follows its choice). Everything else uses
-# baseline flags. Levels: generic, avx2, avx2vnni, avx512, avx512vnni (the VNNI levels differ
+# CPU kernels of vpage_core. The attention task kernels (attention_*impl.h), the quantized
+# matmul task (quant_matmul_impl.h) and the dense matmul task (dense_matmul_impl.h) are
+# compiled once per instruction set, each build in its own namespace with its own -m flags;
+# cpu_isa.cpp picks one at run time with __builtin_cpu_supports (quant_matmul.cpp and
+# dense_matmul.cpp follow its choice). Everything else uses baseline flags. Levels: generic, avx2, avx2vnni, avx512, avx512vnni (the VNNI levels differ
 # from the level below them only in the quantized matmul; avx2vnni needs a compiler that knows
 # -mavxvnni, GCC 11 or Clang 12).
 set(_vpage_kernels_dir ${CMAKE_CURRENT_LIST_DIR})
@@ -16,9 +16,12 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/sampler_ops.cpp
   ${_vpage_kernels_dir}/token_bitmask.cpp
   ${_vpage_kernels_dir}/attention_generic.cpp
+  ${_vpage_kernels_dir}/float_rows.cpp
   ${_vpage_kernels_dir}/quant_matmul.cpp
+  ${_vpage_kernels_dir}/dense_matmul.cpp
   ${_vpage_kernels_dir}/decoder_forward.cpp
-  ${_vpage_kernels_dir}/quant_generic.cpp)
+  ${_vpage_kernels_dir}/quant_generic.cpp
+  ${_vpage_kernels_dir}/dense_generic.cpp)
 
 # Rotary, layer and sampler ops: no FMA contraction, so float32 results equal torch's unfused
 # multiply and add. -fno-trapping-math (results unchanged: it only drops the promise to raise
@@ -38,12 +41,16 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
     ${_vpage_kernels_dir}/attention_avx512.cpp
     ${_vpage_kernels_dir}/quant_avx2.cpp
     ${_vpage_kernels_dir}/quant_avx512.cpp
-    ${_vpage_kernels_dir}/quant_avx512vnni.cpp)
+    ${_vpage_kernels_dir}/quant_avx512vnni.cpp
+    ${_vpage_kernels_dir}/dense_avx2.cpp
+    ${_vpage_kernels_dir}/dense_avx512.cpp)
   set_source_files_properties(${_vpage_kernels_dir}/attention_avx2.cpp ${_vpage_kernels_dir}/quant_avx2.cpp
+    ${_vpage_kernels_dir}/dense_avx2.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c")
   # -Wno-(maybe-)uninitialized: GCC 12 false positives inside its own AVX-512 headers.
   set(_vpage_avx512_flags "-mavx512f;-mavx512bw;-mavx512vl;-mavx512dq;-mavx2;-mfma;-mf16c;-Wno-maybe-uninitialized;-Wno-uninitialized")
   set_source_files_properties(${_vpage_kernels_dir}/attention_avx512.cpp ${_vpage_kernels_dir}/quant_avx512.cpp
+    ${_vpage_kernels_dir}/dense_avx512.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags}")
   # The avx512vnni level: AVX-512 attention (VNNI changes nothing there), VNNI quantized matmul.
   set_source_files_properties(${_vpage_kernels_dir}/quant_avx512vnni.cpp
@@ -58,5 +65,6 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
     list(APPEND _vpage_x86_definitions VPAGE_AVX2VNNI_KERNELS=1)
   endif()
   set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
+    ${_vpage_kernels_dir}/dense_matmul.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS "${_vpage_x86_definitions}")
 endif()

@@ -1,16 +1,16 @@
 // Quantized matmul dispatcher: checks the arguments, converts 16-bit x to float32, picks the
 // ISA build that set_cpu_isa selected for attention, plans the tasks and runs them on the
-// kernels' parallel_for. Also the block-format tables and the output conversion.
+// kernels' parallel_for. Also the block-format tables.
 #include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "attention_task.h"
+#include "float_rows.h"
 #include "quant_task.h"
 #include "thread_pool.h"
 #include "vpage/common.h"
-#include "vpage/kernels/half.h"
 #include "vpage/kernels/quant_matmul.h"
 
 namespace vpage {
@@ -149,41 +149,11 @@ void check_args(const QuantMatmulArgs& a) {
               "quant_matmul: null pointer");
 }
 
-// x as float32 rows: args.x itself, or a converted copy in `buffer`.
-const float* float_rows(const QuantMatmulArgs& a, std::vector<float>& buffer, int64_t* stride, int num_threads) {
-  if (a.dtype == DType::kFloat32) {
-    *stride = a.x_stride;
-    return static_cast<const float*>(a.x);
-  }
-  buffer.resize(static_cast<size_t>(a.m) * a.k);
-  *stride = a.k;
-  const uint16_t* x = static_cast<const uint16_t*>(a.x);
-  const bool bf16 = a.dtype == DType::kBFloat16;
-  ThreadPool::instance().parallel_for(a.m, num_threads, [&](int64_t row, int) {
-    const uint16_t* src = x + row * a.x_stride;
-    float* dst = buffer.data() + row * a.k;
-    if (bf16) {
-      for (int32_t i = 0; i < a.k; ++i) dst[i] = bfloat16_to_float(src[i]);
-    } else {
-      for (int32_t i = 0; i < a.k; ++i) dst[i] = half_to_float(src[i]);
-    }
-  });
-  return buffer.data();
-}
-
 }  // namespace
 
 void quant_store_out(const QuantMatmulArgs& a, int64_t row, int32_t col0, int32_t cols, const float* values) {
-  if (a.dtype == DType::kFloat32) {
-    std::memcpy(static_cast<float*>(a.out) + row * a.out_stride + col0, values, sizeof(float) * cols);
-    return;
-  }
-  uint16_t* out = static_cast<uint16_t*>(a.out) + row * a.out_stride + col0;
-  if (a.dtype == DType::kBFloat16) {
-    for (int32_t j = 0; j < cols; ++j) out[j] = float_to_bfloat16(values[j]);
-  } else {
-    for (int32_t j = 0; j < cols; ++j) out[j] = float_to_half(values[j]);
-  }
+  const int64_t offset = (row * a.out_stride + col0) * dtype_size(a.dtype);
+  store_float32_row(a.dtype, static_cast<char*>(a.out) + offset, values, nullptr, cols);
 }
 
 void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs) {
@@ -208,7 +178,7 @@ void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
   const QuantKernels& kernels = selected_quant_kernels();
   thread_local std::vector<float> converted;
   int64_t x_stride = 0;
-  const float* x = float_rows(args, converted, &x_stride, num_threads);
+  const float* x = float32_rows(args.dtype, args.x, args.m, args.k, args.x_stride, converted, &x_stride, num_threads);
   if (use_dot_path(args) || use_gemm_path(args)) {
     const QuantizedX qx = quantize_x(args, kernels, x, x_stride, num_threads);
     const bool dot = use_dot_path(args);

@@ -1,4 +1,4 @@
-// vpage._core._CpuDecoder: the C++ layer loop of a quantized Llama- or Gemma-structured model on the CPU
+// vpage._core._CpuDecoder: the C++ layer loop of a Llama- or Gemma-structured model on the CPU
 // (decoder_forward.h), built once from the model's weight and KV cache pointers (Python ints)
 // by vpage.model_executor.models.cpu_decoder, which keeps the tensors alive.
 #include <pybind11/stl.h>
@@ -21,11 +21,20 @@ T field(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
-QuantLinearWeights linear_of(const py::dict& d, const std::string& name) {
-  QuantLinearWeights w;
-  w.weight = ptr<const uint8_t>(field(d, (name + "_weight").c_str()));
-  w.type = static_cast<QuantType>(field(d, (name + "_type").c_str()));
+LinearWeights linear_of(const py::dict& d, const std::string& name) {
+  LinearWeights w;
+  w.weight = ptr<const void>(field(d, (name + "_weight").c_str()));
+  w.format = static_cast<WeightFormat>(field<int32_t>(d, (name + "_format").c_str()));
   w.bias = ptr<const float>(field(d, (name + "_bias").c_str()));
+  if (w.format == WeightFormat::kPackedDense) {
+    w.dense_dtype = static_cast<DType>(field<int32_t>(d, (name + "_dtype").c_str()));
+    return w;
+  }
+  if (w.format != WeightFormat::kQuantized) {
+    throw py::value_error("_CpuDecoder: " + name + " has unknown weight format " +
+                          std::to_string(static_cast<int32_t>(w.format)));
+  }
+  w.type = static_cast<QuantType>(field(d, (name + "_type").c_str()));
   if (!quant_type_supported(static_cast<int32_t>(w.type))) {
     throw py::value_error("_CpuDecoder: " + name + " has unsupported ggml type " +
                           std::to_string(static_cast<int32_t>(w.type)));
@@ -38,16 +47,16 @@ class CpuDecoder {
   CpuDecoder(const DecoderShape& shape, const std::vector<py::dict>& layers) : shape_(shape) {
     for (const py::dict& d : layers) {
       DecoderLayerWeights l;
-      l.input_norm = ptr<const float>(field(d, "input_norm"));
+      l.input_norm = ptr<const void>(field(d, "input_norm"));
       l.qkv = linear_of(d, "qkv");
-      l.q_norm = ptr<const float>(field(d, "q_norm"));
-      l.k_norm = ptr<const float>(field(d, "k_norm"));
+      l.q_norm = ptr<const void>(field(d, "q_norm"));
+      l.k_norm = ptr<const void>(field(d, "k_norm"));
       l.o = linear_of(d, "o");
-      l.post_attention_norm = ptr<const float>(field(d, "post_attention_norm"));
-      l.pre_feedforward_norm = ptr<const float>(field(d, "pre_feedforward_norm"));
+      l.post_attention_norm = ptr<const void>(field(d, "post_attention_norm"));
+      l.pre_feedforward_norm = ptr<const void>(field(d, "pre_feedforward_norm"));
       l.gate_up = linear_of(d, "gate_up");
       l.down = linear_of(d, "down");
-      l.post_feedforward_norm = ptr<const float>(field(d, "post_feedforward_norm"));
+      l.post_feedforward_norm = ptr<const void>(field(d, "post_feedforward_norm"));
       l.cos_sin = ptr<const float>(field(d, "cos_sin"));
       l.max_position = field<int64_t>(d, "max_position");
       l.rotary_dim = field<int32_t>(d, "rotary_dim");
@@ -76,7 +85,7 @@ void bind_decoder(py::module_& m) {
       .def(py::init([](int32_t structure, int32_t activation, int32_t hidden_size, int32_t num_heads,
                        int32_t num_kv_heads, int32_t head_size, int32_t intermediate_size, float rms_norm_eps,
                        float head_norm_eps, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
-                       int32_t cache_dtype, const std::vector<py::dict>& layers) {
+                       int32_t dtype, int32_t cache_dtype, const std::vector<py::dict>& layers) {
              DecoderShape s;
              s.structure = static_cast<DecoderStructure>(structure);
              s.activation = static_cast<MlpActivation>(activation);
@@ -87,29 +96,32 @@ void bind_decoder(py::module_& m) {
              s.intermediate_size = intermediate_size;
              s.rms_norm_eps = rms_norm_eps;
              s.head_norm_eps = head_norm_eps;
-             s.final_norm = ptr<const float>(final_norm);
+             s.final_norm = ptr<const void>(final_norm);
+             s.dtype = static_cast<DType>(dtype);
              s.cache = CacheShape{num_blocks, num_kv_heads, head_size, block_size, static_cast<DType>(cache_dtype)};
              return CpuDecoder(s, layers);
            }),
            py::arg("structure"), py::arg("activation"), py::arg("hidden_size"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("intermediate_size"), py::arg("rms_norm_eps"),
            py::arg("head_norm_eps"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("cache_dtype"), py::arg("layers"),
+           py::arg("dtype"), py::arg("cache_dtype"), py::arg("layers"),
            "structure: 0 Llama, 1 Gemma (norms before and after each block); activation: 0 SiLU,\n"
            "1 GELU(tanh). layers: one dict per layer of pointers (ints; 0 = none where optional):\n"
            "input_norm, q_norm, k_norm (optional), post_attention_norm, pre_feedforward_norm and\n"
            "post_feedforward_norm (Gemma only), cos_sin, key_cache, value_cache, and for each of qkv, o,\n"
-           "gate_up, down: <name>_weight, <name>_type (ggml type id), <name>_bias (0 = none); and values:\n"
+           "gate_up, down: <name>_weight, <name>_format (0 GGUF blocks, 1 packed dense), <name>_type (ggml\n"
+           "type id, blocks) or <name>_dtype (packed dense), <name>_bias (float32, 0 = none); and values:\n"
            "max_position (rows of cos_sin), rotary_dim, attention_scale, sliding_window (0 = none),\n"
-           "logits_soft_cap (0 = none). float32 activations; cache_dtype: 0 float32, 1 float16, 2 bfloat16.")
+           "logits_soft_cap (0 = none). dtype (activations and norms) and cache_dtype: 0 float32,\n"
+           "1 float16, 2 bfloat16; GGUF blocks need float32 activations.")
       .def(
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
              uintptr_t block_tables, uintptr_t context_lens, uintptr_t query_start_loc, int64_t num_tokens,
              int32_t num_seqs, int32_t max_blocks_per_seq, int32_t max_context_len, int num_threads) {
             DecoderBatch b;
-            b.embeddings = ptr<const float>(embeddings);
-            b.out = ptr<float>(out);
+            b.embeddings = ptr<const void>(embeddings);
+            b.out = ptr<void>(out);
             b.positions = ptr<const int64_t>(positions);
             b.slot_mapping = ptr<const int64_t>(slot_mapping);
             b.block_tables = ptr<const int32_t>(block_tables);

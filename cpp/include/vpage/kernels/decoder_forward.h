@@ -1,6 +1,6 @@
-// One forward of a dense decoder on the CPU, with float32 activations and every projection
-// kept in a GGUF block format: the layers' kernels run back to back from C++, with nothing
-// between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
+// One forward of a dense decoder on the CPU, with float32, bfloat16 or float16 activations and
+// every projection kept in a GGUF block format or packed float weights (dense_matmul.h): the
+// layers' kernels run back to back from C++, with nothing between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
 // and Gemma's (Gemma 2 and 3: a norm before and after each block); per layer a sliding
 // window, an attention logit soft-cap, per-head q/k norms and a rotary table of its own. They
 // are the kernels the Python model code calls one by one (RMSNorm, quant_matmul, per-head
@@ -13,16 +13,25 @@
 #include <cstdint>
 
 #include "vpage/common.h"
+#include "vpage/kernels/dense_matmul.h"
 #include "vpage/kernels/kernel_args.h"
 #include "vpage/kernels/quant_matmul.h"
 
 namespace vpage {
 
-/// y = x @ W^T (+ bias), W = rows of raw GGUF blocks (see QuantMatmulArgs).
-struct QuantLinearWeights {
-  const uint8_t* weight = nullptr;  // [out_features, in_features / block_values * block_bytes]
-  QuantType type = QuantType::kQ4_0;
-  const float* bias = nullptr;      // [out_features] or nullptr
+/// How a projection's weight is stored.
+enum class WeightFormat : int32_t {
+  kQuantized = 0,    // rows of raw GGUF blocks of LinearWeights::type (QuantMatmulArgs)
+  kPackedDense = 1,  // dense_pack's panels of LinearWeights::dense_dtype (DenseMatmulArgs)
+};
+
+/// y = x @ W^T (+ bias).
+struct LinearWeights {
+  const void* weight = nullptr;
+  WeightFormat format = WeightFormat::kQuantized;
+  QuantType type = QuantType::kQ4_0;      // kQuantized
+  DType dense_dtype = DType::kFloat32;    // kPackedDense
+  const float* bias = nullptr;            // [out_features] float32, or nullptr
 };
 
 /// How a layer's blocks are normed and joined to the residual stream.
@@ -40,16 +49,17 @@ enum class MlpActivation : int32_t { kSilu = 0, kGeluTanh = 1 };
 /// One decoder layer: its weights, its attention's settings and rotary table, and its KV
 /// cache (geometry in DecoderShape::cache).
 struct DecoderLayerWeights {
-  const float* input_norm = nullptr;             // [hidden_size]
-  QuantLinearWeights qkv;                        // [(num_heads + 2 num_kv_heads) head_size, hidden_size]
-  const float* q_norm = nullptr;                 // [head_size]: per-head RMSNorm of the queries, or nullptr
-  const float* k_norm = nullptr;                 // [head_size]: per-head RMSNorm of the keys, or nullptr
-  QuantLinearWeights o;                          // [hidden_size, num_heads head_size]
-  const float* post_attention_norm = nullptr;    // [hidden_size]
-  const float* pre_feedforward_norm = nullptr;   // [hidden_size]: kGemma only (nullptr for kLlama)
-  QuantLinearWeights gate_up;                    // [2 intermediate_size, hidden_size]: gate rows, then up
-  QuantLinearWeights down;                       // [hidden_size, intermediate_size]
-  const float* post_feedforward_norm = nullptr;  // [hidden_size]: kGemma only (nullptr for kLlama)
+  // The norms' weights have the activations' dtype (DecoderShape::dtype).
+  const void* input_norm = nullptr;              // [hidden_size]
+  LinearWeights qkv;                        // [(num_heads + 2 num_kv_heads) head_size, hidden_size]
+  const void* q_norm = nullptr;                  // [head_size]: per-head RMSNorm of the queries, or nullptr
+  const void* k_norm = nullptr;                  // [head_size]: per-head RMSNorm of the keys, or nullptr
+  LinearWeights o;                          // [hidden_size, num_heads head_size]
+  const void* post_attention_norm = nullptr;     // [hidden_size]
+  const void* pre_feedforward_norm = nullptr;    // [hidden_size]: kGemma only (nullptr for kLlama)
+  LinearWeights gate_up;                    // [2 intermediate_size, hidden_size]: gate rows, then up
+  LinearWeights down;                       // [hidden_size, intermediate_size]
+  const void* post_feedforward_norm = nullptr;   // [hidden_size]: kGemma only (nullptr for kLlama)
   const float* cos_sin = nullptr;  // [max_position, rotary_dim]: cos half, then sin half (RotaryArgs)
   int64_t max_position = 0;
   int32_t rotary_dim = 0;          // leading dimensions of each head that rotate; 0 = head_size
@@ -71,14 +81,15 @@ struct DecoderShape {
   int32_t intermediate_size = 0;
   float rms_norm_eps = 1e-6f;         // of every [hidden_size] norm
   float head_norm_eps = 1e-6f;        // of the q/k norms
-  const float* final_norm = nullptr;  // [hidden_size]
-  CacheShape cache;                   // every layer's KV cache: float32, float16 or bfloat16
+  const void* final_norm = nullptr;   // [hidden_size], dtype `dtype`
+  DType dtype = DType::kFloat32;      // activations (and the norms' weights)
+  CacheShape cache;                   // every layer's KV cache: `dtype`, or 16-bit under float32 activations
 };
 
 /// The step's flattened batch (see ForwardBatch in Python) and where its result goes.
 struct DecoderBatch {
-  const float* embeddings = nullptr;       // [num_tokens, hidden_size], the token embeddings (scaled, for Gemma)
-  float* out = nullptr;                    // [num_tokens, hidden_size]: final-normed hidden states
+  const void* embeddings = nullptr;        // [num_tokens, hidden_size], the token embeddings (scaled, for Gemma)
+  void* out = nullptr;                     // [num_tokens, hidden_size]: final-normed hidden states
   const int64_t* positions = nullptr;      // [num_tokens]
   const int64_t* slot_mapping = nullptr;   // [num_tokens]
   const int32_t* block_tables = nullptr;   // [num_seqs, max_blocks_per_seq]

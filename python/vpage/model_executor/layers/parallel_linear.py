@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vpage.distributed.parallel_state import all_reduce, tp_rank, tp_size
@@ -160,6 +159,6 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return self.matmul(x)
+        y = all_reduce(self.matmul(x, with_bias=False))
         return y if self.bias is None else y.add_(self.bias)

@@ -48,19 +48,22 @@ class VocabParallelEmbedding(Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.weight_rows(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = self.weight_rows(local.masked_fill(outside, 0))
         h.masked_fill_(outside.unsqueeze(-1), 0.0)
         return all_reduce(h)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None elsewhere;
-        written into ``out`` (float32 ``[n, vocab_size]``) on one rank with float32 weights."""
-        if out is not None and self.size == 1 and self.weight.dtype == hidden.dtype == torch.float32:
+        written into ``out`` (float32 ``[n, vocab_size]``) on one rank with packed or float32 weights."""
+        if self.packed is not None:  # float32 logits straight from the kernel, whatever the weights' dtype
+            local = self.matmul(hidden.float(), out=out if self.size == 1 else None)
+        elif out is not None and self.size == 1 and self.weight.dtype == hidden.dtype == torch.float32:
             return torch.matmul(hidden, self.weight.t(), out=out)  # what F.linear computes, in place
-        local = F.linear(hidden, self.weight).float()
+        else:
+            local = self.matmul(hidden).float()
         if self.size == 1:
             return local
         full = gather_to_driver(local)

@@ -9,10 +9,11 @@ joining the residual stream), each layer with its own sliding window, logit soft
 rotary table (partial rotary included). A module runs on it only when its class states, in its
 own body, what the loop does for it (``cpu_decoder_role``, see :func:`role_of`), and it has no
 other child modules; so a family that adds a norm or changes a part runs its Python layers
-until it says what the part is. Then the loop applies when every projection is kept in a GGUF
-block format (``QuantizedLinear``), the activations are float32 (KV caches float32, float16
-or bfloat16) on the CPU, every layer's rotary has a static table and there is no tensor
-parallelism: the default model's case. It calls the kernels the Python layers call, in the same
+until it says what the part is. Then the loop applies on the CPU when every projection is kept
+in a GGUF block format (``QuantizedLinear``, float32 activations: the default model's case) or
+packed for the dense kernel (``DenseWeight.pack``: float32, bfloat16 or float16 weights and
+activations), the KV caches have the activations' dtype (or a 16-bit one under float32), every
+layer's rotary has a static table and there is no tensor parallelism. It calls the kernels the Python layers call, in the same
 order, so the hidden states are bitwise the Python path's; what it saves is the interpreter's
 time between ~10 kernels per layer, most of a single-stream decode step (see
 bench/RESULTS-llamacpp.md). The embedding lookup (and Gemma's scaling of it) and the logits
@@ -32,6 +33,7 @@ from vpage._ops_cpu import DTYPE_CODES
 from vpage.distributed.parallel_state import tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
+from vpage.model_executor.layers.linear import DenseWeight
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
 from vpage.model_executor.layers.rotary import RotaryEmbedding
 
@@ -112,10 +114,23 @@ def _has_head_norms(attn: nn.Module) -> bool:
     return role_of(attn) == "attention_qk_norm"
 
 
-def _linear_fields(name: str, layer: QuantizedLinear) -> dict[str, int]:
-    bias = layer.bias
-    return {f"{name}_weight": layer.qweight.data_ptr(), f"{name}_type": layer.type_id,
-            f"{name}_bias": 0 if bias is None else bias.data_ptr()}
+def _linear_fields(name: str, layer: nn.Module) -> dict[str, int]:
+    """A projection's entries: GGUF blocks (format 0) or packed dense weights (format 1)."""
+    if isinstance(layer, QuantizedLinear):
+        bias = layer.bias
+        return {f"{name}_weight": layer.qweight.data_ptr(), f"{name}_format": 0, f"{name}_type": layer.type_id,
+                f"{name}_bias": 0 if bias is None else bias.data_ptr()}
+    bias = layer._packed_bias
+    return {f"{name}_weight": layer.packed.data_ptr(), f"{name}_format": 1,
+            f"{name}_dtype": DTYPE_CODES[layer.packed.dtype], f"{name}_bias": 0 if bias is None else bias.data_ptr()}
+
+
+def _loop_projection(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the loop multiplies with ``layer``: GGUF blocks under float32 activations, or
+    weights packed for the dense kernel."""
+    if isinstance(layer, QuantizedLinear):
+        return dtype == torch.float32
+    return isinstance(layer, DenseWeight) and layer.packed is not None
 
 
 def _hidden_norms(model: Any) -> list[nn.Module]:
@@ -132,17 +147,20 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
     """Whether ``model`` (of a structure the loop implements: ``has_loop_structure``) with these
     caches can run on the C++ loop: dtypes, device, tensor parallelism, quantized projections,
     static rotary tables, and the sizes and epsilons the loop takes once for every layer."""
-    if model.dtype != torch.float32 or tp_size() != 1 or not kv_caches:
+    dtype = model.dtype
+    if dtype not in DTYPE_CODES or tp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]
     if key.device.type != "cpu" or key.dtype not in DTYPE_CODES or value.dtype != key.dtype:
+        return False
+    if key.dtype != dtype and dtype != torch.float32:  # a 16-bit cache only under float32 activations
         return False
     layers = model.model.layers
     attn0, mlp0 = layers[0].self_attn, layers[0].mlp
     for layer, rotary in zip(layers, _layer_rotaries(model)):
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(p, QuantizedLinear) for p in parts):
+        if not all(_loop_projection(p, dtype) for p in parts):
             return False
         if ((attn.num_heads, attn.num_kv_heads, attn.head_size, mlp.intermediate_size)
                 != (attn0.num_heads, attn0.num_kv_heads, attn0.head_size, mlp0.intermediate_size)):
@@ -186,19 +204,21 @@ class CpuDecoder:
         norm = model.model.norm
         head_norms = _head_norms(model)
         self.hidden_size = norm.weight.shape[0]
+        self.dtype = model.dtype
         self.kv_caches = kv_caches
         self._decoder = _core._CpuDecoder(
             structure=structure.code, activation=_ACTIVATION_CODES[role_of(mlp0)], hidden_size=self.hidden_size,
             num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads, head_size=attn0.head_size,
             intermediate_size=mlp0.intermediate_size, rms_norm_eps=norm.eps,
             head_norm_eps=head_norms[0].eps if head_norms else norm.eps, final_norm=norm.weight.data_ptr(),
-            num_blocks=num_blocks, block_size=block_size, cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
+            num_blocks=num_blocks, block_size=block_size, dtype=DTYPE_CODES[model.dtype],
+            cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
             layers=entries)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token
-        embeddings are ``embeddings`` (float32 ``[num_tokens, hidden_size]``)."""
-        _check_batch(embeddings, batch, self.hidden_size)
+        embeddings are ``embeddings`` (``[num_tokens, hidden_size]`` of the model's dtype)."""
+        _check_batch(embeddings, batch, self.hidden_size, self.dtype)
         out = torch.empty_like(embeddings)
         decode = batch.is_decode
         self._decoder.forward(
@@ -210,10 +230,10 @@ class CpuDecoder:
         return out
 
 
-def _check_batch(embeddings: torch.Tensor, batch: ForwardBatch, hidden_size: int) -> None:
+def _check_batch(embeddings: torch.Tensor, batch: ForwardBatch, hidden_size: int, dtype: torch.dtype) -> None:
     """The layouts the C++ loop reads (values are checked by its kernels)."""
     n, seqs = embeddings.shape[0], batch.context_lens.shape[0]
-    expected = ((embeddings, torch.float32, (n, hidden_size)), (batch.positions, torch.int64, (n,)),
+    expected = ((embeddings, dtype, (n, hidden_size)), (batch.positions, torch.int64, (n,)),
                 (batch.slot_mapping, torch.int64, (n,)), (batch.context_lens, torch.int32, (seqs,)),
                 (batch.block_tables, torch.int32, (seqs, batch.block_tables.shape[-1])),
                 (batch.query_start_loc, torch.int32, (seqs + 1,)))

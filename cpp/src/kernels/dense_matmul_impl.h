@@ -1,0 +1,117 @@
+// The dense (packed float weight) matmul task, compiled once per instruction set
+// (dense_avx2.cpp, dense_avx512.cpp, dense_generic.cpp), each build in its own namespace.
+//
+// A task owns a block of x rows and a run of weight panels (dense_matmul.h: panel p holds
+// weight rows [32 p, 32 p + 32) as [k, 32]). For each panel, 256 values of k at a time, the
+// micro-kernel multiplies kRows x rows with one sub-panel of kSub columns: per k, kSubVecs
+// weight vectors (widened from 16 bits when the weights are) times kRows broadcast x values
+// into kRows x kSubVecs float32 accumulators (an outer product, no reductions). The
+// accumulators go to a [rows, 32] buffer between k chunks, so every output is a chain of
+// FMAs in k order whatever the row's place in the batch.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "dense_task.h"
+#include "simd_vec.h"  // Vec, F16, BF16, in namespace VPAGE_ISA_NAMESPACE (the parent of dense)
+
+namespace vpage::cpu::VPAGE_ISA_NAMESPACE::dense {  // dense: no name clash with the other kernels
+
+#if defined(VPAGE_SIMD_AVX512)
+constexpr int kRows = 8;  // 16 accumulators + 2 weight vectors + 1 broadcast of 32 zmm
+#else
+constexpr int kRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast = 15 of 16 ymm
+#endif
+constexpr int kSubVecs = 2;
+constexpr int kSub = kSubVecs * kLanes;  // columns per micro-kernel call: 32 (AVX-512) or 16
+static_assert(kDensePanelRows % kSub == 0, "a panel is whole sub-panels");
+constexpr int32_t kKChunk = 256;         // panel chunk: 256 x 32 floats = 32 KiB
+
+// acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
+// `first`: the accumulators start at zero instead of acc.
+template <int MR, typename W>
+inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
+  Vec c[MR][kSubVecs];
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < kSubVecs; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
+  }
+  for (int32_t k = 0; k < kc; ++k) {
+    const W* wk = w + static_cast<int64_t>(k) * kDensePanelRows;
+    Vec b[kSubVecs];
+    for (int v = 0; v < kSubVecs; ++v) b[v] = load(wk + v * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      const Vec a = set1(x[i * x_stride + k]);
+      for (int v = 0; v < kSubVecs; ++v) c[i][v] = fma(a, b[v], c[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < kSubVecs; ++v) store(acc + i * kDensePanelRows + v * kLanes, c[i][v]);
+  }
+}
+
+// MR rows of x against a whole panel chunk (every sub-panel).
+template <int MR, typename W>
+inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
+  for (int s = 0; s < kDensePanelRows; s += kSub) sub_panel<MR>(x, x_stride, w + s, kc, acc + s, first);
+}
+
+// Rows [0, mc) of x against a panel chunk; the last mc % kRows rows take a smaller kernel.
+template <typename W>
+inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
+                        bool first) {
+  int64_t i = 0;
+  for (; i + kRows <= mc; i += kRows) {
+    panel_rows<kRows>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first);
+  }
+  const float* xr = x + i * x_stride;
+  float* ar = acc + i * kDensePanelRows;
+  switch (mc - i) {
+#if defined(VPAGE_SIMD_AVX512)
+    case 7: panel_rows<7>(xr, x_stride, w, kc, ar, first); break;
+    case 6: panel_rows<6>(xr, x_stride, w, kc, ar, first); break;
+#endif
+    case 5: panel_rows<5>(xr, x_stride, w, kc, ar, first); break;
+    case 4: panel_rows<4>(xr, x_stride, w, kc, ar, first); break;
+    case 3: panel_rows<3>(xr, x_stride, w, kc, ar, first); break;
+    case 2: panel_rows<2>(xr, x_stride, w, kc, ar, first); break;
+    case 1: panel_rows<1>(xr, x_stride, w, kc, ar, first); break;
+    default: break;
+  }
+}
+
+template <typename W>
+inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_stride, const DensePlan& plan,
+                           int64_t task) {
+  thread_local std::vector<float> buffer;
+  const int64_t m0 = task / plan.panel_groups * plan.m_block;
+  const int64_t mc = std::min(plan.m_block, a.m - m0);
+  const int64_t p0 = task % plan.panel_groups * plan.panels_per_task;
+  const int64_t p1 = std::min<int64_t>(p0 + plan.panels_per_task, plan.num_panels);
+  buffer.resize(static_cast<size_t>(mc) * kDensePanelRows);
+  float* acc = buffer.data();
+  const W* weight = static_cast<const W*>(a.weight);
+  for (int64_t p = p0; p < p1; ++p) {
+    const W* panel = weight + p * a.k * kDensePanelRows;
+    for (int32_t k0 = 0; k0 < a.k; k0 += kKChunk) {
+      const int32_t kc = std::min(kKChunk, a.k - k0);
+      panel_chunk(x + m0 * x_stride + k0, x_stride, mc, panel + static_cast<int64_t>(k0) * kDensePanelRows, kc, acc,
+                  k0 == 0);
+    }
+    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
+    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
+    for (int64_t i = 0; i < mc; ++i) dense_store_out(a, m0 + i, col0, cols, acc + i * kDensePanelRows);
+  }
+}
+
+inline void run_task(const DenseMatmulArgs& a, const float* x, int64_t x_stride, const DensePlan& plan,
+                     int64_t task) {
+  switch (a.weight_dtype) {
+    case DType::kFloat32: run_task_typed<float>(a, x, x_stride, plan, task); break;
+    case DType::kBFloat16: run_task_typed<BF16>(a, x, x_stride, plan, task); break;
+    case DType::kFloat16: run_task_typed<F16>(a, x, x_stride, plan, task); break;
+  }
+}
+
+}  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE::dense

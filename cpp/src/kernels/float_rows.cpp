@@ -1,0 +1,50 @@
+#include "float_rows.h"
+
+#include <cstring>
+
+#include "thread_pool.h"
+#include "vpage/kernels/half.h"
+
+namespace vpage::cpu {
+
+const float* float32_rows(DType dtype, const void* x, int64_t m, int32_t k, int64_t x_stride,
+                          std::vector<float>& buffer, int64_t* stride, int num_threads) {
+  if (dtype == DType::kFloat32) {
+    *stride = x_stride;
+    return static_cast<const float*>(x);
+  }
+  buffer.resize(static_cast<size_t>(m) * k);
+  *stride = k;
+  const uint16_t* src_rows = static_cast<const uint16_t*>(x);
+  float* dst_rows = buffer.data();
+  const bool bf16 = dtype == DType::kBFloat16;
+  ThreadPool::instance().parallel_for(m, num_threads, [&](int64_t row, int) {
+    const uint16_t* src = src_rows + row * x_stride;
+    float* dst = dst_rows + row * k;
+    if (bf16) {
+      for (int32_t i = 0; i < k; ++i) dst[i] = bfloat16_to_float(src[i]);
+    } else {
+      for (int32_t i = 0; i < k; ++i) dst[i] = half_to_float(src[i]);
+    }
+  });
+  return dst_rows;
+}
+
+void store_float32_row(DType dtype, void* out, const float* values, const float* bias, int32_t n) {
+  if (dtype == DType::kFloat32) {
+    float* dst = static_cast<float*>(out);
+    if (bias == nullptr) {
+      std::memcpy(dst, values, sizeof(float) * n);
+    } else {
+      for (int32_t j = 0; j < n; ++j) dst[j] = values[j] + bias[j];
+    }
+    return;
+  }
+  uint16_t* dst = static_cast<uint16_t*>(out);
+  for (int32_t j = 0; j < n; ++j) {
+    const float v = bias == nullptr ? values[j] : values[j] + bias[j];
+    dst[j] = dtype == DType::kBFloat16 ? float_to_bfloat16(v) : float_to_half(v);
+  }
+}
+
+}  // namespace vpage::cpu
