@@ -7,11 +7,13 @@
 // weight vectors (widened from 16 bits when the weights are) times kRows broadcast x values
 // into kRows x kSubVecs float32 accumulators (an outer product, no reductions). The
 // accumulators go to a [rows, 32] buffer between k chunks, so every output is a chain of
-// FMAs in k order whatever the row's place in the batch.
+// FMAs in k order whatever the row's place in the batch. With many rows a 16-bit panel chunk
+// is widened to float32 once (kWidenRows).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "dense_task.h"
@@ -28,6 +30,10 @@ constexpr int kSubVecs = 2;
 constexpr int kSub = kSubVecs * kLanes;  // columns per micro-kernel call: 32 (AVX-512) or 16
 static_assert(kDensePanelRows % kSub == 0, "a panel is whole sub-panels");
 constexpr int32_t kKChunk = 256;         // panel chunk: 256 x 32 floats = 32 KiB
+// From this many x rows a 16-bit panel chunk is widened once into a float32 tile that every
+// row then reads, instead of in registers for every kRows rows (the same values and FMAs, so
+// the same bits either way).
+constexpr int64_t kWidenRows = 4 * kRows;
 
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
 // `first`: the accumulators start at zero instead of acc.
@@ -81,23 +87,38 @@ inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w
   }
 }
 
+// dst [kc, 32] = the 16-bit panel chunk src [kc, 32] as float32.
+template <typename W>
+inline void widen_chunk(const W* src, int32_t kc, float* dst) {
+  for (int64_t i = 0; i < static_cast<int64_t>(kc) * kDensePanelRows; i += kLanes) store(dst + i, load(src + i));
+}
+
 template <typename W>
 inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_stride, const DensePlan& plan,
                            int64_t task) {
-  thread_local std::vector<float> buffer;
+  thread_local std::vector<float> buffer, widened;
   const int64_t m0 = task / plan.panel_groups * plan.m_block;
   const int64_t mc = std::min(plan.m_block, a.m - m0);
   const int64_t p0 = task % plan.panel_groups * plan.panels_per_task;
   const int64_t p1 = std::min<int64_t>(p0 + plan.panels_per_task, plan.num_panels);
   buffer.resize(static_cast<size_t>(mc) * kDensePanelRows);
   float* acc = buffer.data();
+  constexpr bool kSixteenBit = !std::is_same_v<W, float>;
+  const bool widen = kSixteenBit && mc >= kWidenRows;
+  if (widen) widened.resize(static_cast<size_t>(kKChunk) * kDensePanelRows);
   const W* weight = static_cast<const W*>(a.weight);
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = weight + p * a.k * kDensePanelRows;
     for (int32_t k0 = 0; k0 < a.k; k0 += kKChunk) {
       const int32_t kc = std::min(kKChunk, a.k - k0);
-      panel_chunk(x + m0 * x_stride + k0, x_stride, mc, panel + static_cast<int64_t>(k0) * kDensePanelRows, kc, acc,
-                  k0 == 0);
+      const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;
+      const float* xc = x + m0 * x_stride + k0;
+      if (widen) {
+        widen_chunk(chunk, kc, widened.data());
+        panel_chunk(xc, x_stride, mc, static_cast<const float*>(widened.data()), kc, acc, k0 == 0);
+      } else {
+        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0);
+      }
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
     const int32_t cols = std::min(kDensePanelRows, a.n - col0);
