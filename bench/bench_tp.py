@@ -1,9 +1,11 @@
 """Tensor parallelism on this machine: engine step time with tp = 1 and tp = 2, split into
 compute, all-reduce, logits gather and step broadcast (perf counters around the collectives,
-read on the driver, rank 0), with the all-reduce through shared memory and through gloo.
+read on the driver, rank 0), with the all-reduce through shared memory and through gloo; and
+each rank's memory: rank 0's weight bytes and the workers' peak resident memory.
 
     python bench/bench_tp.py --even-heads           # SmolLM2-135M's shape with 8 heads / 4 KV heads, tp 1 and 2
-    python bench/bench_tp.py --sizes 1,3            # the default model (9 heads, 3 KV heads: tp 1, 3 or 9)
+    python bench/bench_tp.py --sizes 1,3            # the default model (9 heads, 3 KV heads: tp 1 or 3)
+    python bench/bench_tp.py --sizes 1,3 --quantization auto,none --allreduce shm   # GGUF blocks kept vs dequantized
     python bench/bench_tp.py --steps 10 --threads 2 --markdown out.md
     python bench/bench_tp.py --even-heads --allreduce shm       # only the shared-memory all-reduce
 
@@ -58,14 +60,25 @@ def timed_steps(engine, count: int):
     return rows
 
 
-def bench_size(model, tp: int, threads: int, transport: str, args) -> dict:
+def peak_rss(pid: int) -> int:
+    """The peak resident memory (VmHWM) of process ``pid``, bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def bench_size(model, tp: int, threads: int, transport: str, quantization: str, args) -> dict:
+    import psutil
+
     from vpage import EngineArgs, LLMEngine, SamplingParams
 
     os.environ["VPAGE_TP_ALLREDUCE"] = transport  # read by rank 0 when the engine starts
-    engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization="none", kv_cache_memory=0.5,
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", quantization=quantization, kv_cache_memory=0.5,
+                                  max_model_len=max(args.prefill + 1, 36 + args.steps),
                                   num_threads=threads, tensor_parallel_size=tp, enable_prefix_caching=False,
                                   max_num_batched_tokens=2048, max_num_seqs=256))
     try:
+        net = engine.executor.driver_worker.loaded.model
+        weights = sum(p.numel() * p.element_size() for p in net.parameters())
         rng = np.random.default_rng(0)
         vocab = engine.model_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=args.steps + 4, ignore_eos=True)
@@ -85,9 +98,11 @@ def bench_size(model, tp: int, threads: int, transport: str, args) -> dict:
                 engine.step()
             if r:  # the first is a warm-up
                 prefill += rows
+        workers = [peak_rss(p.pid) for p in psutil.Process().children() if "resource_tracker" not in
+                   " ".join(p.cmdline())]
     finally:
         engine.shutdown()
-    return {"decode": decode, "prefill": prefill}
+    return {"decode": decode, "prefill": prefill, "weights": weights, "worker_peak_rss": max(workers, default=None)}
 
 
 def even_heads_model(folder: Path) -> str:
@@ -161,6 +176,8 @@ def main() -> None:
     parser.add_argument("--even-heads", action="store_true", help="a random SmolLM2-sized model with 8 heads")
     parser.add_argument("--sizes", default="1,2")
     parser.add_argument("--allreduce", default="shm,gloo", help="all-reduce transports to run tp > 1 with")
+    parser.add_argument("--quantization", default="none",
+                        help="EngineArgs.quantization values to run (auto: a GGUF file's blocks stay quantized)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=2048)
@@ -181,21 +198,26 @@ def main() -> None:
     lines = [f"machine: {machine_description()}, CPU ISA {_core.cpu_isa()}, torch {torch.__version__}, "
              f"float32, block size 16, {args.threads} threads in total; model: {model_name}",
              "",
-             "| tp | all-reduce | phase | step ms (p10-p90) | compute ms | all-reduce ms | gather ms | broadcast ms "
-             "| comm share |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| tp | quantization | all-reduce | phase | step ms (p10-p90) | tokens/s | compute ms | all-reduce ms "
+             "| gather ms | broadcast ms | comm share | rank 0 weights MiB | worker peak RSS MiB |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     transports = args.allreduce.split(",")
     sizes = [int(s) for s in args.sizes.split(",")]
     for tp in sizes:
-        for transport in transports if tp > 1 else ["-"]:
-            result = bench_size(args.model, tp, args.threads, transport if tp > 1 else "auto", args)
-            for phase in ("decode", "prefill"):
-                s = summarize(result[phase])
-                label = f"decode, batch {args.batch}" if phase == "decode" else f"prefill, {args.prefill} tokens"
-                lines.append(f"| {tp} | {transport} | {label} | {s['step'] * 1e3:.1f} ({s['p10'] * 1e3:.1f}-"
-                             f"{s['p90'] * 1e3:.1f}) | {s['compute'] * 1e3:.1f} | {s['allreduce'] * 1e3:.2f} | "
-                             f"{s['gather'] * 1e3:.2f} | {s['bcast'] * 1e3:.2f} | {100 * s['comm_share']:.1f}% |")
-                print(lines[-1], flush=True)
+        for quantization in args.quantization.split(","):
+            for transport in transports if tp > 1 else ["-"]:
+                result = bench_size(args.model, tp, args.threads, transport if tp > 1 else "auto", quantization, args)
+                rss = result["worker_peak_rss"]
+                memory = f"{result['weights'] / 2**20:.1f} | {'-' if rss is None else f'{rss / 2**20:.0f}'}"
+                for phase in ("decode", "prefill"):
+                    s = summarize(result[phase])
+                    tokens = args.batch if phase == "decode" else args.prefill
+                    label = f"decode, batch {args.batch}" if phase == "decode" else f"prefill, {args.prefill} tokens"
+                    lines.append(f"| {tp} | {quantization} | {transport} | {label} | {s['step'] * 1e3:.1f} "
+                                 f"({s['p10'] * 1e3:.1f}-{s['p90'] * 1e3:.1f}) | {tokens / s['step']:.0f} | "
+                                 f"{s['compute'] * 1e3:.1f} | {s['allreduce'] * 1e3:.2f} | {s['gather'] * 1e3:.2f} | "
+                                 f"{s['bcast'] * 1e3:.2f} | {100 * s['comm_share']:.1f}% | {memory} |")
+                    print(lines[-1], flush=True)
     hidden = 576
     steps = [((args.batch, hidden), 61, f"decode: 61 all-reduces of [{args.batch}, {hidden}] float32 (one step's)"),
              ((args.prefill, hidden), 61, f"prefill: 61 all-reduces of [{args.prefill}, {hidden}] float32 (one step's)")]

@@ -1,4 +1,4 @@
-"""Linear and embedding layers whose weight stays in a GGUF block format (CPU, one rank).
+"""Linear and embedding layers whose weight stays in a GGUF block format (CPU).
 
 The weight is a uint8 parameter ``qweight`` ``[rows, quant_row_bytes(qtype, cols)]``: each
 row's raw GGUF blocks, exactly as in the file (rows of fused projections are the parts' rows
@@ -6,6 +6,11 @@ stacked, as :class:`~vpage.model_executor.layers.parallel_linear.OutputRows` lay
 It loads only from :class:`QuantizedTensor` rows of the same type. Matmuls dequantize inside
 the kernel (:func:`vpage.ops.quant_matmul`); embedding lookups dequantize only the looked-up
 rows.
+
+Under tensor parallelism a block is never cut: a column-parallel layer keeps whole rows (its
+``OutputRows``), the embedding whole vocabulary rows (``VocabShard``), and a row-parallel
+layer (:class:`QuantizedRowParallelLinear`) the bytes of its blocks in every row, which needs
+``in_features / size`` to be whole blocks (:func:`block_splits`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,18 @@ import torch
 from torch import nn
 
 from vpage import ops
+from vpage.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from vpage.model_executor.layers.parallel_linear import OutputRows, RowPart
+from vpage.model_executor.layers.vocab_parallel import VocabShard
 from vpage.model_executor.layers.weight_utils import (QuantizedTensor, ShardId, empty_parameter, float_tensor,
                                                       set_weight_loader)
+
+
+def block_splits(cols: int, qtype: str) -> list[int]:
+    """The tensor-parallel sizes that split rows of ``cols`` values of ``qtype`` into whole
+    blocks per rank (the divisors of the blocks per row)."""
+    blocks = cols // ops.QUANT_TYPES[qtype][1]
+    return [size for size in range(1, blocks + 1) if blocks % size == 0]
 
 
 class QuantizedWeight(nn.Module):
@@ -29,6 +43,7 @@ class QuantizedWeight(nn.Module):
     def __init__(self, rows: int, cols: int, qtype: str, dtype: torch.dtype, layout: OutputRows | None = None):
         super().__init__()
         self.rows, self.cols, self.qtype, self.dtype = rows, cols, qtype, dtype
+        self.checkpoint_cols = cols  # a row-parallel shard holds a slice of the checkpoint's columns
         self.type_id = ops.QUANT_TYPES[qtype][0]
         self.layout = layout or OutputRows([RowPart(None, rows, 0, rows)])
         self.qweight = empty_parameter(rows, ops.quant_row_bytes(qtype, cols), dtype=torch.uint8)
@@ -36,11 +51,16 @@ class QuantizedWeight(nn.Module):
 
     def _load_qweight(self, param: nn.Parameter, loaded: Any, shard_id: ShardId) -> None:
         if (not isinstance(loaded, QuantizedTensor) or loaded.type_id != self.type_id
-                or loaded.cols != self.cols):
+                or loaded.cols != self.checkpoint_cols):
             got = (f"ggml type {loaded.type_id}, {loaded.cols} columns" if isinstance(loaded, QuantizedTensor)
                    else f"{loaded.dtype}")
-            raise ValueError(f"({got}) does not match the quantized parameter ({self.qtype}, {self.cols} columns)")
-        self.layout.load(param.data, loaded.data, shard_id)
+            raise ValueError(f"({got}) does not match the quantized parameter ({self.qtype}, "
+                             f"{self.checkpoint_cols} columns)")
+        self._load_rows(param.data, loaded.data, shard_id)
+
+    def _load_rows(self, dest: torch.Tensor, raw: torch.Tensor, shard_id: ShardId) -> None:
+        """This rank's rows of checkpoint block rows ``raw`` (part ``shard_id``) into ``dest``."""
+        self.layout.load(dest, raw, shard_id)
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[num_tokens, cols]`` -> ``x @ W.T`` ``[num_tokens, rows]``, x's dtype (into ``out``
@@ -70,14 +90,56 @@ class QuantizedLinear(QuantizedWeight):
         return y if self.bias is None else y.add_(self.bias)
 
 
+class QuantizedRowParallelLinear(QuantizedLinear):
+    """``y = all_reduce(x_local @ W_local.T) + bias``, as ``RowParallelLinear`` sums it (the
+    bias added once, after), with W kept quantized: this rank holds input columns ``[rank *
+    in / size, (rank + 1) * in / size)``, i.e. of every row the bytes of those blocks.
+    ValueError unless ``size`` is one of ``block_splits(in_features, qtype)``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, qtype: str):
+        size, rank = tp_size(), tp_rank()
+        if size not in block_splits(in_features, qtype):
+            raise ValueError(f"tensor_parallel_size {size} would cut the {qtype} blocks of {in_features} input "
+                             f"columns; sizes that keep them whole: {block_splits(in_features, qtype)}")
+        super().__init__(in_features // size, out_features, bias, dtype, qtype)
+        self.checkpoint_cols = in_features
+        self.rank = rank
+
+    def _load_rows(self, dest: torch.Tensor, raw: torch.Tensor, shard_id: ShardId) -> None:
+        row_bytes = dest.shape[1]  # whole blocks, so rank r's columns start at byte r * row_bytes
+        super()._load_rows(dest, raw.narrow(1, self.rank * row_bytes, row_bytes), shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, in_features / size]`` (this rank's columns) -> ``[num_tokens, out_features]``."""
+        y = all_reduce(self.linear(x))
+        return y if self.bias is None else y.add_(self.bias)
+
+
 class QuantizedEmbedding(QuantizedWeight):
-    """Token embedding table ``[vocab_size, hidden_size]`` kept quantized (also usable as a
-    tied output projection through :meth:`linear`)."""
+    """Token embedding table ``[vocab_size, hidden_size]`` kept quantized, split by vocabulary
+    rows like ``VocabParallelEmbedding`` (whole rows: no block is cut); also the output
+    projection (``logits``), tied or not."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, qtype: str):
-        super().__init__(vocab_size, hidden_size, qtype, dtype)
+        shard = VocabShard(vocab_size)
+        super().__init__(shard.rows, hidden_size, qtype, dtype)
+        self.shard = shard
+
+    def _load_rows(self, dest: torch.Tensor, raw: torch.Tensor, shard_id: ShardId) -> None:
+        if shard_id is not None:
+            raise ValueError(f"is part {shard_id!r} of a parameter that has no parts")
+        self.shard.load(dest, raw)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids ``[num_tokens]`` int64 -> ``[num_tokens, hidden_size]`` (activation dtype)."""
-        rows = self.qweight.index_select(0, input_ids)
-        return ops.dequantize_rows(rows, self.qtype, self.cols).to(self.dtype)
+        return self.shard.embed(input_ids, self._lookup)
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        return ops.dequantize_rows(self.qweight.index_select(0, rows), self.qtype, self.cols).to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None
+        elsewhere; written into ``out`` (``[n, vocab_size]`` of hidden's dtype) on one rank."""
+        if self.shard.size == 1:
+            return self.linear(hidden, out).float()
+        return self.shard.gather_logits(self.linear(hidden).float())

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from vpage.distributed.parallel_state import tp_rank, tp_size
+from vpage.distributed.parallel_state import tp_rank
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
@@ -138,12 +138,8 @@ def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]
 def _quant_config(reader: Any, model_class: type[LlamaForCausalLM], quantization: str,
                   device: torch.device) -> QuantConfig:
     """Which weights the model keeps in their GGUF block format: those ``GgufQuantConfig``
-    takes, for a GGUF file loaded with quantization "auto" on one CPU rank; none otherwise."""
+    takes, for a GGUF file loaded with quantization "auto" on the CPU; none otherwise."""
     if reader is None or quantization != "auto" or device.type != "cpu":
-        return QuantConfig()
-    if tp_size() > 1:
-        if tp_rank() == 0:
-            logger.info("vpage: tensor parallelism dequantizes the GGUF weights (quantization forced to none)")
         return QuantConfig()
     return GgufQuantConfig.from_tensor_types(gguf_tensor_types(reader, model_class.arch.gguf),
                                              model_class.arch.param_for)
@@ -181,8 +177,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
     the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
     Under tensor parallelism (``vpage.distributed.parallel_state``) the model is this rank's
-    shard, and GGUF weights are dequantized (quantized row-parallel slices would split GGUF
-    blocks). Raises FileNotFoundError for missing files and ValueError for corrupt files,
+    shard; quantized weights stay quantized where the shard keeps whole GGUF blocks, and a
+    row-parallel layer whose columns per rank would cut blocks is dequantized (rank 0 logs
+    one warning naming those layers). Raises FileNotFoundError for missing files and ValueError for corrupt files,
     unsupported architectures or options; the message names the path.
     """
     if quantization not in QUANTIZATION_MODES:
@@ -198,6 +195,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
         quant = _quant_config(reader, model_class, quantization, torch_device)
         with torch.device(torch_device):
             net = model_class(hf_config, torch_dtype, quant)
+        cut_blocks = quant.cut_blocks_message()
+        if cut_blocks and tp_rank() == 0:
+            logger.warning("%s", cut_blocks)
         net.load_weights(_weights(source, hf_config, reader, model_class))
     except ValueError as e:
         if str(source.path) in str(e):  # already names the file

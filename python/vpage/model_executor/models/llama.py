@@ -19,7 +19,6 @@ from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layer_types import sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.parallel_linear import OutputRows
-from vpage.model_executor.layers.quant_linear import QuantizedWeight
 from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.rms_norm import RMSNorm
 from vpage.model_executor.layers.rotary import RotaryEmbedding, rope_max_positions
@@ -297,8 +296,6 @@ class LlamaForCausalLM(nn.Module):
         n x vocab floats every step); the result is ``out`` or a new tensor."""
         if out is not None and hidden.dtype != torch.float32:
             out = None
-        if isinstance(self.lm_head, QuantizedWeight):
-            return self.lm_head.linear(hidden, out).float()
         return self.lm_head.logits(hidden, out)
 
     @torch.no_grad()
