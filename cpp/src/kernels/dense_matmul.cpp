@@ -18,7 +18,11 @@ namespace {
 // x rows per task: a block's rows x 256 values of k (256 KiB) stay in L2 while a task's
 // panels go by.
 constexpr int64_t kMBlock = 256;
-// About this many tasks per thread, so a thread held up by another process is balanced out.
+// Below this many x rows the weights' bytes, not the FMAs, bound a matmul: each thread gets
+// about kTasksPerThread long runs of panels, which keep its hardware prefetcher streaming
+// (and a thread held up by another process is balanced out). From it on, one panel per task,
+// so the threads finish together (x's block is read from L2 per panel either way).
+constexpr int64_t kStreamingRows = 16;
 constexpr int64_t kTasksPerThread = 4;
 
 const DenseKernels& selected_dense_kernels() {
@@ -51,7 +55,8 @@ DensePlan plan_tasks(const DenseMatmulArgs& a, int num_threads) {
   plan.m_block = std::min(a.m, kMBlock);
   plan.num_panels = (a.n + kDensePanelRows - 1) / kDensePanelRows;
   const int64_t m_blocks = (a.m + plan.m_block - 1) / plan.m_block;
-  const int64_t wanted_groups = (kTasksPerThread * num_threads + m_blocks - 1) / m_blocks;
+  const int64_t wanted_groups =
+      a.m < kStreamingRows ? (kTasksPerThread * num_threads + m_blocks - 1) / m_blocks : plan.num_panels;
   const int64_t groups = std::clamp<int64_t>(wanted_groups, 1, plan.num_panels);
   plan.panels_per_task = (plan.num_panels + groups - 1) / groups;
   plan.panel_groups = (plan.num_panels + plan.panels_per_task - 1) / plan.panels_per_task;
