@@ -632,6 +632,23 @@ def _check_qweight(qweight: object, qtype: object, n: int, k: int) -> Tuple[int,
     return type_id, row_bytes
 
 
+def _checked_matmul_rows(x: torch.Tensor, k: int, n: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Checks a CPU matmul's 2-D x as ``[m, k]`` (float, contiguous columns, rows at least k
+    apart) and ``out`` as ``[m, n]`` of x's dtype and device (None: a new one); returns out."""
+    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
+            k > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    m = x.shape[0]
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype)
+    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
+    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    return out
+
+
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, k: int,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out = x @ W.T`` with ``W`` ``[n, k]`` kept in a GGUF block format (CPU only).
@@ -652,17 +669,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
     if x.device.type != "cpu":
         raise ValueError(f"quant_matmul runs on the CPU, x is on {x.device} (on CUDA, GGUF weights are "
                          "dequantized at load)")
-    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
-            k > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype)
-    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
-    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
-        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
-                         f"strides {out.stride()}")
+    out = _checked_matmul_rows(x, k, n, out)
     _ops_cpu.quant_matmul(out, x, qweight, type_id, n, k)
     return out
 
@@ -715,21 +722,11 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[t
     _check_tensor("x", x, ndim=2, contiguous=False)
     if x.device.type != "cpu":
         raise ValueError(f"dense_matmul runs on the CPU, x is on {x.device}")
-    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
-            k > 1 and x.stride(1) != 1):
-        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")
     if bias is not None:
         _check_tensor("bias", bias, dtype=torch.float32, ndim=1, device=torch.device("cpu"))
         if bias.shape[0] != n:
             raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype)
-    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
-    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
-        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
-                         f"strides {out.stride()}")
+    out = _checked_matmul_rows(x, k, n, out)
     _ops_cpu.dense_matmul(out, x, packed, bias, n)
     return out
 
