@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::avx2 {
 
-extern const DenseKernels kDenseKernels = {"avx2", &dense::run_task};
+extern const DenseKernels kDenseKernels = {"avx2", &dense::run_task, nullptr};
 
 }  // namespace vpage::cpu::avx2

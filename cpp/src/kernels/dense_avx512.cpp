@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::avx512 {
 
-extern const DenseKernels kDenseKernels = {"avx512", &dense::run_task};
+extern const DenseKernels kDenseKernels = {"avx512", &dense::run_task, nullptr};
 
 }  // namespace vpage::cpu::avx512

@@ -4,6 +4,6 @@
 
 namespace vpage::cpu::generic {
 
-extern const DenseKernels kDenseKernels = {"generic", &dense::run_task};
+extern const DenseKernels kDenseKernels = {"generic", &dense::run_task, nullptr};
 
 }  // namespace vpage::cpu::generic

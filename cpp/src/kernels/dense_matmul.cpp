@@ -28,6 +28,10 @@ constexpr int64_t kTasksPerThread = 4;
 const DenseKernels& selected_dense_kernels() {
   const char* name = selected_kernels().name;
 #if defined(VPAGE_X86_KERNELS)
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  if (std::strncmp(name, "avx512", 6) == 0 && has_bf16_dot) return avx512bf16::kDenseKernels;
+#endif
   if (std::strncmp(name, "avx512", 6) == 0) return avx512::kDenseKernels;
   if (std::strncmp(name, "avx2", 4) == 0) return avx2::kDenseKernels;
 #endif
@@ -104,6 +108,14 @@ void dense_matmul(const DenseMatmulArgs& args, int num_threads) {
   if (args.m == 0 || args.n == 0) return;
   num_threads = std::max(num_threads, 1);
   const DenseKernels& kernels = selected_dense_kernels();
+  if (kernels.run_bf16_task != nullptr && args.dtype == DType::kBFloat16 && args.weight_dtype == DType::kBFloat16) {
+    const DensePlan plan = plan_tasks(args, num_threads);
+    const int64_t num_tasks = (args.m + plan.m_block - 1) / plan.m_block * plan.panel_groups;
+    ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
+      kernels.run_bf16_task(args, plan, task);
+    });
+    return;
+  }
   thread_local std::vector<float> converted;
   int64_t x_stride = 0;
   const float* x = float32_rows(args.dtype, args.x, args.m, args.k, args.x_stride, converted, &x_stride, num_threads);

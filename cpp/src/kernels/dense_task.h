@@ -23,10 +23,14 @@ struct DensePlan {
 using DenseTaskFn = void (*)(const DenseMatmulArgs& args, const float* x, int64_t x_stride, const DensePlan& plan,
                              int64_t task);
 
-/// The entry point of one ISA build.
+/// Runs task `task` of `plan` on bfloat16 x (args.x, unconverted) and bfloat16 weights.
+using DenseBf16TaskFn = void (*)(const DenseMatmulArgs& args, const DensePlan& plan, int64_t task);
+
+/// The entry points of one ISA build.
 struct DenseKernels {
   const char* name;
   DenseTaskFn run_task;
+  DenseBf16TaskFn run_bf16_task;  // bf16 x bf16 with bf16 dot products, or nullptr
 };
 
 /// Writes out[row, col0 : col0 + cols] = values (+ bias[col0 : col0 + cols]) in args.dtype.
@@ -40,6 +44,9 @@ namespace avx2 {
 extern const DenseKernels kDenseKernels;
 }
 namespace avx512 {
+extern const DenseKernels kDenseKernels;
+}
+namespace avx512bf16 {
 extern const DenseKernels kDenseKernels;
 }
 

@@ -45,12 +45,16 @@ void dense_pack(DType dtype, const void* weight, int32_t n, int32_t k, int64_t w
 /// Runs the matmul: tasks of (a block of x rows, a run of panels); inside a task each panel is
 /// multiplied 256 values of k at a time with every row of the block (the panel chunk stays in
 /// L1/L2 while the rows stream), by a micro-kernel of 6 (AVX2) or 8 (AVX-512) rows x 16 or 32
-/// columns of float32 accumulators. 16-bit x is converted to float32 first. Each output is
-/// summed in k order, so a row's result does not depend on the batch it is in.
+/// columns of float32 accumulators. 16-bit x is converted to float32 first (bfloat16 x with
+/// bfloat16 weights on "avx512bf16": see dense_matmul_isa). Each output is summed in k order,
+/// so a row's result does not depend on the batch it is in.
 /// Throws vpage::CheckError on a bad dtype, sizes or a null pointer.
 void dense_matmul(const DenseMatmulArgs& args, int num_threads);
 
-/// Instruction set dense_matmul uses: follows set_cpu_isa ("avx512", "avx2" or "generic").
+/// Instruction set dense_matmul uses: follows set_cpu_isa ("avx512", "avx2" or "generic"), with
+/// "avx512bf16" for an AVX-512 level on a CPU with AVX512-BF16: there bfloat16 x bfloat16
+/// matmuls use bf16 dot products (`vdpbf16ps`: exact products, two float32 additions per lane
+/// and pair of k, denormals flushed), the rest as "avx512".
 const char* dense_matmul_isa();
 
 }  // namespace cpu

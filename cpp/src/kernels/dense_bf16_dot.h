@@ -1,0 +1,130 @@
+// The dense matmul task for bfloat16 activations times bfloat16 weights on CPUs with
+// AVX512-BF16 (dense_avx512bf16.cpp): `vdpbf16ps` multiplies pairs of bfloat16 values and adds
+// both products to a float32 lane, twice the work of a float32 FMA per instruction.
+//
+// Per panel chunk of 256 values of k, the packed [k, 32] bfloat16 rows are interleaved by pairs
+// of k into a tile [kc / 2][32 columns][2] (two zmm per pair, columns in lane_column's order),
+// once for the task's block of x rows; the micro-kernel then broadcasts each x row's pair
+// (x[k], x[k + 1]) as one 32-bit value and runs kRows x 2 accumulators over the tile. An odd
+// last k pairs with a zero. The accumulators go to the same [rows, 32] buffer as the float
+// kernel's between chunks, so a row's result does not depend on its batch.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "dense_task.h"
+
+#if !defined(__AVX512BF16__)
+#error "dense_bf16_dot.h needs -mavx512bf16"
+#endif
+
+namespace vpage::cpu::avx512bf16 {
+
+constexpr int kDotRows = 8;          // 16 accumulators + 2 tile vectors + 1 broadcast
+constexpr int32_t kDotKChunk = 256;  // tile: 128 pairs x 32 columns x 4 bytes = 16 KiB
+
+// tile[2 p + h] = pairs (w[2p][c], w[2p + 1][c]) of the packed rows w [kc, 32] (a missing row
+// 2p + 1 of an odd kc is zeros), interleaved by unpacking within 128-bit lanes, so the columns
+// come in kLaneColumn's order: h = 0 holds 0-3, 8-11, 16-19, 24-27; h = 1 the others.
+inline void interleave_pairs(const uint16_t* w, int32_t kc, __m512i* tile) {
+  for (int32_t p = 0; 2 * p < kc; ++p) {
+    const __m512i r0 = _mm512_loadu_si512(w + static_cast<int64_t>(2 * p) * kDensePanelRows);
+    const __m512i r1 = 2 * p + 1 < kc ? _mm512_loadu_si512(w + static_cast<int64_t>(2 * p + 1) * kDensePanelRows)
+                                      : _mm512_setzero_si512();
+    tile[2 * p] = _mm512_unpacklo_epi16(r0, r1);
+    tile[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
+  }
+}
+
+// The output column of accumulator lane q (acc [rows, 32] rows are in this order).
+constexpr int32_t lane_column(int32_t q) { return 8 * (q % 16 / 4) + 4 * (q / 16) + q % 4; }
+
+// acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the pair tile of kc
+// values; `first`: the accumulators start at zero.
+template <int MR>
+inline void dot_rows(const uint16_t* x, int64_t x_stride, const __m512i* tile, int32_t kc, float* acc, bool first) {
+  __m512 c[MR][2];
+  for (int i = 0; i < MR; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      c[i][h] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + i * kDensePanelRows + 16 * h);
+    }
+  }
+  // One pair of k: x_pair(i) is row i's (x[k], x[k + 1]) as one 32-bit value.
+  const auto step = [&](int32_t p, auto x_pair) {
+    const __m512bh b0 = reinterpret_cast<__m512bh>(tile[2 * p]);
+    const __m512bh b1 = reinterpret_cast<__m512bh>(tile[2 * p + 1]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair(i)));
+      c[i][0] = _mm512_dpbf16_ps(c[i][0], a, b0);
+      c[i][1] = _mm512_dpbf16_ps(c[i][1], a, b1);
+    }
+  };
+  const int32_t full = kc / 2;
+  for (int32_t p = 0; p < full; ++p) {
+    step(p, [&](int i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * x_stride + 2 * p, sizeof(pair));
+      return pair;
+    });
+  }
+  if (kc % 2) step(full, [&](int i) { return static_cast<int32_t>(x[i * x_stride + kc - 1]); });
+  for (int i = 0; i < MR; ++i) {
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + i * kDensePanelRows + 16 * h, c[i][h]);
+  }
+}
+
+inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const __m512i* tile, int32_t kc, float* acc,
+                      bool first) {
+  int64_t i = 0;
+  for (; i + kDotRows <= mc; i += kDotRows) {
+    dot_rows<kDotRows>(x + i * x_stride, x_stride, tile, kc, acc + i * kDensePanelRows, first);
+  }
+  const uint16_t* xr = x + i * x_stride;
+  float* ar = acc + i * kDensePanelRows;
+  switch (mc - i) {
+    case 7: dot_rows<7>(xr, x_stride, tile, kc, ar, first); break;
+    case 6: dot_rows<6>(xr, x_stride, tile, kc, ar, first); break;
+    case 5: dot_rows<5>(xr, x_stride, tile, kc, ar, first); break;
+    case 4: dot_rows<4>(xr, x_stride, tile, kc, ar, first); break;
+    case 3: dot_rows<3>(xr, x_stride, tile, kc, ar, first); break;
+    case 2: dot_rows<2>(xr, x_stride, tile, kc, ar, first); break;
+    case 1: dot_rows<1>(xr, x_stride, tile, kc, ar, first); break;
+    default: break;
+  }
+}
+
+// Task `task` of `plan` with x the bfloat16 rows args.x (row stride args.x_stride).
+inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, int64_t task) {
+  thread_local std::vector<float> buffer;
+  alignas(64) thread_local __m512i tile[kDotKChunk];  // kDotKChunk / 2 pairs x 2 vectors
+  const int64_t m0 = task / plan.panel_groups * plan.m_block;
+  const int64_t mc = std::min(plan.m_block, a.m - m0);
+  const int64_t p0 = task % plan.panel_groups * plan.panels_per_task;
+  const int64_t p1 = std::min<int64_t>(p0 + plan.panels_per_task, plan.num_panels);
+  buffer.resize(static_cast<size_t>(mc) * kDensePanelRows);
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.x_stride;
+  const uint16_t* weight = static_cast<const uint16_t*>(a.weight);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* panel = weight + p * a.k * kDensePanelRows;
+    for (int32_t k0 = 0; k0 < a.k; k0 += kDotKChunk) {
+      const int32_t kc = std::min(kDotKChunk, a.k - k0);
+      interleave_pairs(panel + static_cast<int64_t>(k0) * kDensePanelRows, kc, tile);
+      dot_chunk(x + k0, a.x_stride, mc, tile, kc, buffer.data(), k0 == 0);
+    }
+    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
+    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
+    float row[kDensePanelRows];
+    for (int64_t i = 0; i < mc; ++i) {
+      const float* lanes = buffer.data() + i * kDensePanelRows;
+      for (int32_t q = 0; q < kDensePanelRows; ++q) row[lane_column(q)] = lanes[q];
+      dense_store_out(a, m0 + i, col0, cols, row);
+    }
+  }
+}
+
+}  // namespace vpage::cpu::avx512bf16
