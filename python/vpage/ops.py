@@ -35,7 +35,8 @@ __all__ = [
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
     "silu_and_mul", "gelu_tanh_and_mul", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
-    "dequantize_rows", "pack_dense_weight", "dense_matmul", "dense_rows", "logsumexp_argmax", "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
+    "dequantize_rows", "pack_dense_weight", "dense_matmul", "dense_rows", "logsumexp_argmax",
+    "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

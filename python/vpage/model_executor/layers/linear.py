@@ -21,7 +21,7 @@ from vpage.model_executor.layers.weight_utils import empty_parameter
 
 class DenseWeight(nn.Module):
     """A float weight ``[rows, cols]`` (``weight``), or once packed for the CPU kernels,
-    ``packed`` (``weight`` None) and a float32 copy of the bias for the kernel."""
+    ``packed`` (``weight`` None) and ``packed_bias``, a float32 copy of the bias for the kernel."""
 
     def __init__(self, rows: int, cols: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -29,19 +29,20 @@ class DenseWeight(nn.Module):
         self.weight = empty_parameter(rows, cols, dtype=dtype)
         self.bias = empty_parameter(rows, dtype=dtype) if bias else None
         self.packed: Optional[torch.Tensor] = None
-        self._packed_bias: Optional[torch.Tensor] = None
+        self.packed_bias: Optional[torch.Tensor] = None
 
     def pack(self) -> None:
         """Packs the loaded weight for ``ops.dense_matmul`` and drops the unpacked one."""
         self.packed = ops.pack_dense_weight(self.weight.data)
-        self._packed_bias = None if self.bias is None else self.bias.data.float()
+        self.packed_bias = None if self.bias is None else self.bias.data.float()
         self.weight = None
 
     def matmul(self, x: torch.Tensor, with_bias: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x ``[n, cols]`` -> ``x @ weight.T`` (``+ bias`` when ``with_bias``) ``[n, rows]``, x's
         dtype (into ``out`` when given, packed weights only)."""
         if self.packed is not None:
-            return ops.dense_matmul(x, self.packed, self.weight_shape[0], self._packed_bias if with_bias else None, out)
+            bias = self.packed_bias if with_bias else None
+            return ops.dense_matmul(x, self.packed, self.weight_shape[0], bias, out)
         return F.linear(x, self.weight, self.bias if with_bias else None)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,11 @@ until it says what the part is. Then the loop applies on the CPU when every proj
 in a GGUF block format (``QuantizedLinear``, float32 activations: the default model's case) or
 packed for the dense kernel (``DenseWeight.pack``: float32, bfloat16 or float16 weights and
 activations), the KV caches have the activations' dtype (or a 16-bit one under float32), every
-layer's rotary has a static table and there is no tensor parallelism. It calls the kernels the Python layers call, in the same
-order, so the hidden states are bitwise the Python path's; what it saves is the interpreter's
-time between ~10 kernels per layer, most of a single-stream decode step (see
-bench/RESULTS-llamacpp.md). The embedding lookup (and Gemma's scaling of it) and the logits
-stay in Python.
+layer's rotary has a static table and there is no tensor parallelism. It calls the kernels the
+Python layers call, in the same order, so the hidden states are bitwise the Python path's;
+what it saves is the interpreter's time between ~10 kernels per layer, most of a
+single-stream decode step (see bench/RESULTS-llamacpp.md). The embedding lookup (and Gemma's
+scaling of it) and the logits stay in Python.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _linear_fields(name: str, layer: nn.Module) -> dict[str, int]:
         bias = layer.bias
         return {f"{name}_weight": layer.qweight.data_ptr(), f"{name}_format": 0, f"{name}_type": layer.type_id,
                 f"{name}_bias": 0 if bias is None else bias.data_ptr()}
-    bias = layer._packed_bias
+    bias = layer.packed_bias
     return {f"{name}_weight": layer.packed.data_ptr(), f"{name}_format": 1,
             f"{name}_dtype": DTYPE_CODES[layer.packed.dtype], f"{name}_bias": 0 if bias is None else bias.data_ptr()}
 
