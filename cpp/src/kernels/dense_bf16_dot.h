@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "dense_task.h"
+#include "row_blocks.h"
 
 #if !defined(__AVX512BF16__)
 #error "dense_bf16_dot.h needs -mavx512bf16"
@@ -80,22 +81,9 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const __m512i* tile, i
 
 inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const __m512i* tile, int32_t kc, float* acc,
                       bool first) {
-  int64_t i = 0;
-  for (; i + kDotRows <= mc; i += kDotRows) {
-    dot_rows<kDotRows>(x + i * x_stride, x_stride, tile, kc, acc + i * kDensePanelRows, first);
-  }
-  const uint16_t* xr = x + i * x_stride;
-  float* ar = acc + i * kDensePanelRows;
-  switch (mc - i) {
-    case 7: dot_rows<7>(xr, x_stride, tile, kc, ar, first); break;
-    case 6: dot_rows<6>(xr, x_stride, tile, kc, ar, first); break;
-    case 5: dot_rows<5>(xr, x_stride, tile, kc, ar, first); break;
-    case 4: dot_rows<4>(xr, x_stride, tile, kc, ar, first); break;
-    case 3: dot_rows<3>(xr, x_stride, tile, kc, ar, first); break;
-    case 2: dot_rows<2>(xr, x_stride, tile, kc, ar, first); break;
-    case 1: dot_rows<1>(xr, x_stride, tile, kc, ar, first); break;
-    default: break;
-  }
+  for_row_blocks<kDotRows>(mc, [&](auto rows, int64_t i) {
+    dot_rows<decltype(rows)::value>(x + i * x_stride, x_stride, tile, kc, acc + i * kDensePanelRows, first);
+  });
 }
 
 // Task `task` of `plan` with x the bfloat16 rows args.x (row stride args.x_stride).

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "dense_task.h"
+#include "row_blocks.h"
 #include "simd_vec.h"  // Vec, F16, BF16, in namespace VPAGE_ISA_NAMESPACE (the parent of dense)
 
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE::dense {  // dense: no name clash with the other kernels
@@ -67,24 +68,9 @@ inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc,
 template <typename W>
 inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
                         bool first) {
-  int64_t i = 0;
-  for (; i + kRows <= mc; i += kRows) {
-    panel_rows<kRows>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first);
-  }
-  const float* xr = x + i * x_stride;
-  float* ar = acc + i * kDensePanelRows;
-  switch (mc - i) {
-#if defined(VPAGE_SIMD_AVX512)
-    case 7: panel_rows<7>(xr, x_stride, w, kc, ar, first); break;
-    case 6: panel_rows<6>(xr, x_stride, w, kc, ar, first); break;
-#endif
-    case 5: panel_rows<5>(xr, x_stride, w, kc, ar, first); break;
-    case 4: panel_rows<4>(xr, x_stride, w, kc, ar, first); break;
-    case 3: panel_rows<3>(xr, x_stride, w, kc, ar, first); break;
-    case 2: panel_rows<2>(xr, x_stride, w, kc, ar, first); break;
-    case 1: panel_rows<1>(xr, x_stride, w, kc, ar, first); break;
-    default: break;
-  }
+  for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
+    panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first);
+  });
 }
 
 // dst [kc, 32] = the 16-bit panel chunk src [kc, 32] as float32.

@@ -1,0 +1,35 @@
+// Row blocking shared by the dense matmul micro-kernels: whole blocks of a kernel's row count,
+// then one smaller kernel for the rest. Include it inside an ISA namespace (like simd_vec.h),
+// so builds with different flags never share an instantiation.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#ifndef VPAGE_ISA_NAMESPACE
+#error "define VPAGE_ISA_NAMESPACE before including row_blocks.h"
+#endif
+
+namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
+
+template <int R, typename Fn>
+inline void last_row_block(int64_t rows, int64_t first, Fn& fn) {
+  if constexpr (R > 0) {
+    if (rows == R) {
+      fn(std::integral_constant<int, R>{}, first);
+    } else {
+      last_row_block<R - 1>(rows, first, fn);
+    }
+  }
+}
+
+/// fn(std::integral_constant<int, R>{}, first_row) over rows [0, rows): R = kRows while whole
+/// blocks fit, then R = rows % kRows once.
+template <int kRows, typename Fn>
+inline void for_row_blocks(int64_t rows, Fn&& fn) {
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) fn(std::integral_constant<int, kRows>{}, i);
+  last_row_block<kRows - 1>(rows - i, i, fn);
+}
+
+}  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE
