@@ -288,6 +288,17 @@ void BlockManager::free(Sequence& seq) {
   seq.block_device_ = Device::kGpu;
 }
 
+void BlockManager::free_lookahead(Sequence& seq) {
+  VPAGE_CHECK(!windowed(), "lookahead blocks with a sliding window");
+  auto& table = seq.block_table_;
+  const size_t keep = static_cast<size_t>(blocks_for(seq.num_tokens()));
+  BlockPool& p = pool(seq.block_device_);
+  while (table.size() > keep) {
+    p.decref(table.back());
+    table.pop_back();
+  }
+}
+
 void BlockManager::release_out_of_window(Sequence& seq) {
   if (!windowed()) return;
   auto& table = seq.block_table_;

@@ -71,6 +71,10 @@ class BlockManager {
   /// Precondition: can_append_slots(group).
   void append_slots(SequenceGroup& group, std::vector<BlockPair>& copies);
 
+  /// Frees the blocks at the end of `seq`'s table that none of its tokens reaches (lookahead
+  /// blocks of rejected draft tokens). Without a window only (a window is never speculated).
+  void free_lookahead(Sequence& seq);
+
   /// `child` gets `parent`'s table (no allocation; refcounts up). Precondition: child has none.
   void fork(const Sequence& parent, Sequence& child);
   /// Releases every block of `seq`'s table (full cached blocks stay reusable).
@@ -120,7 +124,10 @@ class BlockManager {
   // Table entries `seq` needs before its next step: all its tokens, or with a window those
   // up to max_step_tokens past the computed ones.
   int32_t blocks_needed(int32_t num_tokens, int32_t num_computed) const;
-  int32_t blocks_needed(const Sequence& seq) const { return blocks_needed(seq.num_tokens(), seq.num_computed_); }
+  // (Draft tokens of the planned step hold slots too.)
+  int32_t blocks_needed(const Sequence& seq) const {
+    return blocks_needed(seq.num_tokens() + static_cast<int32_t>(seq.draft_tokens_.size()), seq.num_computed_);
+  }
   // New blocks append_slots would allocate (copies not counted).
   int32_t blocks_to_grow(const SequenceGroup& group) const;
   // Hashes of the first `num_blocks` full blocks of `seq` (computed once, then kept).

@@ -5,6 +5,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "ngram_proposer.h"
 #include "step_builder.h"
 
 namespace vpage {
@@ -28,13 +29,18 @@ SchedulerImpl::SchedulerImpl(const SchedulerConfig& config, const BlockManagerCo
   VPAGE_CHECK(config.max_num_batched_tokens > 0, "max_num_batched_tokens must be > 0");
   VPAGE_CHECK(config.max_num_seqs > 0, "max_num_seqs must be > 0");
   VPAGE_CHECK(config.max_model_len > 0, "max_model_len must be > 0");
+  VPAGE_CHECK(config.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0");
+  VPAGE_CHECK(config.prompt_lookup_min >= 1 && config.prompt_lookup_max >= config.prompt_lookup_min,
+              "need 1 <= prompt_lookup_min <= prompt_lookup_max, got " << config.prompt_lookup_min << " and "
+                                                                       << config.prompt_lookup_max);
+  VPAGE_CHECK(config.speculative_disable_by_batch_size >= 0, "speculative_disable_by_batch_size must be >= 0");
   plan_->step_id = -1;
 }
 
 std::vector<SeqId> SchedulerImpl::add_sequence_group(const std::string& request_id,
                                                      std::vector<TokenId> prompt, int32_t num_seqs,
                                                      const StopConditions& stop, double arrival_time,
-                                                     const std::string& cache_salt) {
+                                                     const std::string& cache_salt, bool speculate) {
   VPAGE_CHECK(!prompt.empty(), "request '" << request_id << "' has an empty prompt");
   VPAGE_CHECK(num_seqs >= 1, "request '" << request_id << "' needs at least one sequence");
   VPAGE_CHECK(stop.max_tokens >= 1, "max_tokens must be >= 1, got " << stop.max_tokens);
@@ -42,7 +48,7 @@ std::vector<SeqId> SchedulerImpl::add_sequence_group(const std::string& request_
               "min_tokens must be in [0, max_tokens], got " << stop.min_tokens);
   VPAGE_CHECK(!groups_.count(request_id), "request id '" << request_id << "' is already in use");
   auto group = std::make_unique<SequenceGroup>(request_id, arrival_time, stop, cache_salt,
-                                               blocks_.hash_salt(cache_salt));
+                                               blocks_.hash_salt(cache_salt), speculate);
   std::vector<SeqId> ids;
   for (int32_t i = 0; i < num_seqs; ++i) {
     group->seqs_.push_back(std::make_unique<Sequence>(next_seq_id_++, prompt));
@@ -123,6 +129,7 @@ void SchedulerImpl::ignore(SequenceGroup& group, const std::string& reason, Sche
 }
 
 void SchedulerImpl::preempt(SequenceGroup& group, SchedulePlan& plan) {
+  for (auto& s : group.seqs_) s->draft_tokens_.clear();
   const PreemptionMode mode = config_.preemption_mode;
   bool swap = mode == PreemptionMode::kSwap ||
               (mode == PreemptionMode::kAuto && group.num_unfinished() > 1);
@@ -169,15 +176,23 @@ void SchedulerImpl::schedule_group(SequenceGroup& group, StepBudget& budget, Ste
   for (size_t i = 0; i < num_computing && budget.tokens > 0; ++i) {
     Sequence& seq = *live[i];
     if (i > 0 && shared_pending) break;
-    const int32_t n = std::min(seq.num_uncomputed_tokens(), budget.tokens);
+    if (seq.num_uncomputed_tokens() + static_cast<int32_t>(seq.draft_tokens_.size()) > budget.tokens) {
+      seq.draft_tokens_.resize(static_cast<size_t>(std::max(0, budget.tokens - seq.num_uncomputed_tokens())));
+    }
+    const int32_t num_drafts = static_cast<int32_t>(seq.draft_tokens_.size());
+    const int32_t n = std::min(seq.num_uncomputed_tokens() + num_drafts, budget.tokens);
     if (n == 0) continue;
     budget.tokens -= n;
     const int64_t last = step.add_row(seq, n);
-    const bool samples = seq.num_computed_ + n == seq.num_tokens();
+    const bool samples = seq.num_computed_ + n - num_drafts == seq.num_tokens();
     const size_t followers_end = group.identical_ ? live.size() : i + 1;
     for (size_t j = i; j < followers_end; ++j) {
       pending_.emplace_back(live[j]->seq_id(), n);
-      if (samples) step.add_sample(live[j]->seq_id(), last);
+      if (samples) step.add_sample(live[j]->seq_id(), last, num_drafts);
+    }
+    if (num_drafts > 0) {
+      ++stats_.num_drafts;
+      stats_.num_draft_tokens += num_drafts;
     }
   }
   group.last_step_ = plan_->step_id;
@@ -197,13 +212,34 @@ void SchedulerImpl::preempt_running(size_t index, StepBudget& budget, SchedulePl
   preempt(*group, plan);
 }
 
+void SchedulerImpl::propose_drafts(SequenceGroup& group, const StepBudget& budget) {
+  const StopConditions& stop = group.stop_;
+  int32_t spare = budget.tokens - group.num_unfinished();  // tokens left once each seq has its one
+  for (auto& s : group.seqs_) {
+    if (is_finished(s->status_)) continue;
+    // Every token a draft run appends must stay within max_tokens and max_model_len.
+    const int32_t room = std::min(stop.max_tokens - s->num_output_tokens(), config_.max_model_len - s->num_tokens());
+    const int32_t k = std::min({config_.num_speculative_tokens, room - 1, spare});
+    propose_ngram(s->tokens_.data(), s->num_tokens(), config_.prompt_lookup_min, config_.prompt_lookup_max, k,
+                  s->draft_tokens_);
+    spare -= static_cast<int32_t>(s->draft_tokens_.size());
+  }
+}
+
 void SchedulerImpl::schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
   for (size_t i = 0; i < running_.size(); ++i) {
     SequenceGroup& group = *running_[i];
+    for (auto& s : group.seqs_) s->draft_tokens_.clear();  // those of an earlier plan that never ran
     const bool decode = is_decode(group);
     // Groups still computing one shared prompt hold all their blocks since admission (with a
     // window, only those of their next step).
     if ((group.identical_ && !blocks_.windowed()) || (decode && group.num_unfinished() > budget.tokens)) continue;
+    if (decode && budget.speculate && group.speculate_) {
+      propose_drafts(group, budget);
+      if (!blocks_.can_append_slots(group)) {  // drafts never cost a preemption
+        for (auto& s : group.seqs_) s->draft_tokens_.clear();
+      }
+    }
     bool preempted_self = false;
     while (!blocks_.can_append_slots(group)) {
       // The latest arrival not scheduled in this step gives its blocks up; else this group.
@@ -328,6 +364,9 @@ std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   StepBudget budget;
   budget.tokens = config_.max_num_batched_tokens;
   for (const SequenceGroup* g : running_) budget.num_seqs += g->num_unfinished();
+  budget.speculate = config_.num_speculative_tokens > 0 && !blocks_.windowed() &&
+                     (config_.speculative_disable_by_batch_size == 0 ||
+                      budget.num_seqs <= config_.speculative_disable_by_batch_size);
 
   // 1. Slots for the newest tokens of running groups, FCFS, preempting the latest arrivals
   //    when blocks run out; decodes are scheduled right away.
@@ -382,27 +421,54 @@ void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids,
   std::unordered_map<SeqId, int32_t> computing;  // tokens each sequence computes in this step
   for (const auto& [id, n] : pending_) computing[id] += n;
   std::unordered_set<SeqId> seen;
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0, m = 1; i < count; i += m) {
     const SeqId id = seq_ids[i];
+    for (m = 1; i + m < count && seq_ids[i + m] == id;) ++m;  // entries given to this sequence
     VPAGE_CHECK(id >= 0 && id < next_seq_id_, "commit: sequence id " << id << " was never issued");
     VPAGE_CHECK(seen.insert(id).second, "commit: sequence " << id << " given twice");
-    VPAGE_CHECK(token_ids[i] >= 0, "commit: negative token id " << token_ids[i] << " for sequence " << id);
+    for (int64_t j = i; j < i + m; ++j) {
+      VPAGE_CHECK(token_ids[j] >= 0, "commit: negative token id " << token_ids[j] << " for sequence " << id);
+    }
     const auto it = seqs_.find(id);
     if (it == seqs_.end() || is_finished(it->second.seq->status_)) continue;  // aborted meanwhile
     const Sequence& seq = *it->second.seq;
+    const auto& drafts = seq.draft_tokens_;
     const auto c = computing.find(id);
-    VPAGE_CHECK(c != computing.end() && seq.num_computed_ + c->second == seq.num_tokens(),
+    VPAGE_CHECK(c != computing.end() &&
+                    seq.num_computed_ + c->second - static_cast<int32_t>(drafts.size()) == seq.num_tokens(),
                 "commit: sequence " << id << " was not scheduled to sample in this step");
+    VPAGE_CHECK(m <= static_cast<int64_t>(drafts.size()) + 1,
+                "commit: sequence " << id << " given " << m << " tokens for " << drafts.size() << " drafts");
+    for (int64_t j = 0; j + 1 < m; ++j) {
+      VPAGE_CHECK(token_ids[i + j] == drafts[j], "commit: token " << j << " of sequence " << id
+                                                                  << " is not its draft token");
+    }
   }
 }
 
 CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
   check_commit(seq_ids, token_ids, count);
+  // Draft tokens accepted per speculating sequence: all its entries but the last.
+  std::unordered_map<SeqId, int32_t> accepted;
+  for (int64_t i = 0, m = 1; i < count; i += m) {
+    for (m = 1; i + m < count && seq_ids[i + m] == seq_ids[i];) ++m;
+    accepted[seq_ids[i]] = static_cast<int32_t>(m - 1);
+  }
   for (const auto& [id, n] : pending_) {
     const auto it = seqs_.find(id);
     if (it == seqs_.end() || is_finished(it->second.seq->status_)) continue;
     Sequence& seq = *it->second.seq;
-    seq.num_computed_ += n;
+    int32_t computed = n;
+    if (!seq.draft_tokens_.empty()) {
+      // The K/V of the accepted drafts is kept (they join the tokens, so that their blocks can
+      // be registered); that of the rejected ones is dropped. The statuses come below.
+      const auto a = accepted.find(id);
+      const int32_t num_accepted = a == accepted.end() ? 0 : a->second;
+      computed = n - static_cast<int32_t>(seq.draft_tokens_.size()) + num_accepted;
+      seq.tokens_.insert(seq.tokens_.end(), seq.draft_tokens_.begin(), seq.draft_tokens_.begin() + num_accepted);
+      stats_.num_accepted_tokens += num_accepted;
+    }
+    seq.num_computed_ += computed;
     blocks_.register_computed_blocks(*it->second.group, seq);
   }
   if (blocks_.windowed()) {
@@ -416,36 +482,52 @@ CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_id
       if (it != seqs_.end() && !is_finished(it->second.seq->status_)) blocks_.release_out_of_window(*it->second.seq);
     }
   }
-  pending_.clear();
 
   CommitResult result;
   result.statuses.resize(static_cast<size_t>(count));
   result.stop_token_ids.assign(static_cast<size_t>(count), -1);
   std::vector<SequenceGroup*> touched;
-  for (int64_t i = 0; i < count; ++i) {
+  for (int64_t i = 0, m = 1; i < count; i += m) {
+    for (m = 1; i + m < count && seq_ids[i + m] == seq_ids[i];) ++m;
     const auto it = seqs_.find(seq_ids[i]);
     if (it == seqs_.end()) {
-      result.statuses[i] = static_cast<int32_t>(SequenceStatus::kFinishedAborted);
+      for (int64_t j = i; j < i + m; ++j) result.statuses[j] = static_cast<int32_t>(SequenceStatus::kFinishedAborted);
       continue;
     }
     Sequence& seq = *it->second.seq;
     SequenceGroup& group = *it->second.group;
-    if (!is_finished(seq.status_)) {
-      seq.tokens_.push_back(token_ids[i]);
-      group.identical_ = false;
-      const SequenceStatus status = status_after_token(group, seq, token_ids[i]);
-      if (is_finished(status)) {
-        const auto& ids = group.stop_.stop_token_ids;
-        seq.stop_token_ = status == SequenceStatus::kFinishedStopped ? token_ids[i] : -1;
-        if (seq.stop_token_ >= 0 && std::find(ids.begin(), ids.end(), seq.stop_token_) != ids.end()) {
-          result.stop_token_ids[i] = seq.stop_token_;
-        }
-        finish_seq(group, seq, status);
-      }
-      touched.push_back(&group);
+    const bool speculated = !seq.draft_tokens_.empty();
+    if (speculated && !is_finished(seq.status_)) {
+      seq.tokens_.resize(seq.tokens_.size() - static_cast<size_t>(m - 1));  // re-appended one by one
     }
-    result.statuses[i] = static_cast<int32_t>(seq.status_);
+    for (int64_t j = i; j < i + m; ++j) {
+      if (!is_finished(seq.status_)) {
+        seq.tokens_.push_back(token_ids[j]);
+        group.identical_ = false;
+        const SequenceStatus status = status_after_token(group, seq, token_ids[j]);
+        if (is_finished(status)) {
+          const auto& ids = group.stop_.stop_token_ids;
+          seq.stop_token_ = status == SequenceStatus::kFinishedStopped ? token_ids[j] : -1;
+          if (seq.stop_token_ >= 0 && std::find(ids.begin(), ids.end(), seq.stop_token_) != ids.end()) {
+            result.stop_token_ids[j] = seq.stop_token_;
+          }
+          // Accepted tokens after this one are not appended: neither are their computed counts.
+          seq.num_computed_ = std::min(seq.num_computed_, seq.num_tokens());
+          finish_seq(group, seq, status);
+        }
+        touched.push_back(&group);
+      }
+      result.statuses[j] = static_cast<int32_t>(seq.status_);
+    }
   }
+  for (const auto& [id, n] : pending_) {
+    const auto it = seqs_.find(id);
+    if (it == seqs_.end() || it->second.seq->draft_tokens_.empty()) continue;
+    Sequence& seq = *it->second.seq;
+    if (!is_finished(seq.status_)) blocks_.free_lookahead(seq);  // rejected drafts' blocks
+    seq.draft_tokens_.clear();
+  }
+  pending_.clear();
   std::sort(touched.begin(), touched.end());
   touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
   for (SequenceGroup* g : touched) {
@@ -537,8 +619,10 @@ Scheduler& Scheduler::operator=(Scheduler&&) noexcept = default;
 
 std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id, std::vector<TokenId> prompt,
                                                  int32_t num_seqs, const StopConditions& stop,
-                                                 double arrival_time, const std::string& cache_salt) {
-  return impl_->add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt);
+                                                 double arrival_time, const std::string& cache_salt,
+                                                 bool speculate) {
+  return impl_->add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt,
+                                   speculate);
 }
 bool Scheduler::abort(const std::string& request_id) { return impl_->abort(request_id); }
 std::shared_ptr<const SchedulePlan> Scheduler::schedule() { return impl_->schedule(); }

@@ -26,7 +26,7 @@ class SchedulerImpl {
   std::vector<SeqId> add_sequence_group(const std::string& request_id,
                                         std::vector<TokenId> prompt, int32_t num_seqs,
                                         const StopConditions& stop, double arrival_time,
-                                        const std::string& cache_salt);
+                                        const std::string& cache_salt, bool speculate);
   bool abort(const std::string& request_id);
   std::shared_ptr<const SchedulePlan> schedule();
   CommitResult commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count);
@@ -67,13 +67,17 @@ class SchedulerImpl {
     int32_t tokens = 0;      // tokens left to compute in this step
     int32_t num_seqs = 0;    // unfinished sequences of running groups (<= max_num_seqs)
     bool preempted = false;  // this step preempted a group: nothing swapped or new is admitted
+    bool speculate = false;  // decoding sequences may get draft tokens in this step
   };
   // The phases of schedule(), in order.
   void schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
   void schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
   void schedule_prefills(StepBudget& budget, StepBuilder& step);
   void schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
-  // Schedules as many of the group's uncomputed tokens as the budget allows.
+  // Gives each sequence of a decoding group the n-gram draft tokens that fit its limits and
+  // the budget (none when nothing matches).
+  void propose_drafts(SequenceGroup& group, const StepBudget& budget);
+  // Schedules as many of the group's uncomputed tokens (and drafts) as the budget allows.
   void schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step);
   // Moves a group into the running queue (arrival order) and counts its sequences.
   void make_running(SequenceGroup& group, StepBudget& budget);

@@ -27,6 +27,8 @@ class Sequence {
   int32_t num_computed_tokens() const { return num_computed_; }
   /// Tokens still to compute before a new token can be sampled.
   int32_t num_uncomputed_tokens() const { return num_tokens() - num_computed_; }
+  /// Draft tokens of the planned step (computed after the uncomputed ones), usually none.
+  const std::vector<TokenId>& draft_tokens() const { return draft_tokens_; }
   const std::vector<TokenId>& tokens() const { return tokens_; }
   /// Token that stopped the sequence (EOS or a stop token id), or -1.
   TokenId stop_token() const { return stop_token_; }
@@ -47,6 +49,9 @@ class Sequence {
   int32_t num_computed_ = 0;
   SequenceStatus status_ = SequenceStatus::kWaiting;
   TokenId stop_token_ = -1;
+  // Draft tokens the planned step computes after tokens_ (speculative decoding); they hold
+  // slots in block_table_ until commit() accepts or drops them.
+  std::vector<TokenId> draft_tokens_;
   std::vector<BlockId> block_table_;
   Device block_device_ = Device::kGpu;
   std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_
@@ -60,7 +65,7 @@ class Sequence {
 class SequenceGroup {
  public:
   SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                std::string cache_salt, const BlockHash& cache_salt_hash);
+                std::string cache_salt, const BlockHash& cache_salt_hash, bool speculate);
   SequenceGroup(const SequenceGroup&) = delete;
   SequenceGroup& operator=(const SequenceGroup&) = delete;
 
@@ -98,6 +103,7 @@ class SequenceGroup {
   bool identical_ = true;
   int32_t num_preemptions_ = 0;
   int32_t num_cached_tokens_ = 0;
+  bool speculate_ = true;  // may get draft tokens
   int64_t last_step_ = -1;  // last step that scheduled this group
 };
 

@@ -15,11 +15,13 @@ class StepBuilder {
  public:
   StepBuilder(SchedulePlan& plan, int32_t block_size) : plan_(plan), block_size_(block_size) {}
 
-  /// Row for `seq` computing `num_tokens` tokens from its first uncomputed one.
+  /// Row for `seq` computing `num_tokens` tokens from its first uncomputed one (its draft
+  /// tokens, when it has any, follow its tokens and must all be in the row).
   /// Returns the flat index of the row's last token.
   int64_t add_row(const Sequence& seq, int32_t num_tokens);
-  /// `seq_id` samples its next token from the logits of token `token_index`.
-  void add_sample(SeqId seq_id, int64_t token_index);
+  /// `seq_id` samples its next token from the logits of token `token_index`, verifying the
+  /// `num_drafts` draft tokens that end there.
+  void add_sample(SeqId seq_id, int64_t token_index, int32_t num_drafts = 0);
   /// Writes block_tables / max_blocks.
   void finish();
 

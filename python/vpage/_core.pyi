@@ -62,9 +62,15 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     preemption_mode: PreemptionMode
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    speculative_disable_by_batch_size: int
     def __init__(self, max_num_batched_tokens: int = 2048, max_num_seqs: int = 256,
                  max_model_len: int = 2048, enable_chunked_prefill: bool = True,
-                 preemption_mode: PreemptionMode = PreemptionMode.AUTO) -> None: ...
+                 preemption_mode: PreemptionMode = PreemptionMode.AUTO, num_speculative_tokens: int = 0,
+                 prompt_lookup_min: int = 5, prompt_lookup_max: int = 5,
+                 speculative_disable_by_batch_size: int = 0) -> None: ...
 
 class SequenceSnapshot:
     """A copy of one sequence's state; stays readable after its request ends."""
@@ -113,6 +119,9 @@ class SchedulerStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     num_cached_prompt_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
 
 FIRST_BLOCK: int  # `parent` of a sequence's first block
 NO_CONTENT: int  # content id of a block that is not in the prefix cache
@@ -146,6 +155,7 @@ class SchedulePlan:
     max_query_len: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    num_draft_tokens: int
     num_preempted_recompute: int
     num_preempted_swap: int
     ignored: list[tuple[str, str]]
@@ -174,6 +184,8 @@ class SchedulePlan:
     @property
     def sample_token_indices(self) -> npt.NDArray[np.int64]: ...
     @property
+    def sample_num_drafts(self) -> npt.NDArray[np.int32]: ...
+    @property
     def blocks_to_swap_out(self) -> npt.NDArray[np.int64]: ...
     @property
     def blocks_to_swap_in(self) -> npt.NDArray[np.int64]: ...
@@ -190,7 +202,7 @@ class CommitResult:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_config: BlockManagerConfig) -> None: ...
     def add_sequence_group(self, request_id: str, prompt: list[int], num_seqs: int, stop: StopConditions,
-                           arrival_time: float, cache_salt: str = "") -> list[int]: ...
+                           arrival_time: float, cache_salt: str = "", speculate: bool = True) -> list[int]: ...
     def abort(self, request_id: str) -> bool: ...
     def schedule(self) -> SchedulePlan: ...
     def commit(self, seq_ids: npt.ArrayLike, token_ids: npt.ArrayLike) -> CommitResult: ...

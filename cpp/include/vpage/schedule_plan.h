@@ -36,6 +36,10 @@ struct SchedulePlan {
   // sample from (several sequences can share a row: n samples of one prompt).
   std::vector<SeqId> sample_seq_ids;        ///< [num_samples]
   std::vector<int64_t> sample_token_indices;  ///< [num_samples] index into the token arrays
+  /// [num_samples] draft tokens verified with each sample (speculative decoding, else 0):
+  /// a sample with d drafts has them at token indices [index - d + 1, index] and samples
+  /// from the logits of tokens [index - d, index], one per position.
+  std::vector<int32_t> sample_num_drafts;
 
   std::vector<BlockPair> blocks_to_swap_out;  ///< (gpu, cpu)
   std::vector<BlockPair> blocks_to_swap_in;   ///< (cpu, gpu)
@@ -44,7 +48,8 @@ struct SchedulePlan {
   /// Requests finished as ignored in this step, with the reason.
   std::vector<std::pair<std::string, std::string>> ignored;
   int32_t num_prefill_tokens = 0;  ///< tokens of rows computing more than one token
-  int32_t num_decode_tokens = 0;
+  int32_t num_decode_tokens = 0;   ///< tokens of one-token rows and of draft-carrying rows
+  int32_t num_draft_tokens = 0;    ///< draft tokens among the decode tokens
   int32_t num_preempted_recompute = 0;
   int32_t num_preempted_swap = 0;
 

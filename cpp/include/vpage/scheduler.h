@@ -28,6 +28,13 @@ struct SchedulerConfig {
   int32_t max_model_len = 2048;           ///< prompt + output tokens at most
   bool enable_chunked_prefill = true;     ///< split prompts across steps under the budget
   PreemptionMode preemption_mode = PreemptionMode::kAuto;
+  /// Speculative decoding by n-gram prompt lookup: draft tokens a decoding sequence may add
+  /// to its row, verified by the same forward (0: off). See SchedulePlan::sample_num_drafts.
+  int32_t num_speculative_tokens = 0;
+  int32_t prompt_lookup_min = 5;  ///< shortest suffix n-gram looked up (>= 1)
+  int32_t prompt_lookup_max = 5;  ///< longest suffix n-gram looked up (>= prompt_lookup_min)
+  /// No drafts in a step that starts with more running sequences than this (0: no limit).
+  int32_t speculative_disable_by_batch_size = 0;
 };
 
 /// Running totals kept by the scheduler.
@@ -38,6 +45,9 @@ struct SchedulerStats {
   int64_t num_prefill_tokens = 0;  ///< tokens computed in rows of more than one token
   int64_t num_decode_tokens = 0;
   int64_t num_cached_prompt_tokens = 0;  ///< prompt tokens served by the prefix cache
+  int64_t num_drafts = 0;        ///< rows that carried draft tokens
+  int64_t num_draft_tokens = 0;  ///< draft tokens planned
+  int64_t num_accepted_tokens = 0;  ///< draft tokens accepted by commit()
 };
 
 class SchedulerImpl;  // the state and its rules, in the library's sources
@@ -67,11 +77,12 @@ class Scheduler {
   /// sequences over `prompt` (n or best_of samples, or beams). Returns their ids. Throws
   /// CheckError (nothing added) on an empty prompt, num_seqs < 1, max_tokens < 1,
   /// min_tokens outside [0, max_tokens] or an id in use. Requests share prefix-cache
-  /// blocks only when their `cache_salt`s are equal.
+  /// blocks only when their `cache_salt`s are equal. With `speculate` false the request
+  /// never gets draft tokens (beam search, grammars: whatever cannot verify several tokens).
   std::vector<SeqId> add_sequence_group(const std::string& request_id,
                                         std::vector<TokenId> prompt, int32_t num_seqs,
                                         const StopConditions& stop, double arrival_time,
-                                        const std::string& cache_salt = "");
+                                        const std::string& cache_salt = "", bool speculate = true);
   /// Finishes the request as aborted from whichever queue holds it and frees its blocks.
   /// Returns false when no unfinished request has that id.
   bool abort(const std::string& request_id);
@@ -83,10 +94,15 @@ class Scheduler {
   /// Records the last planned step: advances computed counts of every scheduled sequence
   /// and appends `token_ids[i]` to `seq_ids[i]` ([count] arrays, borrowed for the call;
   /// sequences aborted or finished meanwhile are skipped and reported as aborted or with
-  /// their status), then applies EOS / stop tokens / max_tokens / max_model_len. Finished
-  /// groups free their blocks and are removed. Throws CheckError, changing nothing (the
-  /// step can still be committed correctly), when an id was never issued or is given
-  /// twice, a token id is negative, or a live sequence was not scheduled to sample.
+  /// their status), then applies EOS / stop tokens / max_tokens / max_model_len token by
+  /// token. A sequence that was planned with d draft tokens may be given m <= d + 1
+  /// consecutive entries: its first m - 1 drafts were accepted (they must be given as
+  /// planned) and the last entry is the verified token after them; the K/V of the rejected
+  /// drafts is dropped (computed count rolled back, lookahead blocks freed), and tokens after
+  /// one that finishes the sequence are not appended. Finished groups free their blocks and
+  /// are removed. Throws CheckError, changing nothing (the step can still be committed
+  /// correctly), when an id was never issued or is given twice apart, a token id is
+  /// negative, a live sequence was not scheduled to sample, or drafts are given wrongly.
   CommitResult commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count);
 
   /// New sequence in `parent`'s group sharing its tokens and blocks (beam search). Called

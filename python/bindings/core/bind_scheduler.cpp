@@ -49,6 +49,7 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("max_query_len", &Plan::max_query_len)
       .def_readonly("num_prefill_tokens", &Plan::num_prefill_tokens)
       .def_readonly("num_decode_tokens", &Plan::num_decode_tokens)
+      .def_readonly("num_draft_tokens", &Plan::num_draft_tokens)
       .def_readonly("num_preempted_recompute", &Plan::num_preempted_recompute)
       .def_readonly("num_preempted_swap", &Plan::num_preempted_swap)
       .def_property_readonly("seq_ids", [](py::object self) { return flat(self.cast<const Plan&>().seq_ids, self); },
@@ -71,6 +72,8 @@ void bind_scheduler(py::module_& m) {
                              "[num_samples] int64 sequences that get a token after this step")
       .def_property_readonly("sample_token_indices", [](py::object self) { return flat(self.cast<const Plan&>().sample_token_indices, self); },
                              "[num_samples] int64 token row whose logits each of them samples")
+      .def_property_readonly("sample_num_drafts", [](py::object self) { return flat(self.cast<const Plan&>().sample_num_drafts, self); },
+                             "[num_samples] int32 draft tokens verified with each sample; they end at its row")
       .def_property_readonly("blocks_to_swap_out", [](const Plan& p) { return pairs(p.blocks_to_swap_out); }, "[n, 2] int64 (gpu, cpu)")
       .def_property_readonly("blocks_to_swap_in", [](const Plan& p) { return pairs(p.blocks_to_swap_in); }, "[n, 2] int64 (cpu, gpu)")
       .def_property_readonly("blocks_to_copy", [](const Plan& p) { return pairs(p.blocks_to_copy); }, "[n, 2] int64 (src, dst)")
@@ -92,11 +95,12 @@ void bind_scheduler(py::module_& m) {
            py::arg("block_config"))
       .def("add_sequence_group",
            [](Scheduler& s, const std::string& request_id, std::vector<TokenId> prompt, int32_t num_seqs,
-              const StopConditions& stop, double arrival_time, const std::string& cache_salt) {
-             return s.add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt);
+              const StopConditions& stop, double arrival_time, const std::string& cache_salt, bool speculate) {
+             return s.add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt,
+                                         speculate);
            },
            py::arg("request_id"), py::arg("prompt"), py::arg("num_seqs"), py::arg("stop"),
-           py::arg("arrival_time"), py::arg("cache_salt") = "",
+           py::arg("arrival_time"), py::arg("cache_salt") = "", py::arg("speculate") = true,
            "Adds a request of `num_seqs` sequences over `prompt` (token ids); returns their ids.")
       .def("abort", &Scheduler::abort, py::arg("request_id"),
            "Finishes the request as aborted from any queue; False when unknown.")
@@ -123,7 +127,8 @@ void bind_scheduler(py::module_& m) {
              return s.commit(ids, toks, n);
            },
            py::arg("seq_ids"), py::arg("token_ids"),
-           "Records the step and appends token_ids[i] to seq_ids[i]; applies EOS/stop/length.")
+           "Records the step and appends token_ids[i] to seq_ids[i]; applies EOS/stop/length. A "
+           "speculating sequence is given its accepted drafts and the verified token as consecutive entries.")
       .def("fork_sequence", &Scheduler::fork_sequence, py::arg("parent"),
            "New sequence sharing the parent's tokens and blocks; returns its id.")
       .def("finish_sequence", &Scheduler::finish_sequence, py::arg("seq_id"), py::arg("status"),

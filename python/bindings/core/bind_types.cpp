@@ -93,18 +93,29 @@ void bind_types(py::module_& m) {
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig", "Budgets and policies of the scheduler.")
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,
-                       bool enable_chunked_prefill, PreemptionMode preemption_mode) {
+                       bool enable_chunked_prefill, PreemptionMode preemption_mode, int32_t num_speculative_tokens,
+                       int32_t prompt_lookup_min, int32_t prompt_lookup_max,
+                       int32_t speculative_disable_by_batch_size) {
              return SchedulerConfig{max_num_batched_tokens, max_num_seqs, max_model_len,
-                                    enable_chunked_prefill, preemption_mode};
+                                    enable_chunked_prefill, preemption_mode, num_speculative_tokens,
+                                    prompt_lookup_min, prompt_lookup_max, speculative_disable_by_batch_size};
            }),
            py::arg("max_num_batched_tokens") = 2048, py::arg("max_num_seqs") = 256,
            py::arg("max_model_len") = 2048, py::arg("enable_chunked_prefill") = true,
-           py::arg("preemption_mode") = PreemptionMode::kAuto)
+           py::arg("preemption_mode") = PreemptionMode::kAuto, py::arg("num_speculative_tokens") = 0,
+           py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
+           py::arg("speculative_disable_by_batch_size") = 0)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
       .def_readwrite("enable_chunked_prefill", &SchedulerConfig::enable_chunked_prefill)
-      .def_readwrite("preemption_mode", &SchedulerConfig::preemption_mode);
+      .def_readwrite("preemption_mode", &SchedulerConfig::preemption_mode)
+      .def_readwrite("num_speculative_tokens", &SchedulerConfig::num_speculative_tokens,
+                     "n-gram draft tokens per decoding sequence at most (0: no speculation)")
+      .def_readwrite("prompt_lookup_min", &SchedulerConfig::prompt_lookup_min)
+      .def_readwrite("prompt_lookup_max", &SchedulerConfig::prompt_lookup_max)
+      .def_readwrite("speculative_disable_by_batch_size", &SchedulerConfig::speculative_disable_by_batch_size,
+                     "no drafts in a step that starts with more running sequences (0: no limit)");
 
   py::class_<SequenceSnapshot>(m, "SequenceSnapshot",
       "A copy of one sequence's state, taken by Scheduler.find_sequence/find_group; it stays "
@@ -149,7 +160,10 @@ void bind_types(py::module_& m) {
       .def_readonly("num_preempted_swap", &SchedulerStats::num_preempted_swap)
       .def_readonly("num_prefill_tokens", &SchedulerStats::num_prefill_tokens)
       .def_readonly("num_decode_tokens", &SchedulerStats::num_decode_tokens)
-      .def_readonly("num_cached_prompt_tokens", &SchedulerStats::num_cached_prompt_tokens);
+      .def_readonly("num_cached_prompt_tokens", &SchedulerStats::num_cached_prompt_tokens)
+      .def_readonly("num_drafts", &SchedulerStats::num_drafts)
+      .def_readonly("num_draft_tokens", &SchedulerStats::num_draft_tokens)
+      .def_readonly("num_accepted_tokens", &SchedulerStats::num_accepted_tokens);
 
   py::class_<BlockPool>(m, "BlockPool", "One pool of KV blocks with refcounts and an O(1) LRU free queue.")
       .def(py::init<Device, int32_t, bool, int32_t>(), py::arg("device"), py::arg("num_blocks"),
