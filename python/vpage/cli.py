@@ -55,6 +55,9 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
                         help="the model's reasoning format (e.g. qwen3, deepseek_r1): structured outputs start "
                              "after the reasoning ends")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s dict as JSON, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine start-up and statistics")
 
 
@@ -166,7 +169,8 @@ def _engine(args: argparse.Namespace):
                                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                                 generation_config=args.generation_config,
                                 structured_outputs_backend=args.structured_outputs_backend,
-                                reasoning_parser=args.reasoning_parser))
+                                reasoning_parser=args.reasoning_parser,
+                                speculative_config=args.speculative_config))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -187,7 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
                              enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                              generation_config=args.generation_config,
                              structured_outputs_backend=args.structured_outputs_backend,
-                             reasoning_parser=args.reasoning_parser)
+                             reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config)
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),

@@ -66,6 +66,55 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding as vLLM's ``speculative_config`` names it: each decoding sequence
+    proposes up to ``num_speculative_tokens`` draft tokens, and one target forward verifies
+    them. ``method`` "ngram": prompt lookup of the sequence's last ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens (in the C++ scheduler). No drafts in a step that starts with
+    more than ``disable_by_batch_size`` running sequences (0: never off)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 5
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int = 0
+
+    METHODS = ("ngram",)
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "SpeculativeConfig":
+        """Validates a ``speculative_config`` dict (vLLM's keys); ValueError names what is wrong.
+        Of prompt_lookup_min/max, one given sets the other (vLLM's rule); neither: both 5."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+                 "model"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        if spec.get("model") is not None:
+            raise ValueError("speculative_config: a draft model is not supported yet; use method 'ngram'")
+        method = spec.get("method")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config: method must be one of {cls.METHODS}, got {method!r}")
+
+        def integer(key: str, default: Optional[int], least: int) -> Optional[int]:
+            value = spec.get(key, default)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"speculative_config: {key} must be an integer >= {least}, got {value!r}")
+            return value
+
+        k = integer("num_speculative_tokens", None, 1)
+        if k is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        low, high = integer("prompt_lookup_min", None, 1), integer("prompt_lookup_max", None, 1)
+        low, high = low or high or 5, high or low or 5
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) > prompt_lookup_max ({high})")
+        return cls(method, k, low, high, integer("disable_by_batch_size", 0, 0))
+
+
+@dataclass(frozen=True)
 class StructuredOutputsConfig:
     """How grammars are compiled and which reasoning format gates them."""
 
@@ -84,3 +133,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     enforce_eager: bool  # CUDA: never capture decode graphs
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative: Optional[SpeculativeConfig] = None

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Union
 
 from vpage.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          StructuredOutputsConfig)
+                          SpeculativeConfig, StructuredOutputsConfig)
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
@@ -27,6 +28,8 @@ class EngineArgs:
     on CUDA). enforce_eager: never capture CUDA graphs (decode steps replay captured graphs
     on CUDA otherwise; nothing changes on CPU). kv_cache_dtype: "auto" (the model's dtype) or
     a dtype name; on CPU float16 or bfloat16 may hold the cache of float32 activations.
+    speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` (see ``SpeculativeConfig``).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -52,6 +55,7 @@ class EngineArgs:
     generation_config: str = "auto"  # the model's sampling defaults; "vpage": none; or a folder
     structured_outputs_backend: str = "xgrammar"  # grammar compiler of structured outputs
     reasoning_parser: Optional[str] = None  # e.g. "qwen3": structured outputs start after the reasoning
+    speculative_config: Optional[Union[dict[str, Any], str]] = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -95,6 +99,13 @@ class EngineArgs:
         check(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
               f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
               f"got {self.structured_outputs_backend!r}")
+        if isinstance(self.speculative_config, str):
+            try:
+                self.speculative_config = json.loads(self.speculative_config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        self._speculative = (None if self.speculative_config is None
+                             else SpeculativeConfig.from_dict(self.speculative_config))
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
@@ -143,4 +154,5 @@ class EngineArgs:
                                       preemption_mode=self.preemption_mode),
             enforce_eager=self.enforce_eager,
             structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend,
-                                                       reasoning_parser=self.reasoning_parser))
+                                                       reasoning_parser=self.reasoning_parser),
+            speculative=self._speculative)

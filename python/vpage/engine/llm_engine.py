@@ -8,6 +8,7 @@ import math
 import time
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from vpage import _core
@@ -17,6 +18,7 @@ from vpage.engine.beam_search import BeamSearch
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.engine.spec_decode import DraftRows
 from vpage.engine.structured_outputs import StructuredOutputs
 from vpage.executor.abstract import Executor
 from vpage.outputs import RequestOutput
@@ -69,11 +71,19 @@ class LLMEngine:
                 f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than {held}: raise "
                 f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'} or lower max_model_len")
         self.num_gpu_blocks = num_gpu_blocks
+        spec = self.config.speculative
+        if spec is not None and cache.sliding_window:
+            logger.warning("vpage: speculative decoding is off: this model's sliding window frees KV blocks, "
+                           "which lookahead slots do not support yet")
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
                                   enable_chunked_prefill=sched.enable_chunked_prefill,
-                                  preemption_mode=_PREEMPTION[sched.preemption_mode]),
+                                  preemption_mode=_PREEMPTION[sched.preemption_mode],
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                  prompt_lookup_min=spec.prompt_lookup_min if spec else 5,
+                                  prompt_lookup_max=spec.prompt_lookup_max if spec else 5,
+                                  speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0),
             _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
@@ -161,8 +171,10 @@ class LLMEngine:
             cache_salt = f"\x00prompt-logprobs-{next(self._private_salts)}"
 
         def admit(grammar=None) -> None:
+            # Drafts are verified by the sampler alone: not for beams or grammar-constrained rows.
+            speculate = beam is None and params.structured_outputs is None
             seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, arrival,
-                                                        cache_salt or "")
+                                                        cache_salt or "", speculate)
             state = RequestState(request_id, text, ids, params, seq_ids, self.tokenizer, self.device, arrival, beam)
             if grammar is not None:
                 self.structured.attach(state, grammar)
@@ -216,17 +228,28 @@ class LLMEngine:
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
         prompt_rows = self.outputs.prompt_logprobs.rows(plan)
-        logits = self.executor.execute(plan, None if prompt_rows is None else prompt_rows.rows)
+        draft_rows = DraftRows.of(plan)
+        extra = [r.rows for r in (prompt_rows, draft_rows) if r is not None]
+        logits = self.executor.execute(plan, np.concatenate(extra) if extra else None)
         seq_ids: list[int] = []
-        sampled = None
+        sampled, runs = None, None
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
-            if prompt_rows is not None:  # the prompt rows' logits follow the sampled rows'
-                self.outputs.prompt_logprobs.score(logits[len(seq_ids):], prompt_rows)
-                logits = logits[:len(seq_ids)]
+            # The sampled rows' logits, then the prompt rows', then the draft rows'.
+            extra_logits = logits[len(seq_ids):]
+            logits = logits[:len(seq_ids)]
+            if prompt_rows is not None:
+                self.outputs.prompt_logprobs.score(extra_logits[:len(prompt_rows.rows)], prompt_rows)
+                extra_logits = extra_logits[len(prompt_rows.rows):]
             rows = self.outputs.sampling_rows(seq_ids)
-            sampled = self.sampler.sample(logits, rows, self.structured.bitmask(seq_ids, self.outputs.seq_owner))
-        outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
+            bitmask = self.structured.bitmask(seq_ids, self.outputs.seq_owner)
+            if draft_rows is None:
+                sampled = self.sampler.sample(logits, rows, bitmask)
+            else:
+                verified = draft_rows.verify(self.sampler, logits, extra_logits, rows, self.outputs.banned_tokens,
+                                             bitmask, self.metrics.spec)
+                sampled, runs = verified.sampled, verified.runs
+        outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at, runs)
         self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)
         return outputs
 

@@ -10,6 +10,7 @@ from typing import Optional
 
 from vpage import _core
 from vpage.engine.latency_histogram import LatencyHistogram
+from vpage.engine.spec_decode import SpecDecodeStats
 
 _PERCENTILES = (50, 95, 99)
 
@@ -36,6 +37,12 @@ class EngineStats:
     mean_tpot_s: Optional[float]  # time per output token after the first, over finished requests
     ttft_percentiles_s: dict[int, Optional[float]]  # {50: P50, 95: P95, 99: P99}, ~6% precision
     tpot_percentiles_s: dict[int, Optional[float]]
+    # Speculative decoding (vLLM's spec_decode_* counters): rows that carried drafts, draft
+    # tokens, accepted ones, and accepted ones by position in the draft.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class EngineMetrics:
@@ -47,6 +54,7 @@ class EngineMetrics:
         self.last_step_tokens = 0  # tokens the last step computed (prompt and generated)
         self.ttft = LatencyHistogram()
         self.tpot = LatencyHistogram()
+        self.spec = SpecDecodeStats()
 
     def on_step(self, seconds: float, num_tokens: int) -> None:
         self.step_time += seconds
@@ -85,4 +93,8 @@ class EngineMetrics:
             mean_tpot_s=self.tpot.mean(),
             ttft_percentiles_s={q: self.ttft.percentile(q) for q in _PERCENTILES},
             tpot_percentiles_s={q: self.tpot.percentile(q) for q in _PERCENTILES},
+            spec_decode_num_drafts=self.spec.num_drafts,
+            spec_decode_num_draft_tokens=self.spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec.accepted_per_pos),
         )

@@ -79,21 +79,26 @@ class OutputProcessor:
         rows = []
         for seq_id in seq_ids:
             seq = self.seq_owner[seq_id].seqs[seq_id]
-            params = seq.params
-            banned: list[int] = []
-            if len(seq.output_token_ids) < params.min_tokens:
-                banned = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
-            seq.row.banned_token_ids = banned
+            seq.row.banned_token_ids = self.banned_tokens(seq.row, 0)
             rows.append(seq.row)
         return rows
+
+    def banned_tokens(self, row: SamplingRow, ahead: int) -> list[int]:
+        """The tokens ``row`` may not pick ``ahead`` outputs after its current ones (the
+        min_tokens rule; ``ahead`` > 0 for the positions after draft tokens)."""
+        params = row.params
+        if len(row.output_token_ids) + ahead >= params.min_tokens:
+            return []
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
 
     # ------------------------------------------------------------ after sampling
 
     def process(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[SamplerOutput],
-                scheduled_at: float) -> list[RequestOutput]:
+                scheduled_at: float, runs: Optional[list[tuple[int, int]]] = None) -> list[RequestOutput]:
         """Commits the step's tokens (beams advanced first), applies every stop rule, finishes
         requests and returns the outputs of the requests that advanced or finished.
-        ``scheduled_at``: time.monotonic() when the step was scheduled."""
+        ``scheduled_at``: time.monotonic() when the step was scheduled. ``runs``: with draft
+        tokens, (first row, rows) of ``sampled`` that each sample commits (else row i, one)."""
         now = time.monotonic()
         if self.unscheduled and plan.num_seqs:
             self._mark_scheduled(plan, scheduled_at)
@@ -107,7 +112,7 @@ class OutputProcessor:
         # (sequence, token, owner, logprob, top logprobs) to commit.
         commits: list[tuple[int, int, RequestState, float, Optional[list]]] = []
         if sampled is not None:
-            commits = self._commits(seq_ids, sampled, touched, finished_ids)
+            commits = self._commits(seq_ids, sampled, touched, finished_ids, runs)
         result = self.scheduler.commit(np.array([c[0] for c in commits], dtype=np.int64),
                                        np.array([c[1] for c in commits], dtype=np.int32))
         finished_ids.update(result.finished_request_ids)
@@ -145,7 +150,8 @@ class OutputProcessor:
                     return
 
     def _commits(self, seq_ids: list[int], sampled: SamplerOutput, touched: dict[str, RequestState],
-                 finished_ids: set[str]) -> list[tuple[int, int, RequestState, float, Optional[list]]]:
+                 finished_ids: set[str], runs: Optional[list[tuple[int, int]]]
+                 ) -> list[tuple[int, int, RequestState, float, Optional[list]]]:
         owners = [self.seq_owner[s] for s in seq_ids]
         for owner in dict.fromkeys(owners):
             if owner.metrics.first_token_time is None:  # read before commit may remove the group
@@ -153,16 +159,18 @@ class OutputProcessor:
         tokens = sampled.token_ids.tolist()
         logprobs = sampled.logprobs.tolist()
         commits = []
-        beam_rows: dict[str, list[int]] = {}
+        beam_rows: dict[str, list[tuple[int, int]]] = {}
         for i, (seq_id, owner) in enumerate(zip(seq_ids, owners)):
-            if owner.beam is not None:
-                beam_rows.setdefault(owner.request_id, []).append(i)
-            else:
-                commits.append((seq_id, tokens[i], owner, logprobs[i], sampled.top_logprobs[i]))
+            start, count = runs[i] if runs is not None else (i, 1)
+            if owner.beam is not None:  # beams never speculate: one row
+                beam_rows.setdefault(owner.request_id, []).append((seq_id, start))
+                continue
+            for r in range(start, start + count):  # accepted drafts, then the verified token
+                commits.append((seq_id, tokens[r], owner, logprobs[r], sampled.top_logprobs[r]))
         for request_id, rows in beam_rows.items():
             owner = self.requests[request_id]
             touched[request_id] = owner
-            beams = [(seq_ids[i], sampled.top_logprobs[i]) for i in rows]
+            beams = [(seq_id, sampled.top_logprobs[r]) for seq_id, r in rows]
             for seq_id, token, cumulative in self._advance_beams(owner, beams, finished_ids):
                 commits.append((seq_id, token, owner, cumulative, None))
         return commits

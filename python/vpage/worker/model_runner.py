@@ -14,6 +14,22 @@ from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.loader.model_loader import LoadedModel
 
 
+def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray]]:
+    """For a step of decode rows some of which carry draft tokens (no prompt rows): attention
+    metadata that makes every token its own decode query over its sequence's blocks, context
+    ending at the token. The decode kernel then scores each draft position exactly as a
+    non-speculative step would score that position (a prompt-shaped row would take the prefill
+    kernel, whose sums round differently). None for any other step."""
+    if not plan.num_draft_tokens or plan.num_prefill_tokens:
+        return None
+    tokens_per_row = np.diff(plan.query_start_loc)
+    return {
+        "block_tables": np.repeat(plan.block_tables, tokens_per_row, axis=0),
+        "context_lens": (plan.positions + 1).astype(np.int32),
+        "query_start_loc": np.arange(plan.num_tokens + 1, dtype=np.int32),
+    }
+
+
 class ModelRunner:
     """Runs the model over a plan's flattened batch and computes logits only for sampled rows.
 
@@ -37,6 +53,14 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def batch_of(self, plan: _core.SchedulePlan) -> ForwardBatch:
+        per_token = per_token_queries(plan)
+        if per_token is not None:
+            return ForwardBatch(
+                input_ids=self._tensor(plan.input_ids), positions=self._tensor(plan.positions),
+                slot_mapping=self._tensor(plan.slot_mapping), block_tables=self._tensor(per_token["block_tables"]),
+                context_lens=self._tensor(per_token["context_lens"]),
+                query_start_loc=self._tensor(per_token["query_start_loc"]),
+                max_context_len=plan.max_context_len, max_query_len=1)
         return ForwardBatch(
             input_ids=self._tensor(plan.input_ids),
             positions=self._tensor(plan.positions),
@@ -78,6 +102,10 @@ class ModelRunner:
         return self._logits[:rows]
 
     def _execute_staged(self, plan, layer_events: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
+        if per_token_queries(plan) is not None:  # draft tokens: eager, each token its own query
+            batch = self.batch_of(plan)
+            batch.layer_events = layer_events
+            return self.model(batch, self.kv_caches), self._tensor(plan.sample_token_indices)
         graph_rows = self.graphs.batch_size_for(plan) if self.graphs is not None else None
         if graph_rows is not None:
             if layer_events is not None:  # a captured graph cannot wait per layer: wait for all swaps
