@@ -548,6 +548,7 @@ SeqId SchedulerImpl::fork_sequence(SeqId parent_id) {
   child->prompt_len_ = parent.prompt_len_;
   child->num_computed_ = parent.num_computed_;
   child->status_ = parent.status_;
+  child->draft_tokens_ = parent.draft_tokens_;  // with the pending step, its drafts and their slots
   blocks_.fork(parent, *child);
   const SeqId child_id = child->seq_id();
   for (size_t i = 0, n = pending_.size(); i < n; ++i) {

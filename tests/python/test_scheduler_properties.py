@@ -70,12 +70,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         collide=st.booleans(),
         mode=st.sampled_from(list(core.PreemptionMode.__members__.values())),
         window=st.sampled_from([0, 0, 1, 2, 5, 9, 16]),
+        drafts=st.sampled_from([0, 0, 1, 3]),
     )
     def setup(self, num_gpu_blocks, num_cpu_blocks, block_size, budget, max_num_seqs, chunked, caching, collide,
-              mode, window):
+              mode, window, drafts):
         self.config = core.SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=64,
-            enable_chunked_prefill=chunked, preemption_mode=mode)
+            enable_chunked_prefill=chunked, preemption_mode=mode, num_speculative_tokens=drafts,
+            prompt_lookup_min=1, prompt_lookup_max=2)
         self.blocks = core.BlockManagerConfig(
             block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
             watermark=0.0, enable_prefix_caching=caching, collide_prefix_hashes_for_testing=collide,
@@ -118,6 +120,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.shadow[(dst_pool, dst)] = list(self.shadow.get((src_pool, src), [None] * bs))
         qsl = plan.query_start_loc.tolist()
         positions = plan.positions.tolist()
+        input_ids = plan.input_ids.tolist()
         for row, seq_id in enumerate(plan.seq_ids.tolist()):
             seq = self.scheduler.find_sequence(seq_id)
             salt = self.salt_of_seq[seq_id]
@@ -125,10 +128,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             for p in range(window_start(positions[qsl[row]], self.window), positions[qsl[row]]):
                 held = self.shadow.get(("gpu", table[p // bs]), [None] * bs)[p % bs]
                 assert held == (salt, tuple(seq.tokens[: p + 1])), f"sequence {seq_id} reads wrong K/V at {p}"
+            # A row's tokens follow its computed ones; draft tokens come after the sequence's own.
+            computed = tuple(seq.tokens[: positions[qsl[row]]])
             for t in range(qsl[row], qsl[row + 1]):
                 p = positions[t]
                 slots = self.shadow.setdefault(("gpu", table[p // bs]), [None] * bs)
-                slots[p % bs] = (salt, tuple(seq.tokens[: p + 1]))
+                slots[p % bs] = (salt, computed + tuple(input_ids[qsl[row]: t + 1]))
 
     def check_waits_for_prefix(self):
         """Notes a diverged group whose later sequences wait, holding nothing, for the first."""
@@ -160,10 +165,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         if plan.ignored:
             event("ignored")
         if data.draw(st.booleans()):  # most steps are committed; some forwards "fail"
-            ids = np.array(plan.sample_seq_ids, dtype=np.int64)
-            tokens = np.array(data.draw(st.lists(st.integers(0, 20), min_size=len(ids), max_size=len(ids))),
-                              dtype=np.int32)
-            result = self.scheduler.commit(ids, tokens)
+            # Each sample: some of its drafts accepted, then the verified token.
+            ids, tokens = [], []
+            input_ids = plan.input_ids.tolist()
+            for seq_id, last, d in zip(plan.sample_seq_ids.tolist(), plan.sample_token_indices.tolist(),
+                                       plan.sample_num_drafts.tolist()):
+                accepted = data.draw(st.integers(0, d))
+                if d:
+                    event(f"{accepted} of {d} drafts accepted")
+                run = input_ids[last - d + 1: last - d + 1 + accepted] + [data.draw(st.integers(0, 20))]
+                ids += [seq_id] * len(run)
+                tokens += run
+            result = self.scheduler.commit(np.array(ids, dtype=np.int64), np.array(tokens, dtype=np.int32))
             assert len(result.statuses) == len(ids)
             for request_id in result.finished_request_ids:
                 self.live.discard(request_id)

@@ -32,6 +32,8 @@ class FakePlan:
     blocks_to_copy: np.ndarray
     max_context_len: int
     max_query_len: int = 1
+    num_prefill_tokens: int = 0
+    num_draft_tokens: int = 0
 
 
 def plan_of(tables: dict[int, list[int]], lens: dict[int, int], rng: random.Random) -> FakePlan:
@@ -49,13 +51,16 @@ def plan_of(tables: dict[int, list[int]], lens: dict[int, int], rng: random.Rand
         input_ids=np.arange(n, dtype=np.int64) + 11, positions=np.array([lens[i] - 1 for i in ids], dtype=np.int64),
         slot_mapping=np.arange(n, dtype=np.int64) * 3, query_start_loc=np.arange(n + 1, dtype=np.int32),
         sample_token_indices=np.arange(n, dtype=np.int64), blocks_to_swap_out=pairs, blocks_to_swap_in=pairs[:1],
-        blocks_to_copy=pairs[1:], max_context_len=max(lens.values(), default=0))
+        blocks_to_copy=pairs[1:], max_context_len=max(lens.values(), default=0),
+        num_prefill_tokens=rng.randrange(3), num_draft_tokens=rng.randrange(3))
 
 
 def roundtrip(sender: StepSender, receiver: StepReceiver, plan: FakePlan):
     header, payload = sender.pack(plan)
     assert len(payload) == receiver.payload_size(header)
-    return receiver.unpack(header, payload.copy()), header[8]
+    step = receiver.unpack(header, payload.copy())
+    assert (step.num_prefill_tokens, step.num_draft_tokens) == (plan.num_prefill_tokens, plan.num_draft_tokens)
+    return step, header[8]
 
 
 def test_workers_rebuild_every_plan_through_random_traces():

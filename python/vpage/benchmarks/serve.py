@@ -23,6 +23,7 @@ import http.client
 import json
 import math
 import random
+import re
 import sys
 import threading
 import time
@@ -155,6 +156,48 @@ def request_schemas(num: int, schema: Optional[dict], ratio: float = 1.0, unique
     return schemas
 
 
+_SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def spec_decode_counters(url: str, timeout: float = 10.0) -> Optional[dict[str, float]]:
+    """The server's speculative-decoding counters from its Prometheus /metrics (vLLM's names,
+    any prefix, summed over labels), or None when it does not report them."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", "/metrics")
+        response = conn.getresponse()
+        text = response.read().decode("utf-8", "replace") if response.status == 200 else ""
+    except OSError:
+        return None
+    finally:
+        conn.close()
+    return parse_spec_decode_counters(text)
+
+
+def parse_spec_decode_counters(text: str) -> Optional[dict[str, float]]:
+    """The speculative-decoding counters of a Prometheus exposition, or None without them."""
+    totals: dict[str, float] = {}
+    for name in _SPEC_COUNTERS:
+        values = re.findall(rf"^\w+:{name}_total(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+        if values:
+            totals[name] = sum(float(v) for v in values)
+    return totals if len(totals) == len(_SPEC_COUNTERS) else None
+
+
+def _acceptance(before: Optional[dict], after: Optional[dict]) -> Optional[dict]:
+    """Draft acceptance over the run from two counter readings, or None without drafts."""
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts, tokens = delta["spec_decode_num_drafts"], delta["spec_decode_num_draft_tokens"]
+    if tokens <= 0:
+        return None
+    accepted = delta["spec_decode_num_accepted_tokens"]
+    return {"draft_tokens": tokens, "accepted_tokens": accepted, "acceptance_rate": accepted / tokens,
+            "mean_acceptance_length": 1.0 + accepted / drafts}
+
+
 def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str] = None, api_key: Optional[str] = None,
                   request_rate: float = float("inf"), max_concurrency: int = 64, seed: int = 0,
                   slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None, timeout: float = 600.0,
@@ -178,6 +221,7 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
                 sys.stderr.write(f"\r[{bar:<30}] {done}/{len(trace)}")
                 sys.stderr.flush()
 
+    counters_before = spec_decode_counters(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
         for item, schema in zip(trace, schemas):
@@ -185,6 +229,7 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
             if request_rate != float("inf"):
                 time.sleep(rng.expovariate(request_rate))
     wall = time.perf_counter() - start
+    spec = _acceptance(counters_before, spec_decode_counters(url))
     if progress:
         sys.stderr.write("\n")
     ok = [r for r in results if r.ok]
@@ -201,6 +246,7 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
         "ttft_ms": _summary([r.ttft for r in ok]), "tpot_ms": _summary([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": _summary([x for r in ok for x in r.itl]), "e2e_ms": _summary([r.e2e for r in ok]),
+        "spec_decode": spec,
     }
 
 
@@ -214,6 +260,10 @@ def format_report(report: dict) -> str:
         if s["mean"] is not None:
             lines.append(f"{name[:-3].upper():>5} ms  mean {s['mean']:9.1f}  median {s['median']:9.1f}  "
                          f"p95 {s['p95']:9.1f}  p99 {s['p99']:9.1f}")
+    spec = report.get("spec_decode")
+    if spec:
+        lines.append(f"speculative decoding: {spec['acceptance_rate']:.1%} of {spec['draft_tokens']:.0f} draft tokens "
+                     f"accepted, mean acceptance length {spec['mean_acceptance_length']:.2f}")
     return "\n".join(lines)
 
 

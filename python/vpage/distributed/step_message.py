@@ -1,4 +1,4 @@
-"""One engine step as the tensor-parallel workers receive it: a fixed 12-int64 header, then
+"""One engine step as the tensor-parallel workers receive it: a fixed 14-int64 header, then
 one packed int64 payload, each sent with one broadcast from the driver.
 
 The payload holds the plan's flat buffers (input ids, positions, slot mapping, context lengths,
@@ -25,7 +25,7 @@ import torch
 from vpage.distributed.parallel_state import broadcast
 
 CMD_STEP, CMD_SHUTDOWN = 1, 2
-HEADER_LEN = 12
+HEADER_LEN = 14
 # Order of the payload's parts; the header gives their sizes.
 _FLAT = ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_token_indices",
          "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
@@ -50,6 +50,8 @@ class StepInput:
     max_context_len: int
     max_query_len: int
     logit_rows: Optional[np.ndarray] = None  # [n] int64 token indices, or None
+    num_prefill_tokens: int = 0  # the plan's counts (draft tokens decide how attention runs)
+    num_draft_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -107,7 +109,8 @@ class StepSender:
         extra = [] if logit_rows is None else [np.asarray(logit_rows)]
         rows, width = tables.shape
         header = [CMD_STEP, len(parts[0]), rows, width, len(parts[5]), len(parts[6]), len(parts[7]), len(parts[8]),
-                  len(table_parts[2]), plan.max_context_len, plan.max_query_len, len(extra[0]) if extra else 0]
+                  len(table_parts[2]), plan.max_context_len, plan.max_query_len, len(extra[0]) if extra else 0,
+                  plan.num_prefill_tokens, plan.num_draft_tokens]
         payload = np.concatenate([p.reshape(-1).astype(np.int64, copy=False) for p in parts + table_parts + extra])
         self._seq_ids, self._tables, self._used = seq_ids.copy(), tables.copy(), used
         return header, payload
@@ -157,7 +160,7 @@ class StepReceiver:
         self._tables = tables
         logit_rows = payload[offset:offset + header[11]] if header[11] else None
         return StepInput(**arrays, block_tables=tables, max_context_len=header[9], max_query_len=header[10],
-                         logit_rows=logit_rows)
+                         logit_rows=logit_rows, num_prefill_tokens=header[12], num_draft_tokens=header[13])
 
     def receive(self) -> StepInput | None:
         """Waits for the next step; None when the driver shuts down."""

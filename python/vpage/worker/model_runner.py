@@ -26,7 +26,7 @@ def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray
     return {
         "block_tables": np.repeat(plan.block_tables, tokens_per_row, axis=0),
         "context_lens": (plan.positions + 1).astype(np.int32),
-        "query_start_loc": np.arange(plan.num_tokens + 1, dtype=np.int32),
+        "query_start_loc": np.arange(len(plan.input_ids) + 1, dtype=np.int32),
     }
 
 

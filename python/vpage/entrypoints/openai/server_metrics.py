@@ -59,6 +59,12 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions_total", "Preemptions (recompute or swap).")
         self.cache_queries = counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
         self.cache_hits = counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence steps that carried draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = Counter("vpage:spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft.",
+                                             ["model_name", "position"], registry=r)
         self.success = Counter("vpage:request_success_total", "Requests finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         # Two SLOs: a streamed response is judged by its first token (and TPOT), a whole one by
@@ -117,6 +123,11 @@ class ServerMetrics:
         self._advance(self.preemptions, "preempt", s.num_preempted_recompute + s.num_preempted_swap)
         self._advance(self.cache_queries, "queries", s.prefix_cache_queries)
         self._advance(self.cache_hits, "hits", s.prefix_cache_hits)
+        self._advance(self.spec_drafts, "spec_drafts", s.spec_decode_num_drafts)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", s.spec_decode_num_draft_tokens)
+        self._advance(self.spec_accepted, "spec_accepted", s.spec_decode_num_accepted_tokens)
+        for pos, total in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            self._advance(self.spec_accepted_per_pos.labels(self.model_name, str(pos)), f"spec_pos{pos}", total)
 
     def _request(self, out: RequestOutput, step_start: float, now: float) -> None:
         progress = self._progress.get(out.request_id)
