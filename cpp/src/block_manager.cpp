@@ -224,11 +224,9 @@ bool BlockManager::can_append_slots(const SequenceGroup& group) const {
     const int32_t have = static_cast<int32_t>(s->block_table_.size());
     const int32_t want = blocks_needed(*s);
     const int32_t last = (s->num_tokens() - 1) / bs;
-    if (want > have) {
-      needed += want - have;
-    } else if (!group.identical_ && last < have && gpu_.refcount(s->block_table_[last]) > 1) {
-      ++needed;
-    }
+    needed += std::max(0, want - have);
+    // The last token's block is copied when shared (with draft tokens the table can grow too).
+    if (!group.identical_ && last < have && gpu_.refcount(s->block_table_[last]) > 1) ++needed;
     if (group.identical_) break;  // the others share the first one's table
   }
   return needed <= gpu_.num_free();

@@ -220,8 +220,12 @@ void SchedulerImpl::propose_drafts(SequenceGroup& group, const StepBudget& budge
     // Every token a draft run appends must stay within max_tokens and max_model_len.
     const int32_t room = std::min(stop.max_tokens - s->num_output_tokens(), config_.max_model_len - s->num_tokens());
     const int32_t k = std::min({config_.num_speculative_tokens, room - 1, spare});
-    propose_ngram(s->tokens_.data(), s->num_tokens(), config_.prompt_lookup_min, config_.prompt_lookup_max, k,
-                  s->draft_tokens_);
+    if (config_.external_drafts) {
+      s->draft_tokens_.assign(static_cast<size_t>(std::max(k, 0)), 0);  // fill_drafts() writes them
+    } else {
+      propose_ngram(s->tokens_.data(), s->num_tokens(), config_.prompt_lookup_min, config_.prompt_lookup_max, k,
+                    s->draft_tokens_);
+    }
     spare -= static_cast<int32_t>(s->draft_tokens_.size());
   }
 }
@@ -538,6 +542,23 @@ CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_id
   return result;
 }
 
+void SchedulerImpl::fill_drafts(const TokenId* tokens, int64_t count) {
+  SchedulePlan& plan = *plan_;
+  VPAGE_CHECK(count == plan.num_draft_tokens && (count == 0 || tokens),
+              "fill_drafts: " << count << " tokens for a plan of " << plan.num_draft_tokens << " draft tokens");
+  for (int64_t i = 0; i < count; ++i) VPAGE_CHECK(tokens[i] >= 0, "fill_drafts: negative token id " << tokens[i]);
+  int64_t next = 0;
+  for (size_t i = 0; i < plan.sample_seq_ids.size(); ++i) {
+    const int32_t d = plan.sample_num_drafts[i];
+    if (d == 0) continue;
+    const int64_t first = plan.sample_token_indices[i] - d + 1;
+    const auto it = seqs_.find(plan.sample_seq_ids[i]);
+    for (int32_t j = 0; j < d; ++j) plan.input_ids[first + j] = tokens[next + j];
+    if (it != seqs_.end()) it->second.seq->draft_tokens_.assign(tokens + next, tokens + next + d);
+    next += d;
+  }
+}
+
 SeqId SchedulerImpl::fork_sequence(SeqId parent_id) {
   const auto it = seqs_.find(parent_id);
   VPAGE_CHECK(it != seqs_.end(), "fork of unknown sequence " << parent_id);
@@ -630,6 +651,7 @@ std::shared_ptr<const SchedulePlan> Scheduler::schedule() { return impl_->schedu
 CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
   return impl_->commit(seq_ids, token_ids, count);
 }
+void Scheduler::fill_drafts(const TokenId* tokens, int64_t count) { impl_->fill_drafts(tokens, count); }
 SeqId Scheduler::fork_sequence(SeqId parent) { return impl_->fork_sequence(parent); }
 bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
   return impl_->finish_sequence(seq_id, status);

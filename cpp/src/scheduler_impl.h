@@ -30,6 +30,7 @@ class SchedulerImpl {
   bool abort(const std::string& request_id);
   std::shared_ptr<const SchedulePlan> schedule();
   CommitResult commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count);
+  void fill_drafts(const TokenId* tokens, int64_t count);
   SeqId fork_sequence(SeqId parent);
   bool finish_sequence(SeqId seq_id, SequenceStatus status);
 

@@ -70,16 +70,19 @@ class SpeculativeConfig:
     """Speculative decoding as vLLM's ``speculative_config`` names it: each decoding sequence
     proposes up to ``num_speculative_tokens`` draft tokens, and one target forward verifies
     them. ``method`` "ngram": prompt lookup of the sequence's last ``prompt_lookup_min`` to
-    ``prompt_lookup_max`` tokens (in the C++ scheduler). No drafts in a step that starts with
-    more than ``disable_by_batch_size`` running sequences (0: never off)."""
+    ``prompt_lookup_max`` tokens (in the C++ scheduler); "draft_model": greedy drafts of a
+    smaller ``model`` with the same vocabulary (a folder or GGUF file; a ``model`` key alone
+    means this method). No drafts in a step that starts with more than
+    ``disable_by_batch_size`` running sequences (0: never off)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int = 5
     prompt_lookup_max: int = 5
     disable_by_batch_size: int = 0
+    model: Optional[str] = None  # the draft model (method "draft_model")
 
-    METHODS = ("ngram",)
+    METHODS = ("ngram", "draft_model")
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "SpeculativeConfig":
@@ -92,11 +95,12 @@ class SpeculativeConfig:
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
-        if spec.get("model") is not None:
-            raise ValueError("speculative_config: a draft model is not supported yet; use method 'ngram'")
-        method = spec.get("method")
+        model = spec.get("model")
+        method = spec.get("method", "draft_model" if model is not None else None)
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config: method must be one of {cls.METHODS}, got {method!r}")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (the draft), and only it")
 
         def integer(key: str, default: Optional[int], least: int) -> Optional[int]:
             value = spec.get(key, default)
@@ -111,7 +115,7 @@ class SpeculativeConfig:
         low, high = low or high or 5, high or low or 5
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) > prompt_lookup_max ({high})")
-        return cls(method, k, low, high, integer("disable_by_batch_size", 0, 0))
+        return cls(method, k, low, high, integer("disable_by_batch_size", 0, 0), model)
 
 
 @dataclass(frozen=True)

@@ -141,4 +141,22 @@ TEST_CASE("a step scheduled again drops the drafts of the plan that never ran") 
   EXPECT(used_gpu_blocks(s) == 2);
 }
 
+TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then verified") {
+  SchedulerConfig cfg = speculating(2);
+  cfg.external_drafts = true;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("r", {1, 2, 3}, 1, stop(20), 0.0);  // nothing to look up: drafts come from outside
+  s.schedule();
+  commit(s, {0}, {4});
+  auto plan = s.schedule();
+  EXPECT(plan->sample_num_drafts == std::vector<int32_t>{2} && plan->input_ids.size() == 3);
+  EXPECT_THROWS(s.fill_drafts(std::vector<TokenId>{7}.data(), 1), CheckError);
+  const std::vector<TokenId> drafts{7, 8};
+  s.fill_drafts(drafts.data(), 2);
+  EXPECT(plan->input_ids == (std::vector<int64_t>{4, 7, 8}));
+  commit(s, {0, 0}, {7, 9});
+  EXPECT(s.find_sequence(0)->tokens == (std::vector<TokenId>{1, 2, 3, 4, 7, 9}));
+  EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
+}
+
 TEST_MAIN()

@@ -5,6 +5,8 @@ scheduler's invariants; metrics and bad configurations."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -28,6 +30,16 @@ PROMPTS = [[5, 9, 17, 5, 9], [3] * 20, list(range(10, 40)) + list(range(10, 20))
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama")
     save_tiny_model("llama", folder, seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny, tmp_path_factory):
+    """A draft of another shape and weights (a qwen2 with one layer), the same tokenizer."""
+    folder = tmp_path_factory.mktemp("draft")
+    save_tiny_model("qwen2", folder, seed=9, num_hidden_layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, folder / name)
     return folder
 
 
@@ -161,6 +173,34 @@ def test_default_model_copies_with_drafts():
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("variant", [
+    {},
+    {"max_num_batched_tokens": 7},
+    {"kv_cache_memory": 14 * 8 * 1024 / 2**30, "preemption_mode": "recompute", "max_model_len": 96},
+    {"kv_cache_memory": 14 * 8 * 1024 / 2**30, "preemption_mode": "swap", "max_model_len": 96},
+], ids=["default", "chunked", "recompute", "swap"])
+def test_draft_model_equals_plain_decoding(tiny, other_draft, variant):
+    requests = [(p, greedy()) for p in PROMPTS + PROMPTS[:2]]
+    # The target as its own draft: its greedy drafts are the greedy tokens (runs of k + 1 tokens).
+    plain, fast, stats = compare(tiny, requests, {"model": str(tiny), "num_speculative_tokens": 3}, **variant)
+    assert tokens(fast) == tokens(plain)
+    assert stats.spec_decode_num_accepted_tokens > 0.95 * stats.spec_decode_num_draft_tokens
+    requests.append((PROMPTS[2], SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)))
+    plain = run(make_engine(tiny, **variant), requests)
+    # Another model drafts: most drafts are rejected, the output stays the target's.
+    _, fast, stats = compare(tiny, requests, {"model": str(other_draft), "num_speculative_tokens": 2}, **variant)
+    assert tokens(fast) == tokens(plain)
+    assert stats.spec_decode_num_draft_tokens > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
+    save_tiny_model("llama", tmp_path, seed=1, vocab_size=400)
+    with pytest.raises(ValueError, match="vocabulary has 400 tokens"):
+        make_engine(tiny, {"model": str(tmp_path), "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        EngineArgs(speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2}, tensor_parallel_size=2)
+
+
 class _Plan:
     """The fields of a SchedulePlan that DraftRows reads: every sample verifies one draft."""
 
@@ -207,6 +247,7 @@ def test_verifier_keeps_the_target_distribution():
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min \\(4\\) > prompt_lookup_max \\(2\\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys \\['lookahead'\\]"),

@@ -35,6 +35,10 @@ struct SchedulerConfig {
   int32_t prompt_lookup_max = 5;  ///< longest suffix n-gram looked up (>= prompt_lookup_min)
   /// No drafts in a step that starts with more running sequences than this (0: no limit).
   int32_t speculative_disable_by_batch_size = 0;
+  /// Drafts come from the caller (a draft model), not from n-gram lookup: a decoding
+  /// sequence gets num_speculative_tokens placeholder drafts (within its limits), which
+  /// fill_drafts() replaces before the forward.
+  bool external_drafts = false;
 };
 
 /// Running totals kept by the scheduler.
@@ -104,6 +108,11 @@ class Scheduler {
   /// correctly), when an id was never issued or is given twice apart, a token id is
   /// negative, a live sequence was not scheduled to sample, or drafts are given wrongly.
   CommitResult commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count);
+  /// With external_drafts, between schedule() and commit(): the draft tokens of the last
+  /// plan, `count` == its num_draft_tokens of them in sample order (sample_num_drafts[i] for
+  /// sample i), written into the sequences and into the plan's input_ids. Throws CheckError
+  /// (nothing changed) on a wrong count or a negative token.
+  void fill_drafts(const TokenId* tokens, int64_t count);
 
   /// New sequence in `parent`'s group sharing its tokens and blocks (beam search). Called
   /// between schedule() and commit(), the child also takes the parent's pending step.

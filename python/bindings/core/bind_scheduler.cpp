@@ -129,6 +129,13 @@ void bind_scheduler(py::module_& m) {
            py::arg("seq_ids"), py::arg("token_ids"),
            "Records the step and appends token_ids[i] to seq_ids[i]; applies EOS/stop/length. A "
            "speculating sequence is given its accepted drafts and the verified token as consecutive entries.")
+      .def("fill_drafts",
+           [](Scheduler& s, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+             if (tokens.ndim() != 1) throw py::value_error("fill_drafts: tokens must be a 1-D array");
+             s.fill_drafts(tokens.data(), tokens.size());
+           },
+           py::arg("tokens"),
+           "With external_drafts: the last plan's draft tokens in sample order (into the plan's input_ids too).")
       .def("fork_sequence", &Scheduler::fork_sequence, py::arg("parent"),
            "New sequence sharing the parent's tokens and blocks; returns its id.")
       .def("finish_sequence", &Scheduler::finish_sequence, py::arg("seq_id"), py::arg("status"),

@@ -95,16 +95,17 @@ void bind_types(py::module_& m) {
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,
                        bool enable_chunked_prefill, PreemptionMode preemption_mode, int32_t num_speculative_tokens,
                        int32_t prompt_lookup_min, int32_t prompt_lookup_max,
-                       int32_t speculative_disable_by_batch_size) {
+                       int32_t speculative_disable_by_batch_size, bool external_drafts) {
              return SchedulerConfig{max_num_batched_tokens, max_num_seqs, max_model_len,
                                     enable_chunked_prefill, preemption_mode, num_speculative_tokens,
-                                    prompt_lookup_min, prompt_lookup_max, speculative_disable_by_batch_size};
+                                    prompt_lookup_min, prompt_lookup_max, speculative_disable_by_batch_size,
+                                    external_drafts};
            }),
            py::arg("max_num_batched_tokens") = 2048, py::arg("max_num_seqs") = 256,
            py::arg("max_model_len") = 2048, py::arg("enable_chunked_prefill") = true,
            py::arg("preemption_mode") = PreemptionMode::kAuto, py::arg("num_speculative_tokens") = 0,
            py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
-           py::arg("speculative_disable_by_batch_size") = 0)
+           py::arg("speculative_disable_by_batch_size") = 0, py::arg("external_drafts") = false)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
@@ -115,7 +116,9 @@ void bind_types(py::module_& m) {
       .def_readwrite("prompt_lookup_min", &SchedulerConfig::prompt_lookup_min)
       .def_readwrite("prompt_lookup_max", &SchedulerConfig::prompt_lookup_max)
       .def_readwrite("speculative_disable_by_batch_size", &SchedulerConfig::speculative_disable_by_batch_size,
-                     "no drafts in a step that starts with more running sequences (0: no limit)");
+                     "no drafts in a step that starts with more running sequences (0: no limit)")
+      .def_readwrite("external_drafts", &SchedulerConfig::external_drafts,
+                     "drafts come from the caller (fill_drafts), not from n-gram lookup");
 
   py::class_<SequenceSnapshot>(m, "SequenceSnapshot",
       "A copy of one sequence's state, taken by Scheduler.find_sequence/find_group; it stays "

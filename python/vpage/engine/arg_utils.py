@@ -106,6 +106,8 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         self._speculative = (None if self.speculative_config is None
                              else SpeculativeConfig.from_dict(self.speculative_config))
+        check(self._speculative is None or self._speculative.model is None or self.tensor_parallel_size == 1,
+              "a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "

@@ -15,6 +15,7 @@ from vpage import _core
 from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.beam_search import BeamSearch
+from vpage.engine.draft_proposer import DraftModelProposer
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
@@ -83,11 +84,14 @@ class LLMEngine:
                                   num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                                   prompt_lookup_min=spec.prompt_lookup_min if spec else 5,
                                   prompt_lookup_max=spec.prompt_lookup_max if spec else 5,
-                                  speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0),
+                                  speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
+                                  external_drafts=spec is not None and spec.model is not None),
             _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
                                      sliding_window=cache.sliding_window or 0))
+        self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
+                        if spec is not None and spec.model is not None else None)
         self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
         self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
@@ -227,6 +231,11 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
+        if self.drafter is not None:
+            self.drafter.observe(plan)
+            if plan.num_draft_tokens:
+                inputs = self.drafter.inputs(plan, self._tokens_of)
+                self.scheduler.fill_drafts(self.executor.propose_drafts(plan, inputs))
         prompt_rows = self.outputs.prompt_logprobs.rows(plan)
         draft_rows = DraftRows.of(plan)
         extra = [r.rows for r in (prompt_rows, draft_rows) if r is not None]
@@ -252,6 +261,11 @@ class LLMEngine:
         outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at, runs)
         self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)
         return outputs
+
+    def _tokens_of(self, seq_id: int) -> list[int]:
+        """A running sequence's prompt and output tokens."""
+        seq = self.outputs.seq_owner[seq_id].seqs[seq_id]
+        return list(seq.row.prompt_token_ids) + seq.output_token_ids
 
     # ----------------------------------------------------------------- lifetime
 

@@ -63,6 +63,11 @@ class Executor:
         then of ``logit_rows`` (int64 token indices: prompt rows), None without rows."""
         raise NotImplementedError
 
+    def propose_drafts(self, plan, inputs) -> np.ndarray:
+        """Speculative decoding's draft model (one rank only): the plan's block operations, then
+        greedy drafts for ``inputs`` (a ``DraftInputs``); ``execute`` of the plan follows."""
+        return self.driver_worker.propose_drafts(plan, inputs)
+
     def check_health(self) -> None:
         """Raises WorkerDiedError when a worker has died (the engine must be recreated)."""
 

@@ -30,6 +30,7 @@ from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
 from vpage.worker.cuda_graphs import DecodeGraphs
+from vpage.worker.draft_runner import DraftInputs, DraftRunner
 from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.worker.input_staging import StepInputs
 from vpage.worker.model_runner import ModelRunner
@@ -48,8 +49,16 @@ class Worker:
         m = config.model
         self.loaded: LoadedModel = load_model(m.model, m.dtype, m.device, m.quantization)
         self.device = self.loaded.device
+        spec = config.speculative
+        # Speculative decoding's draft model: its own dtype (a GGUF draft stays quantized).
+        self.draft: Optional[LoadedModel] = None
+        if spec is not None and spec.model is not None:
+            self.draft = load_model(spec.model, "auto", m.device, "auto")
+            check_same_vocabulary(self.loaded, self.draft)
         if self.device.type == "cpu":
-            pack_dense_weights(self.loaded.model)
+            for loaded in (self.loaded, self.draft):
+                if loaded is not None:
+                    pack_dense_weights(loaded.model)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
                                                      self.device)
         self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading
@@ -58,6 +67,9 @@ class Worker:
             self._non_torch_baseline = total - free - torch.cuda.memory_reserved(self.device)
         self.cache_engine: Optional[CacheEngine] = None
         self.model_runner: Optional[ModelRunner] = None
+        self.draft_cache: Optional[CacheEngine] = None  # the draft's KV, in the same block ids
+        self.draft_runner: Optional[DraftRunner] = None
+        self._moved_step: Optional[int] = None  # plan whose block operations ran already (drafting)
         self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
 
     @property
@@ -68,9 +80,19 @@ class Worker:
         return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size),
                                    kv_cache_dtype=self.kv_cache_dtype)
 
+    @property
+    def draft_cache_config(self) -> Optional[ModelConfig]:
+        """The draft model's config with its KV cache dtype (its activations'), or None."""
+        if self.draft is None:
+            return None
+        return dataclasses.replace(self.draft.config, kv_cache_dtype=self.draft.config.dtype)
+
     def block_bytes(self) -> int:
-        """Bytes of one KV block of this rank (all layers, keys and values)."""
-        return bytes_per_block(self.cache_config, self.config.cache.block_size)
+        """Bytes of one KV block of this rank (all layers, keys and values; the draft model's
+        too)."""
+        bs = self.config.cache.block_size
+        draft = self.draft_cache_config
+        return bytes_per_block(self.cache_config, bs) + (bytes_per_block(draft, bs) if draft is not None else 0)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""
@@ -105,6 +127,10 @@ class Worker:
         """Allocates the KV cache; on CUDA also the input staging buffers and, unless
         ``enforce_eager`` (or under tensor parallelism), the decode graphs."""
         block_size = self.config.cache.block_size
+        if self.draft is not None:
+            self.draft_cache = CacheEngine(self.draft_cache_config, block_size, num_gpu_blocks, num_cpu_blocks,
+                                           self.device)
+            self.draft_runner = DraftRunner(self.draft, self.draft_cache.gpu_cache, block_size)
         if self.device.type != "cuda":
             self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device)
             self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache)
@@ -172,12 +198,28 @@ class Worker:
         indices), on rank 0, None elsewhere or without rows.
         On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
         cache = self.cache_engine
-        cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
-        cache.copy(plan.blocks_to_copy)
+        if self._moved_step is None or self._moved_step != getattr(plan, "step_id", None):
+            self._move_blocks(plan)
+        self._moved_step = None
         if not plan.num_seqs:
             cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
             return None
         return self.model_runner.execute(plan, cache.take_layer_events(), logit_rows)
+
+    def _move_blocks(self, plan) -> None:
+        for cache in (self.cache_engine, self.draft_cache):
+            if cache is not None:
+                cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+                cache.copy(plan.blocks_to_copy)
+        if self.draft_cache is not None:
+            self.draft_cache.wait_for_swaps()  # the draft's forwards do not wait per layer
+
+    def propose_drafts(self, plan, inputs: DraftInputs) -> np.ndarray:
+        """The plan's block operations (once: ``execute`` of the same plan skips them), then the
+        draft model's greedy drafts ([plan.num_draft_tokens] int32 in sample order)."""
+        self._move_blocks(plan)
+        self._moved_step = plan.step_id
+        return self.draft_runner.propose(inputs)
 
     def serve_steps(self) -> None:
         """A non-driver rank: runs the driver's steps until it sends shutdown."""
@@ -188,6 +230,20 @@ class Worker:
             if step is None:
                 return
             self.execute(step, step.logit_rows)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raises ValueError unless the draft model proposes tokens of the target's vocabulary."""
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens, the target's "
+                         f"{target.config.vocab_size}: speculative decoding needs the same tokenizer")
+    if draft.tokenizer is None or target.tokenizer is None:
+        return
+    draft_vocab = draft.tokenizer.get_vocab()
+    differ = [t for t, i in target.tokenizer.get_vocab().items() if draft_vocab.get(t) != i]
+    if differ:
+        raise ValueError(f"the draft model's tokenizer gives {len(differ)} of the target's tokens other ids (e.g. "
+                         f"{differ[0]!r}): speculative decoding needs the same tokenizer")
 
 
 def init_worker(config: EngineConfig, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:

@@ -1,0 +1,89 @@
+"""Runs the draft model of speculative decoding: greedy draft tokens for the rows of a plan.
+
+The draft model keeps its own KV cache in the target's block ids (the same block tables and
+slots; the cache engine applies every block operation to both). ``DraftInputs`` (built by the
+engine, which knows each sequence's tokens) says what the draft has not computed yet for each
+drafting sequence: one catch-up forward computes those tokens and drafts the first token from
+the last of them, then one decode forward per further draft position feeds the previous draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from vpage.model_executor.forward_batch import ForwardBatch
+from vpage.model_executor.loader.model_loader import LoadedModel
+
+
+@dataclass
+class DraftInputs:
+    """The draft's work in one step, for the plan's drafting samples in order (numpy arrays).
+
+    Catch-up rows (one per drafting sample): the tokens the draft has not computed up to the
+    sample's last real token, at their positions and slots. Then sample i drafts
+    ``num_drafts[i]`` tokens at positions ``last_position[i] + 1 ...`` in the blocks of
+    ``block_tables[i]``."""
+
+    input_ids: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64
+    slot_mapping: np.ndarray  # [n] int64
+    query_start_loc: np.ndarray  # [rows + 1] int32
+    block_tables: np.ndarray  # [rows, max_blocks] int32
+    num_drafts: np.ndarray  # [rows] int32, >= 1
+
+    @property
+    def last_position(self) -> np.ndarray:
+        return self.positions[self.query_start_loc[1:] - 1]
+
+
+class DraftRunner:
+    """The draft model and its KV caches on one worker."""
+
+    def __init__(self, loaded: LoadedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int):
+        self.model = loaded.model
+        self.device = loaded.device
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+
+    def _greedy(self, batch: ForwardBatch, rows: Optional[np.ndarray]) -> np.ndarray:
+        hidden = self.model(batch, self.kv_caches)
+        if rows is not None:
+            hidden = hidden.index_select(0, self._tensor(rows))
+        return self.model.compute_logits(hidden).argmax(dim=-1).cpu().numpy()
+
+    @torch.inference_mode()
+    def propose(self, inputs: DraftInputs) -> np.ndarray:
+        """Greedy drafts, ``num_drafts[i]`` for row i, concatenated in row order ([sum] int32)."""
+        qsl = inputs.query_start_loc
+        rows = len(qsl) - 1
+        lengths = np.diff(qsl)
+        context = inputs.last_position + 1
+        catch_up = ForwardBatch(
+            input_ids=self._tensor(inputs.input_ids), positions=self._tensor(inputs.positions),
+            slot_mapping=self._tensor(inputs.slot_mapping), block_tables=self._tensor(inputs.block_tables),
+            context_lens=self._tensor(context.astype(np.int32)), query_start_loc=self._tensor(qsl),
+            max_context_len=int(context.max()), max_query_len=int(lengths.max()))
+        most = int(inputs.num_drafts.max())
+        drafts = np.zeros((rows, most), dtype=np.int64)
+        drafts[:, 0] = self._greedy(catch_up, (qsl[1:] - 1).astype(np.int64))
+        bs = self.block_size
+        for j in range(1, most):
+            active = np.flatnonzero(inputs.num_drafts > j)
+            positions = inputs.last_position[active] + j  # where draft j - 1 (0-based) goes
+            tables = inputs.block_tables[active]
+            slots = tables[np.arange(len(active)), positions // bs].astype(np.int64) * bs + positions % bs
+            batch = ForwardBatch(
+                input_ids=self._tensor(drafts[active, j - 1]), positions=self._tensor(positions),
+                slot_mapping=self._tensor(slots), block_tables=self._tensor(tables),
+                context_lens=self._tensor((positions + 1).astype(np.int32)),
+                query_start_loc=self._tensor(np.arange(len(active) + 1, dtype=np.int32)),
+                max_context_len=int(positions.max()) + 1, max_query_len=1)
+            drafts[active, j] = self._greedy(batch, None)
+        return np.concatenate([drafts[i, :d] for i, d in enumerate(inputs.num_drafts.tolist())]).astype(np.int32)
