@@ -63,6 +63,20 @@ Stack quantized_stack(QuantType type, int experts, int n, int k, std::mt19937& r
   return s;
 }
 
+// Expert e's rows [row0, row0 + rows) of a fused stack of n rows per expert (values copied,
+// weights pointing into the fused bytes): how a checkpoint's fused gate/up rows serve as w1/w3.
+Stack rows_of(const Stack& fused, int experts, int n, int k, int row0, int rows) {
+  Stack s;
+  for (int e = 0; e < experts; ++e) {
+    const float* v = fused.values.data() + (static_cast<size_t>(e) * n + row0) * k;
+    s.values.insert(s.values.end(), v, v + static_cast<size_t>(rows) * k);
+  }
+  s.weights = fused.weights;
+  const int64_t row_bytes = fused.weights.expert_bytes / n;
+  s.weights.data = static_cast<const uint8_t*>(fused.weights.data) + row0 * row_bytes;
+  return s;
+}
+
 Stack dense_stack(DType dtype, int experts, int n, int k, std::mt19937& rng) {
   Stack s;
   std::normal_distribution<float> normal(0.0f, 0.2f);
@@ -130,7 +144,7 @@ void reference_route(const Problem& p, int64_t t, std::vector<int>& ids, std::ve
   }
 }
 
-std::vector<double> reference(const Problem& p, const Stack& w13, const Stack& w2) {
+std::vector<double> reference(const Problem& p, const Stack& w1, const Stack& w3, const Stack& w2) {
   std::vector<double> out(static_cast<size_t>(p.m) * p.hidden, 0.0);
   std::vector<int> ids;
   std::vector<double> w;
@@ -139,12 +153,13 @@ std::vector<double> reference(const Problem& p, const Stack& w13, const Stack& w
     reference_route(p, t, ids, w);
     const float* x = p.x.data() + t * p.hidden;
     for (int j = 0; j < p.top_k; ++j) {
-      const float* g = w13.values.data() + static_cast<size_t>(ids[j]) * 2 * p.inter * p.hidden;
+      const float* g = w1.values.data() + static_cast<size_t>(ids[j]) * p.inter * p.hidden;
+      const float* u = w3.values.data() + static_cast<size_t>(ids[j]) * p.inter * p.hidden;
       for (int i = 0; i < p.inter; ++i) {
         double gate = 0.0, up = 0.0;
         for (int c = 0; c < p.hidden; ++c) {
           gate += static_cast<double>(g[static_cast<size_t>(i) * p.hidden + c]) * x[c];
-          up += static_cast<double>(g[static_cast<size_t>(p.inter + i) * p.hidden + c]) * x[c];
+          up += static_cast<double>(u[static_cast<size_t>(i) * p.hidden + c]) * x[c];
         }
         act[i] = gate / (1.0 + std::exp(-gate)) * up;
       }
@@ -184,7 +199,7 @@ Problem make_problem(int64_t m, int hidden, int inter, int experts, int top_k, b
 
 // Runs the kernel on p (x converted to `dtype`, rows strided, poisoned padding) and returns
 // out as float32 [m, hidden]; checks that the padding is untouched.
-std::vector<float> run(const Problem& p, const Stack& w13, const Stack& w2, DType dtype, int threads) {
+std::vector<float> run(const Problem& p, const Stack& w1, const Stack& w3, const Stack& w2, DType dtype, int threads) {
   const int64_t stride = p.hidden + 3;
   const int size = vpage::dtype_size(dtype);
   std::vector<uint8_t> x(static_cast<size_t>(p.m * stride * size)), out(x.size());
@@ -219,7 +234,8 @@ std::vector<float> run(const Problem& p, const Stack& w13, const Stack& w2, DTyp
   a.x_stride = stride;
   a.out_stride = stride;
   a.dtype = dtype;
-  a.w13 = w13.weights;
+  a.w1 = w1.weights;
+  a.w3 = w3.weights;
   a.w2 = w2.weights;
   vpage::cpu::fused_moe(a, threads);
   std::vector<float> result(static_cast<size_t>(p.m) * p.hidden);
@@ -246,13 +262,13 @@ std::vector<float> run(const Problem& p, const Stack& w13, const Stack& w2, DTyp
 
 // Runs on 1, 2 and 3 threads (the same bits), compares with the reference within tol x the
 // largest reference value.
-void check(const Problem& p, const Stack& w13, const Stack& w2, DType dtype, double tol) {
-  const std::vector<float> got = run(p, w13, w2, dtype, 2);
+void check(const Problem& p, const Stack& w1, const Stack& w3, const Stack& w2, DType dtype, double tol) {
+  const std::vector<float> got = run(p, w1, w3, w2, dtype, 2);
   for (int threads : {1, 3}) {
-    const std::vector<float> again = run(p, w13, w2, dtype, threads);
+    const std::vector<float> again = run(p, w1, w3, w2, dtype, threads);
     EXPECT(std::memcmp(again.data(), got.data(), sizeof(float) * got.size()) == 0);
   }
-  const std::vector<double> ref = reference(p, w13, w2);
+  const std::vector<double> ref = reference(p, w1, w3, w2);
   double scale = 0.0, worst = 0.0;
   for (size_t i = 0; i < ref.size(); ++i) {
     scale = std::max(scale, std::fabs(ref[i]));
@@ -263,16 +279,17 @@ void check(const Problem& p, const Stack& w13, const Stack& w2, DType dtype, dou
 }
 
 void check_float_weights(std::mt19937& rng) {
-  const Stack w13 = dense_stack(DType::kFloat32, 6, 2 * 40, 72, rng);
+  const Stack w1 = dense_stack(DType::kFloat32, 6, 40, 72, rng);
+  const Stack w3 = dense_stack(DType::kFloat32, 6, 40, 72, rng);
   const Stack w2 = dense_stack(DType::kFloat32, 6, 72, 40, rng);
   for (int64_t m : {1, 3, 17, 70}) {
-    for (bool renormalize : {false, true}) check(make_problem(m, 72, 40, 6, 2, renormalize, rng), w13, w2, DType::kFloat32, 1e-5);
+    for (bool renormalize : {false, true}) check(make_problem(m, 72, 40, 6, 2, renormalize, rng), w1, w3, w2, DType::kFloat32, 1e-5);
   }
   // Every token to every expert (top_k = experts; expert 0 included).
-  check(make_problem(9, 72, 40, 6, 6, false, rng), w13, w2, DType::kFloat32, 1e-5);
+  check(make_problem(9, 72, 40, 6, 6, false, rng), w1, w3, w2, DType::kFloat32, 1e-5);
   // 16-bit activations: x and out rounded, float32 inside.
-  check(make_problem(13, 72, 40, 6, 3, true, rng), w13, w2, DType::kBFloat16, 2e-2);
-  check(make_problem(13, 72, 40, 6, 3, true, rng), w13, w2, DType::kFloat16, 2e-3);
+  check(make_problem(13, 72, 40, 6, 3, true, rng), w1, w3, w2, DType::kBFloat16, 2e-2);
+  check(make_problem(13, 72, 40, 6, 3, true, rng), w1, w3, w2, DType::kFloat16, 2e-3);
 }
 
 TEST_CASE("fused_moe: packed float weights, routed from logits, every ISA") {
@@ -286,7 +303,8 @@ TEST_CASE("fused_moe: packed float weights, routed from logits, every ISA") {
 
 TEST_CASE("fused_moe: bfloat16 weights, given ids, more tokens than one pass") {
   std::mt19937 rng(5);
-  const Stack w13 = dense_stack(DType::kBFloat16, 4, 2 * 32, 48, rng);
+  const Stack w1 = dense_stack(DType::kBFloat16, 4, 32, 48, rng);
+  const Stack w3 = dense_stack(DType::kBFloat16, 4, 32, 48, rng);
   const Stack w2 = dense_stack(DType::kBFloat16, 4, 48, 32, rng);
   Problem p = make_problem(vpage::cpu::kFusedMoeTokensPerPass + 37, 48, 32, 4, 2, false, rng);
   p.use_logits = false;
@@ -297,23 +315,25 @@ TEST_CASE("fused_moe: bfloat16 weights, given ids, more tokens than one pass") {
     p.topk_weights.push_back(weight(rng));
     p.topk_weights.push_back(weight(rng));
   }
-  check(p, w13, w2, DType::kFloat32, 1e-5);
+  check(p, w1, w3, w2, DType::kFloat32, 1e-5);
 }
 
 void check_quantized_weights(std::mt19937& rng) {
   // K formats: always the float paths (decode below 128 rows per expert, k-major from 128).
   {
-    const Stack w13 = quantized_stack(QuantType::kQ4_K, 4, 2 * 256, 256, rng);
+    const Stack w13 = quantized_stack(QuantType::kQ4_K, 4, 2 * 256, 256, rng);  // fused gate/up rows
+    const Stack w1 = rows_of(w13, 4, 512, 256, 0, 256), w3 = rows_of(w13, 4, 512, 256, 256, 256);
     const Stack w2 = quantized_stack(QuantType::kQ6_K, 4, 256, 256, rng);
-    for (int64_t m : {1, 5, 150}) check(make_problem(m, 256, 256, 4, 2, true, rng, 0.1f), w13, w2, DType::kFloat32, 1e-4);
+    for (int64_t m : {1, 5, 150}) check(make_problem(m, 256, 256, 4, 2, true, rng, 0.1f), w1, w3, w2, DType::kFloat32, 1e-4);
   }
   // 32-value formats: x and the activations rounded to 8 bits per 32 values for the integer
   // paths (dot up to 16 rows per expert, GEMM beyond); with the GEMM off, the float path.
-  const Stack w13 = quantized_stack(QuantType::kQ4_1, 5, 2 * 96, 64, rng);
-  const Stack w2 = quantized_stack(QuantType::kQ8_0, 5, 64, 96, rng);
-  for (int64_t m : {1, 6, 40}) check(make_problem(m, 64, 96, 5, 3, false, rng), w13, w2, DType::kFloat32, 3e-2);
+  const Stack w1 = quantized_stack(QuantType::kQ4_1, 5, 96, 64, rng);
+  const Stack w3 = quantized_stack(QuantType::kQ8_0, 5, 96, 64, rng);  // another type: gate and up apart
+  const Stack w2 = quantized_stack(QuantType::kQ4_0, 5, 64, 96, rng);
+  for (int64_t m : {1, 6, 40}) check(make_problem(m, 64, 96, 5, 3, false, rng), w1, w3, w2, DType::kFloat32, 3e-2);
   vpage::cpu::set_quant_integer_gemm_rows(0);
-  check(make_problem(40, 64, 96, 5, 3, false, rng), w13, w2, DType::kFloat32, 3e-2);
+  check(make_problem(40, 64, 96, 5, 3, false, rng), w1, w3, w2, DType::kFloat32, 3e-2);
   vpage::cpu::set_quant_integer_gemm_rows(vpage::cpu::kQuantIntegerGemmMaxRows);
 }
 
@@ -328,7 +348,7 @@ TEST_CASE("fused_moe: GGUF block weights on the float and integer paths, every I
 
 TEST_CASE("fused_moe: bad arguments throw") {
   std::mt19937 rng(1);
-  const Stack w13 = dense_stack(DType::kFloat32, 2, 64, 32, rng);
+  const Stack w1 = dense_stack(DType::kFloat32, 2, 32, 32, rng);
   const Stack w2 = dense_stack(DType::kFloat32, 2, 32, 32, rng);
   std::vector<float> x(32), out(32), weights = {1.0f};
   std::vector<int32_t> ids = {2};
@@ -344,7 +364,8 @@ TEST_CASE("fused_moe: bad arguments throw") {
   a.top_k = 1;
   a.x_stride = 32;
   a.out_stride = 32;
-  a.w13 = w13.weights;
+  a.w1 = w1.weights;
+  a.w3 = w1.weights;
   a.w2 = w2.weights;
   EXPECT_THROWS_WITH(vpage::cpu::fused_moe(a, 1), vpage::CheckError, "not an expert id");
   ids[0] = 1;
@@ -355,8 +376,8 @@ TEST_CASE("fused_moe: bad arguments throw") {
   a.w2.expert_bytes -= 4;
   EXPECT_THROWS_WITH(vpage::cpu::fused_moe(a, 1), vpage::CheckError, "bytes apart");
   a.w2 = w2.weights;
-  a.w13.quantized = true;
-  a.w13.qtype = QuantType::kQ4_K;  // 32 values per row: not whole blocks of 256
+  a.w3.quantized = true;
+  a.w3.qtype = QuantType::kQ4_K;  // 32 values per row: not whole blocks of 256
   EXPECT_THROWS_WITH(vpage::cpu::fused_moe(a, 1), vpage::CheckError, "whole blocks");
 }
 

@@ -1,5 +1,5 @@
-// fused_moe (fused_moe.h): routing, grouping by expert, the two expert matmuls as one
-// parallel_for each over every expert's tasks (the quantized or dense matmul's own task
+// fused_moe (fused_moe.h): routing, grouping by expert, the expert matmuls as one
+// parallel_for per stage over every expert's tasks (the quantized or dense matmul's own task
 // functions, one expert's matrix at a time), SiLU-and-multiply, weighted sum. Baseline flags:
 // the per-ISA work is in the matmul tasks it calls.
 #include "vpage/kernels/fused_moe.h"
@@ -54,7 +54,8 @@ void check_args(const FusedMoeArgs& a) {
               "fused_moe: bad sizes (m " << a.m << ", hidden " << a.hidden << ", intermediate " << a.intermediate
                                          << ", experts " << a.num_experts << ", top_k " << a.top_k << ", x_stride "
                                          << a.x_stride << ", out_stride " << a.out_stride << ")");
-  check_weights(a.w13, 2 * a.intermediate, a.hidden, "w13");
+  check_weights(a.w1, a.intermediate, a.hidden, "w1");
+  check_weights(a.w3, a.intermediate, a.hidden, "w3");
   check_weights(a.w2, a.hidden, a.intermediate, "w2");
   if (a.m == 0) return;
   VPAGE_CHECK(a.x != nullptr && a.out != nullptr, "fused_moe: null x or out");
@@ -133,12 +134,31 @@ struct ExpertRows {
   }
 };
 
-// out [rows, n] = x [rows, k] @ W_e^T for every expert's rows (float32, row strides k and n):
-// one parallel_for over the tasks of all experts, each expert's cut as its own matmul would be.
-void expert_matmuls(const MoeExpertWeights& w, int32_t n, int32_t k, const float* x, float* out,
+// One stack's matmul: its weights, output rows n, and where its columns go in the output.
+struct MatmulPart {
+  const MoeExpertWeights* w;
+  int32_t n;
+  int32_t col0;
+};
+
+bool integer_types_differ(const MatmulPart* parts, int count) {
+  return count == 2 && parts[0].w->quantized && parts[1].w->quantized && parts[0].w->qtype != parts[1].w->qtype;
+}
+
+// out[:, col0 : col0 + n] = x [rows, k] @ W_e^T for every part and every expert's rows (float32;
+// out rows out_stride apart): one parallel_for over the tasks of all of them, each expert's cut
+// as its own matmul would be. The parts share x's 8-bit rounding, so their block types must
+// agree (else they run one after the other).
+void expert_matmuls(const MatmulPart* parts, int count, int32_t k, const float* x, float* out, int64_t out_stride,
                     const ExpertRows& rows, int num_threads) {
+  if (integer_types_differ(parts, count)) {
+    expert_matmuls(parts, 1, k, x, out, out_stride, rows, num_threads);
+    expert_matmuls(parts + 1, 1, k, x, out, out_stride, rows, num_threads);
+    return;
+  }
   struct Matmul {
     int64_t first_task = 0;
+    bool quantized = false;
     QuantMatmulTasks quant;
     DenseMatmulArgs dense;
     DensePlan plan;
@@ -146,12 +166,12 @@ void expert_matmuls(const MoeExpertWeights& w, int32_t n, int32_t k, const float
   };
   const DenseKernels& dense_kernels = selected_dense_kernels();
   QuantizedX qx{};
-  if (w.quantized) {
+  const MoeExpertWeights* quantized = parts[0].w->quantized ? parts[0].w : count > 1 && parts[1].w->quantized ? parts[1].w : nullptr;
+  if (quantized != nullptr) {
     QuantMatmulArgs all;
     all.m = rows.total_rows;
-    all.n = n;
     all.k = k;
-    all.type = w.qtype;
+    all.type = quantized->qtype;
     const bool integer = std::any_of(rows.order.begin(), rows.order.end(), [&](int32_t e) {
       QuantMatmulArgs one = all;
       one.m = rows.count[e];
@@ -159,48 +179,54 @@ void expert_matmuls(const MoeExpertWeights& w, int32_t n, int32_t k, const float
     });
     if (integer) qx = quant_quantize_x(all, x, k, num_threads);
   }
-  std::vector<Matmul> matmuls(rows.order.size());
+  std::vector<Matmul> matmuls(rows.order.size() * count);
   int64_t total_tasks = 0;
   for (size_t i = 0; i < rows.order.size(); ++i) {
-    const int32_t e = rows.order[i];
-    const int64_t r0 = rows.start[e];
-    const void* weight = static_cast<const char*>(w.data) + e * w.expert_bytes;
-    Matmul& mm = matmuls[i];
-    mm.first_task = total_tasks;
-    mm.x = x + r0 * k;
-    if (w.quantized) {
-      QuantMatmulArgs args;
-      args.out = out + r0 * n;
-      args.weight = static_cast<const uint8_t*>(weight);
-      args.m = rows.count[e];
-      args.n = n;
-      args.k = k;
-      args.x_stride = k;
-      args.out_stride = n;
-      args.type = w.qtype;
-      const QuantizedX expert_qx = quant_integer_path(args) ? quant_x_rows(qx, k, r0) : QuantizedX{};
-      mm.quant = quant_matmul_tasks(args, mm.x, k, expert_qx, num_threads);
-      total_tasks += mm.quant.num_tasks;
-    } else {
-      DenseMatmulArgs& args = mm.dense;
-      args.out = out + r0 * n;
-      args.x = mm.x;
-      args.weight = weight;
-      args.m = rows.count[e];
-      args.n = n;
-      args.k = k;
-      args.x_stride = k;
-      args.out_stride = n;
-      args.weight_dtype = w.dtype;
-      mm.plan = dense_plan(args, num_threads);
-      total_tasks += (args.m + mm.plan.m_block - 1) / mm.plan.m_block * mm.plan.panel_groups;
+    for (int part = 0; part < count; ++part) {
+      const MoeExpertWeights& w = *parts[part].w;
+      const int32_t n = parts[part].n;
+      const int32_t e = rows.order[i];
+      const int64_t r0 = rows.start[e];
+      const void* weight = static_cast<const char*>(w.data) + e * w.expert_bytes;
+      float* expert_out = out + r0 * out_stride + parts[part].col0;
+      Matmul& mm = matmuls[i * count + part];
+      mm.first_task = total_tasks;
+      mm.x = x + r0 * k;
+      mm.quantized = w.quantized;
+      if (w.quantized) {
+        QuantMatmulArgs args;
+        args.out = expert_out;
+        args.weight = static_cast<const uint8_t*>(weight);
+        args.m = rows.count[e];
+        args.n = n;
+        args.k = k;
+        args.x_stride = k;
+        args.out_stride = out_stride;
+        args.type = w.qtype;
+        const QuantizedX expert_qx = quant_integer_path(args) ? quant_x_rows(qx, k, r0) : QuantizedX{};
+        mm.quant = quant_matmul_tasks(args, mm.x, k, expert_qx, num_threads);
+        total_tasks += mm.quant.num_tasks;
+      } else {
+        DenseMatmulArgs& args = mm.dense;
+        args.out = expert_out;
+        args.x = mm.x;
+        args.weight = weight;
+        args.m = rows.count[e];
+        args.n = n;
+        args.k = k;
+        args.x_stride = k;
+        args.out_stride = out_stride;
+        args.weight_dtype = w.dtype;
+        mm.plan = dense_plan(args, num_threads);
+        total_tasks += (args.m + mm.plan.m_block - 1) / mm.plan.m_block * mm.plan.panel_groups;
+      }
     }
   }
   ThreadPool::instance().parallel_for(total_tasks, num_threads, [&](int64_t task, int) {
     const auto it = std::upper_bound(matmuls.begin(), matmuls.end(), task,
                                      [](int64_t t, const Matmul& mm) { return t < mm.first_task; });
     const Matmul& mm = *(it - 1);
-    if (w.quantized) {
+    if (mm.quantized) {
       mm.quant.run(task - mm.first_task);
     } else {
       dense_kernels.run_task(mm.dense, mm.x, k, mm.plan, task - mm.first_task);
@@ -248,14 +274,16 @@ void run_pass(const FusedMoeArgs& a, int64_t t0, int64_t tokens, int num_threads
       for (int32_t j = 0; j < top_k; ++j) widen_row(a.dtype, x + (t0 + t) * x_row_bytes, h, xg_out + row_of[t * top_k + j] * h);
     }
   });
-  expert_matmuls(a.w13, 2 * inter, h, xg.data(), gate_up.data(), rows, num_threads);
+  const MatmulPart gate_and_up[2] = {{&a.w1, inter, 0}, {&a.w3, inter, inter}};
+  expert_matmuls(gate_and_up, 2, h, xg.data(), gate_up.data(), 2 * inter, rows, num_threads);
   SiluAndMulArgs silu;
   silu.out = act.data();
   silu.x = gate_up.data();
   silu.num_tokens = rows.total_rows;
   silu.d = inter;
   silu_and_mul(silu, num_threads);
-  expert_matmuls(a.w2, h, inter, act.data(), y.data(), rows, num_threads);
+  const MatmulPart down[1] = {{&a.w2, h, 0}};
+  expert_matmuls(down, 1, inter, act.data(), y.data(), h, rows, num_threads);
   const float* y_rows = y.data();
   char* out = static_cast<char*>(a.out);
   const int64_t out_row_bytes = a.out_stride * dtype_size(a.dtype);

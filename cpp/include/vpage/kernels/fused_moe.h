@@ -24,9 +24,10 @@ struct MoeExpertWeights {
   DType dtype = DType::kFloat32;       // of the packed panels when not quantized
 };
 
-/// out[t] = sum over the top_k experts e chosen for token t of weight(t, e) * down_e(silu(
-/// gate_e(x[t])) * up_e(x[t])), with w13 expert e = [gate rows; up rows] ([2 * intermediate,
-/// hidden]) and w2 expert e = [hidden, intermediate].
+/// out[t] = sum over the top_k experts e chosen for token t of weight(t, e) * w2_e(silu(
+/// w1_e(x[t])) * w3_e(x[t])): w1 (gate) and w3 (up) experts [intermediate, hidden], w2 (down)
+/// experts [hidden, intermediate]. A checkpoint's fused gate/up rows of GGUF blocks serve as w1
+/// and w3 with the same expert_bytes, w3's data `intermediate` rows further on.
 /// Routing: with router_logits, p = softmax(logits[t]) in float32, the top_k largest p (ties:
 /// the lower expert id), weight = p, divided by their sum when `renormalize` (Mixtral; Qwen3-MoE
 /// with norm_topk_prob); without, the given topk_ids / topk_weights.
@@ -45,17 +46,19 @@ struct FusedMoeArgs {
   int64_t x_stride = 0;                  // elements between rows of x (>= hidden)
   int64_t out_stride = 0;                // elements between rows of out (>= hidden)
   DType dtype = DType::kFloat32;         // of x and out
-  MoeExpertWeights w13;                  // [num_experts][2 * intermediate, hidden]
-  MoeExpertWeights w2;                   // [num_experts][hidden, intermediate]
+  MoeExpertWeights w1;                   // gate: [num_experts][intermediate, hidden]
+  MoeExpertWeights w3;                   // up: [num_experts][intermediate, hidden]
+  MoeExpertWeights w2;                   // down: [num_experts][hidden, intermediate]
 };
 
 namespace cpu {
 
 /// Runs the block. x rows are gathered by expert (float32; each expert's rows start on a
 /// multiple of 4) and, for Q4_0/Q4_1/Q8_0 weights, quantized once per matmul for the integer
-/// paths. Threads: each of the two matmuls is one parallel_for over the (expert, block of
-/// weight rows [and of token rows]) tasks of every expert that has tokens, cut as quant_matmul
-/// or dense_matmul cut one expert's matmul (experts with the most tokens first); routing, the
+/// paths. Threads: the gate and up matmuls are one parallel_for (two when their block types
+/// differ), the down matmul another, over the (expert, block of weight rows [and of token
+/// rows]) tasks of every expert that has tokens, cut as quant_matmul or dense_matmul cut one
+/// expert's matmul (experts with the most tokens first); routing, the
 /// SiLU and the weighted sum go over token ranges. Each output sums its experts in top-k
 /// order, so a row's result does not depend on the thread count. Float32 intermediates;
 /// tokens go at most kFusedMoeTokensPerPass per pass.
