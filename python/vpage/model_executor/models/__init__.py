@@ -11,12 +11,15 @@ from typing import Any
 from vpage.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vpage.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vpage.model_executor.models.llama import LlamaForCausalLM
+from vpage.model_executor.models.mixtral import MixtralForCausalLM
 from vpage.model_executor.models.phi3 import Phi3ForCausalLM
 from vpage.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vpage.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vpage.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
-                                               Gemma2ForCausalLM, Gemma3ForCausalLM)
+                                               Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
+                                               Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
 
 _BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}
 _BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS if cls.arch.gguf is not None}
