@@ -55,7 +55,7 @@ class ExpertStack(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: ShardId) -> None:
         """Expert ``shard_id``'s checkpoint matrix, or (None) the whole stack."""
         dest = param.data if shard_id is None else param.data[shard_id]
-        offset = 0 if shard_id is None else 1  # the matrix's first dimension in ``loaded``
+        offset = 1 if shard_id is None else 0  # the matrix's first dimension in ``loaded``
         if self.qtype is None:
             copy_checked(dest, self._local(float_tensor(loaded), offset + self.split_dim))
             return
