@@ -1,18 +1,22 @@
 """Mixtures of experts: tiny random Mixtral (top 2 of 4, renormalised), Qwen2-MoE (top 2 of 4,
 not renormalised, a gated shared expert, a dense first layer) and Qwen3-MoE (top 3 of 8,
-renormalised, per-head q/k norms) give transformers' logits from a Hugging Face folder, through
-the one fused expert kernel, and transformers' greedy tokens through the engine: whole prompts,
-chunked prefill, and tensor parallelism over two ranks (the experts' intermediate dimension
-split, one all-reduce per block)."""
+renormalised, per-head q/k norms) give transformers' logits from a Hugging Face folder and from
+GGUF files as llama.cpp's converter writes them (merged expert stacks; F32, and Q8_0 / Q4_K
+experts kept in their blocks, mapped from the file), through the one fused expert kernel, and
+transformers' greedy tokens through the engine: whole prompts, chunked prefill, prefix caching,
+preemption, and tensor parallelism over two ranks (the experts' intermediate dimension split,
+one all-reduce per block)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from family_parity import assert_family_parity
-from model_fixtures import PagedKVCache, save_tiny_model
-from vpage import ops
+from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
+from quant_fixtures import dequantized, quantized_rows
+from vpage import _core, ops
 from vpage.model_executor import load_model
 from vpage.model_executor.layers.fused_moe import FusedMoE
 from vpage.model_executor.layers.linear import pack_dense_weights
@@ -43,33 +47,115 @@ def run_step(loaded, cache: PagedKVCache, chunks: dict[int, list[int]]) -> torch
     return loaded.model.compute_logits(loaded.model(cache.step(chunks), cache.caches))
 
 
-def test_hf_folder_matches_transformers(tiny):
+def assert_logits_match(hf, loaded, rel=None):
     """A prompt in two chunks beside a second sequence, then decode steps: every row's logits
-    are transformers'; the experts run in the fused kernel, packed like the dense weights."""
-    kind, folder, hf = tiny
-    loaded = load_model(str(folder), dtype="float32", device="cpu")
-    assert loaded.config.architecture == FAMILIES[kind]
-    pack_dense_weights(loaded.model)
-    blocks = [m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert len(blocks) == (1 if kind == "qwen2_moe" else 2)  # Qwen2-MoE's layer 0 is dense
-    assert all(isinstance(b.experts, FusedMoE) and b.experts.w1.packed is not None for b in blocks)
-    assert (blocks[0].shared_expert is not None) == (kind == "qwen2_moe")
+    are transformers' on the whole sequence, within 1e-4 or, given ``rel``, rel x the largest
+    logit of the step."""
+
+    def assert_close(ours, ref):
+        atol = 1e-4 if rel is None else rel * ref.abs().max().item() + 1e-5
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+
     gen = torch.Generator().manual_seed(1)
     seqs = {0: torch.randint(3, 320, (29,), generator=gen).tolist(), 1: torch.randint(3, 320, (11,), generator=gen).tolist()}
     cache = PagedKVCache(loaded.config, block_size=8)
     first = run_step(loaded, cache, {0: seqs[0][:13], 1: seqs[1]})
     ref = torch.cat([hf_logits(hf, seqs[0][:13]), hf_logits(hf, seqs[1])])
     assert ref.abs().max() > 0.1
-    torch.testing.assert_close(first, ref, atol=1e-4, rtol=0)
+    assert_close(first, ref)
     rest = run_step(loaded, cache, {0: seqs[0][13:]})
-    torch.testing.assert_close(rest, hf_logits(hf, seqs[0])[13:], atol=1e-4, rtol=0)
+    assert_close(rest, hf_logits(hf, seqs[0])[13:])
     for _ in range(2):
         step = {s: [int(torch.randint(3, 320, (1,), generator=gen))] for s in seqs}
         for s, t in step.items():
             seqs[s] += t
         logits = run_step(loaded, cache, step)
         ref = torch.stack([hf_logits(hf, t)[-1] for t in seqs.values()])
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+        assert_close(logits, ref)
+
+
+def moe_blocks(loaded) -> list[SparseMoeBlock]:
+    return [m for m in loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def test_hf_folder_matches_transformers(tiny):
+    """The experts run in the fused kernel, packed like the dense weights."""
+    kind, folder, hf = tiny
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    assert loaded.config.architecture == FAMILIES[kind]
+    pack_dense_weights(loaded.model)
+    blocks = moe_blocks(loaded)
+    assert len(blocks) == (1 if kind == "qwen2_moe" else 2)  # Qwen2-MoE's layer 0 is dense
+    assert all(isinstance(b.experts, FusedMoE) and b.experts.w1.packed is not None for b in blocks)
+    assert (blocks[0].shared_expert is not None) == (kind == "qwen2_moe")
+    assert_logits_match(hf, loaded)
+
+
+def test_gguf_f32_matches_transformers(tiny, tmp_path):
+    """llama.cpp's layout: Mixtral as "llama" with experts (Q/K rows permuted), qwen2moe,
+    qwen3moe; the dense layer of Qwen2-MoE found by its missing router."""
+    kind, folder, hf = tiny
+    path = tmp_path / f"{kind}.gguf"
+    save_tiny_gguf(hf, folder, path)
+    loaded = load_model(str(path), device="cpu")
+    assert loaded.config.architecture == FAMILIES[kind] and loaded.config.dtype == torch.float32
+    assert len(moe_blocks(loaded)) == (1 if kind == "qwen2_moe" else 2)
+    assert_logits_match(hf, loaded)
+
+
+def _mapped_file(address: int) -> str:
+    """The file mapped at ``address`` in this process ("" for anonymous memory)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else ""
+    return ""
+
+
+@pytest.mark.parametrize("kind,qtype", [("mixtral", "Q8_0"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_K")])
+def test_quantized_gguf_experts_stay_in_blocks(kind, qtype, tmp_path):
+    """Matrices stored in ``qtype`` (norms and routers F32): the expert stacks stay in their
+    blocks, views of the memory-mapped file, and the logits are transformers' on the same
+    dequantized weights. Sizes of 256 so that every row is whole K blocks."""
+    import gguf
+
+    folder = tmp_path / kind
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256,
+                 shared_expert_intermediate_size=256, head_dim=64)
+    if kind == "mixtral":
+        sizes = dict(hidden_size=256, intermediate_size=256)
+    hf = save_tiny_model(kind, folder, seed=6, **sizes)
+    rng = np.random.default_rng(7)
+    reference = {}
+
+    def quantize(name, w):
+        if w.ndim < 2 or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            return None
+        rows = quantized_rows(qtype, w.reshape(-1, w.shape[-1]), rng)
+        reference[name] = torch.from_numpy(dequantized(qtype, rows).astype(np.float32)).view(w.shape)
+        return rows.reshape(*w.shape[:-1], -1), gguf.GGMLQuantizationType[qtype]
+
+    path = tmp_path / f"{kind}-{qtype}.gguf"
+    save_tiny_gguf(hf, folder, path, quantize)
+    for name in [n for n in reference if n.endswith("experts.gate_proj.weight")]:
+        stem = name.removesuffix("gate_proj.weight")
+        reference[stem + "gate_up_proj"] = torch.cat([reference.pop(name), reference.pop(stem + "up_proj.weight")], 1)
+        reference[stem + "down_proj"] = reference.pop(stem + "down_proj.weight")
+    missing, unexpected = hf.load_state_dict(reference, strict=False)
+    assert not unexpected and all("norm" in n or n.endswith(("gate.weight", "bias")) for n in missing)
+    loaded = load_model(str(path), device="cpu")
+    for block in moe_blocks(loaded):
+        for stack in (block.experts.w1, block.experts.w3, block.experts.w2):
+            assert stack.qtype == qtype and _mapped_file(stack.qweight.data_ptr()) == str(path)
+    # Q8_0: experts with at most 16 rows take the integer path (x rounded to 8 bits per 32
+    # values) even with the integer GEMM off; the K types only the float paths.
+    _core.set_quant_integer_gemm_rows(0)
+    try:
+        assert_logits_match(hf, loaded, rel=2e-2 if qtype == "Q8_0" else 1e-4)
+    finally:
+        _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
 
 
 def test_the_experts_run_in_the_fused_kernel(tiny, monkeypatch):
@@ -87,3 +173,17 @@ def test_the_experts_run_in_the_fused_kernel(tiny, monkeypatch):
 def test_engine_matches_transformers(tiny, setting):
     _, folder, hf = tiny
     assert_family_parity(folder, hf, [setting], prompt_len=37)
+
+
+def test_checkpoint_names_map_onto_the_expert_stacks():
+    from vpage.model_executor.models import get_model_class
+
+    mixtral = get_model_class("MixtralForCausalLM").arch
+    assert mixtral.param_for("model.layers.3.block_sparse_moe.experts.5.w3.weight") == (
+        "model.layers.3.mlp.experts.w3.weight", 5)
+    assert mixtral.param_for("model.layers.3.block_sparse_moe.gate.weight") == ("model.layers.3.mlp.gate.weight", None)
+    qwen = get_model_class("Qwen2MoeForCausalLM").arch
+    assert qwen.param_for("model.layers.0.mlp.experts.12.down_proj.weight") == ("model.layers.0.mlp.experts.w2.weight", 12)
+    assert qwen.param_for("model.layers.0.mlp.shared_expert.up_proj.weight") == (
+        "model.layers.0.mlp.shared_expert.gate_up_proj.weight", 1)
+    assert qwen.param_for("model.layers.0.mlp.experts.w1.weight") == ("model.layers.0.mlp.experts.w1.weight", None)

@@ -24,7 +24,7 @@ from vpage.model_executor.layers.parallel_linear import OutputRows
 from vpage.model_executor.layers.quant_linear import QuantizedWeight
 from vpage.model_executor.layers.quantization import QuantConfig
 from vpage.model_executor.layers.weight_utils import ShardId
-from vpage.model_executor.models.arch import ModelArch
+from vpage.model_executor.models.arch import GgufMetadata, ModelArch, llama_gguf_config
 
 # experts.{e}.{part}. in a checkpoint name -> the stack it fills (Qwen's names and Mixtral's).
 _EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.")
@@ -48,6 +48,43 @@ class MoeModelArch(ModelArch):
             stack = _STACK_OF[m.group(2)]
             return name[:m.start()] + f".experts.{stack}." + name[m.end():], int(m.group(1))
         return super().param_for(name)
+
+
+def gguf_moe_layer_names(block: str) -> dict[str, str]:
+    """llama.cpp's MoE tensors (after "blk.N.") -> Hugging Face names (after "model.layers.N."),
+    the sparse block being ``block``: the router and the merged expert stacks (``ffn_gate_exps``
+    [experts, intermediate, hidden] and so on, loaded whole), and Qwen2-MoE's shared expert."""
+    return {
+        "ffn_gate_inp": f"{block}.gate",
+        "ffn_gate_exps": f"{block}.experts.w1",
+        "ffn_up_exps": f"{block}.experts.w3",
+        "ffn_down_exps": f"{block}.experts.w2",
+        "ffn_gate_inp_shexp": f"{block}.shared_expert_gate",
+        "ffn_gate_shexp": f"{block}.shared_expert.gate_proj",
+        "ffn_up_shexp": f"{block}.shared_expert.up_proj",
+        "ffn_down_shexp": f"{block}.shared_expert.down_proj",
+    }
+
+
+def gguf_moe_config(meta: GgufMetadata, experts_key: str) -> dict[str, Any]:
+    """llama_gguf_config plus the experts: ``experts_key`` (the config's name for the expert
+    count), ``num_experts_per_tok`` and, for the layers without a router tensor,
+    ``mlp_only_layers`` (llama.cpp has no key for them)."""
+    fields = llama_gguf_config(meta)
+    fields[experts_key] = int(meta.get("expert_count"))
+    fields["num_experts_per_tok"] = int(meta.get("expert_used_count"))
+    dense = [i for i in range(fields["num_hidden_layers"]) if not meta.has_tensor(f"blk.{i}.ffn_gate_inp.weight")]
+    if dense:
+        fields["mlp_only_layers"] = dense
+    return fields
+
+
+def gguf_shared_gate_as_row(name: str, tensor: Any) -> Any:
+    """Qwen2-MoE's shared expert gate as Hugging Face's ``[1, hidden]`` (a converter may store it
+    as ``[hidden]``)."""
+    if name.endswith("shared_expert_gate.weight") and isinstance(tensor, torch.Tensor) and tensor.dim() == 1:
+        return tensor.unsqueeze(0)
+    return tensor
 
 
 def layer_index_of(prefix: str) -> int:
