@@ -810,7 +810,13 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Ten
     ``[intermediate, hidden]`` matrices, w2 (down) ``[hidden, intermediate]``, each either float
     packed by :func:`pack_expert_weights` (qtype None) or raw GGUF block rows (uint8 ``[E, n,
     row_bytes]``, qtype a name of ``QUANT_TYPES``; views such as a fused gate/up stack's halves
-    work). ``qtypes``: the (w1, w3, w2) formats. Returns out ``[m, hidden]`` in x's dtype."""
+    work). ``qtypes``: the (w1, w3, w2) formats. Returns out ``[m, hidden]`` in x's dtype.
+
+    On CUDA (vpage's grouped kernel): plain stacks of x's dtype, w1 and w3 ``[E, intermediate,
+    hidden]``, w2 ``[E, hidden, intermediate]``, each expert contiguous; no block formats."""
+    if x.device.type == "cuda":
+        return _fused_moe_cuda(x, w1, w3, w2, router_logits, top_k, renormalize, topk_ids, topk_weights, qtypes,
+                               out)
     if not _checking():
         intermediate = _moe_intermediate(w2, qtypes[2])
         type_ids = [None if q is None else _quant_format(q)[0] for q in qtypes]
@@ -840,6 +846,48 @@ def fused_moe(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Ten
     out = _checked_matmul_rows(x, hidden, hidden, out)
     _ops_cpu.fused_moe(out, x, router_logits, topk_ids, topk_weights, k, renormalize, w1, w3, w2, type_ids,
                        intermediate)
+    return out
+
+
+def _fused_moe_cuda(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                    router_logits: Optional[torch.Tensor], top_k: int, renormalize: bool,
+                    topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], qtypes: Sequence[object],
+                    out: Optional[torch.Tensor]) -> torch.Tensor:
+    """fused_moe on CUDA tensors: plain expert stacks (see fused_moe)."""
+    if any(q is not None for q in qtypes):
+        raise ValueError("fused_moe on CUDA takes float expert stacks, not GGUF blocks")
+    num_experts, intermediate, hidden = w1.shape
+    if _checking():
+        _check_tensor("x", x, ndim=2, contiguous=False)
+        if x.dtype not in _SUPPORTED_DTYPES or (hidden > 1 and x.stride(1) != 1) or x.shape[1] != hidden:
+            raise ValueError(f"x must be a float [m, {hidden}] tensor with contiguous columns, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        for name, w, shape in (("w1", w1, (num_experts, intermediate, hidden)),
+                               ("w3", w3, (num_experts, intermediate, hidden)),
+                               ("w2", w2, (num_experts, hidden, intermediate))):
+            _check_tensor(name, w, dtype=x.dtype, ndim=3, device=x.device, contiguous=False)
+            if tuple(w.shape) != shape or not w[0].is_contiguous():
+                raise ValueError(f"{name} must be {shape} with each expert contiguous, got {tuple(w.shape)} "
+                                 f"strides {w.stride()}")
+        if router_logits is not None:
+            _check_tensor("router_logits", router_logits, dtype=torch.float32, ndim=2, device=x.device)
+            if tuple(router_logits.shape) != (x.shape[0], num_experts):
+                raise ValueError(f"router_logits must be [{x.shape[0]}, {num_experts}], got "
+                                 f"{tuple(router_logits.shape)}")
+            if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+                raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+        else:
+            _check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2, device=x.device)
+            _check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2, device=x.device)
+            if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0] or not (
+                    1 <= topk_ids.shape[1] <= num_experts) or bool(((topk_ids < 0) | (topk_ids >= num_experts)).any()):
+                raise ValueError(f"topk_ids and topk_weights must be [{x.shape[0]}, top_k] with ids in "
+                                 f"[0, {num_experts})")
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    k = top_k if router_logits is not None else topk_ids.shape[1]
+    _backend(x.device).fused_moe(out, x, router_logits, topk_ids, topk_weights, k, renormalize, w1, w3, w2,
+                                 intermediate)
     return out
 
 

@@ -111,3 +111,37 @@ def test_bad_arguments():
         ops.fused_moe(x, w1[:, :, :16], w3, w2, torch.randn(3, 2), 1)
     with pytest.raises(ValueError, match="needs router_logits"):
         ops.fused_moe(x, w1, w3, w2)
+
+
+def _cuda_ready() -> bool:
+    try:
+        from vpage import _cuda
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and _cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and vpage._cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_cuda_grouped_kernel(dtype, m):
+    """vpage's grouped CUDA kernel against the float64 reference (awkward sizes, an expert
+    without tokens, ids given for one case) and the CPU kernel."""
+    gen = torch.Generator().manual_seed(m)
+    hidden, inter, experts, top_k = 136, 72, 6, 2
+    w1, w3, w2 = random_experts(gen, experts, inter, hidden, dtype)
+    x = torch.randn(m, hidden, generator=gen).to(dtype)
+    logits = torch.randn(m, experts, generator=gen)
+    logits[:, 3] -= 30.0
+    dev = torch.device("cuda")
+    out = ops.fused_moe(x.to(dev), w1.to(dev), w3.to(dev), w2.to(dev), logits.to(dev), top_k, True)
+    ids, weights = routing(logits, top_k, True)
+    ref = reference(x, w1, w3, w2, ids, weights)
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype] * ref.abs().max().item()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=0)
+    given = ops.fused_moe(x.to(dev), w1.to(dev), w3.to(dev), w2.to(dev), topk_ids=ids.int().to(dev),
+                          topk_weights=weights.float().to(dev))
+    torch.testing.assert_close(given.cpu().double(), ref, atol=tol, rtol=0)
+    cpu = ops.fused_moe(x, *(ops.pack_expert_weights(w) for w in (w1, w3, w2)), logits, top_k, True)
+    torch.testing.assert_close(out.cpu().double(), cpu.double(), atol=tol, rtol=0)

@@ -75,9 +75,12 @@ class ExpertStack(nn.Module):
             self.weight = None
 
     def kernel_weights(self) -> torch.Tensor:
-        """The stack as ``ops.fused_moe`` takes it (float experts packed on first use)."""
+        """The stack as ``ops.fused_moe`` takes it: block rows, float experts packed on first use
+        on the CPU, plain on CUDA."""
         if self.qtype is not None:
             return self.qweight
+        if self.packed is None and self.weight.device.type == "cuda":
+            return self.weight
         self.pack()
         return self.packed
 
