@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from family_parity import assert_family_parity
+from family_parity import assert_family_parity, engine_greedy
 from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
 from quant_fixtures import dequantized, quantized_rows
 from vpage import _core, ops
@@ -114,11 +114,10 @@ def _mapped_file(address: int) -> str:
     return ""
 
 
-@pytest.mark.parametrize("kind,qtype", [("mixtral", "Q8_0"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_K")])
-def test_quantized_gguf_experts_stay_in_blocks(kind, qtype, tmp_path):
-    """Matrices stored in ``qtype`` (norms and routers F32): the expert stacks stay in their
-    blocks, views of the memory-mapped file, and the logits are transformers' on the same
-    dequantized weights. Sizes of 256 so that every row is whole K blocks."""
+def _quantized_gguf(kind, qtype, tmp_path):
+    """A tiny model of ``kind`` with sizes of 256 (every row whole K blocks) saved as GGUF with
+    its matrices in ``qtype`` (norms and routers F32); returns (path, hf model holding the
+    dequantized weights)."""
     import gguf
 
     folder = tmp_path / kind
@@ -145,6 +144,14 @@ def test_quantized_gguf_experts_stay_in_blocks(kind, qtype, tmp_path):
         reference[stem + "down_proj"] = reference.pop(stem + "down_proj.weight")
     missing, unexpected = hf.load_state_dict(reference, strict=False)
     assert not unexpected and all("norm" in n or n.endswith(("gate.weight", "bias")) for n in missing)
+    return path, hf
+
+
+@pytest.mark.parametrize("kind,qtype", [("mixtral", "Q8_0"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_K")])
+def test_quantized_gguf_experts_stay_in_blocks(kind, qtype, tmp_path):
+    """The expert stacks stay in their blocks, views of the memory-mapped file, and the logits
+    are transformers' on the same dequantized weights."""
+    path, hf = _quantized_gguf(kind, qtype, tmp_path)
     loaded = load_model(str(path), device="cpu")
     for block in moe_blocks(loaded):
         for stack in (block.experts.w1, block.experts.w3, block.experts.w2):
@@ -156,6 +163,16 @@ def test_quantized_gguf_experts_stay_in_blocks(kind, qtype, tmp_path):
         assert_logits_match(hf, loaded, rel=2e-2 if qtype == "Q8_0" else 1e-4)
     finally:
         _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
+
+
+@pytest.mark.slow
+def test_quantized_experts_under_tensor_parallelism(tmp_path):
+    """Q8_0 experts split over two ranks keep whole blocks (128 of 256 intermediate values
+    each) and give the one-rank engine's greedy tokens."""
+    path, _ = _quantized_gguf("qwen3_moe", "Q8_0", tmp_path)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    one = engine_greedy(path, prompts, 8)
+    assert engine_greedy(path, prompts, 8, tensor_parallel_size=2) == one
 
 
 def test_the_experts_run_in_the_fused_kernel(tiny, monkeypatch):
