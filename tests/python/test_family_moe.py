@@ -204,3 +204,16 @@ def test_checkpoint_names_map_onto_the_expert_stacks():
     assert qwen.param_for("model.layers.0.mlp.shared_expert.up_proj.weight") == (
         "model.layers.0.mlp.shared_expert.gate_up_proj.weight", 1)
     assert qwen.param_for("model.layers.0.mlp.experts.w1.weight") == ("model.layers.0.mlp.experts.w1.weight", None)
+
+
+def test_bfloat16_experts_follow_float32(tiny):
+    """bfloat16 activations and packed bfloat16 experts: the float32 model's logits within
+    bfloat16's rounding."""
+    _, folder, _ = tiny
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(str(folder), dtype=dtype, device="cpu")
+        pack_dense_weights(loaded.model)
+        logits[dtype] = run_step(loaded, PagedKVCache(loaded.config, block_size=8), {0: list(range(3, 30))})
+    ref = logits["float32"]
+    torch.testing.assert_close(logits["bfloat16"].float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0)
