@@ -217,3 +217,25 @@ def test_bfloat16_experts_follow_float32(tiny):
         logits[dtype] = run_step(loaded, PagedKVCache(loaded.config, block_size=8), {0: list(range(3, 30))})
     ref = logits["float32"]
     torch.testing.assert_close(logits["bfloat16"].float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+
+
+def test_down_experts_whose_split_would_cut_blocks_stay_float_and_are_named():
+    """Two ranks, Q4_K experts of 256 intermediate values: w1 and w3 keep whole rows (blocks),
+    w2's 128 columns per rank would cut its 256-value blocks, so it is float, and the load's
+    warning names it; Q8_0 (32-value blocks) keeps all three in blocks."""
+    from vpage.distributed import parallel_state as ps
+    from vpage.model_executor.layers.quantization import GgufQuantConfig
+
+    for qtype, type_id in (("Q4_K", 12), ("Q8_0", 8)):
+        quant = GgufQuantConfig({f"model.layers.0.mlp.experts.w{i}": {type_id} for i in (1, 2, 3)})
+        ps.set_tensor_parallel_for_testing(1, 2)
+        try:
+            experts = FusedMoE(4, 2, 256, 256, True, torch.float32, quant, "model.layers.0.mlp.experts")
+        finally:
+            ps.set_tensor_parallel_for_testing(0, 1)
+        assert experts.w1.qtype == experts.w3.qtype == qtype and experts.w1.rows == 128
+        if qtype == "Q4_K":
+            assert experts.w2.qtype is None and experts.w2.weight.shape == (4, 256, 128)
+            assert "mlp.experts.w2 (1 layer: 256 input columns in Q4_K blocks" in quant.cut_blocks_message()
+        else:
+            assert experts.w2.qtype == "Q8_0" and quant.cut_blocks_message() is None

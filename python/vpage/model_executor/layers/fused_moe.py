@@ -14,7 +14,7 @@ kept as the loader gave it (for GGUF, a view of the memory-mapped file), not cop
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from vpage import ops
 from vpage.distributed.parallel_state import tp_rank, tp_size
 from vpage.model_executor.layers.weight_utils import (QuantizedTensor, ShardId, copy_checked, empty_parameter,
                                                       float_tensor, set_weight_loader)
+
+if TYPE_CHECKING:
+    from vpage.model_executor.layers.quantization import QuantConfig
 
 
 class ExpertStack(nn.Module):
@@ -88,22 +91,13 @@ class ExpertStack(nn.Module):
         return f"experts={self.num_experts}, rows={self.rows}, cols={self.cols}, qtype={self.qtype}"
 
 
-def expert_qtype(quant: Any, prefix: str, cols: int, split_cols: bool) -> Optional[str]:
-    """The block format ``quant`` keeps expert stack ``prefix`` in (None: float); a stack split
-    along its columns under tensor parallelism stays float unless each rank gets whole blocks."""
-    qtype = quant.qtype(prefix, cols)
-    if qtype is None or not split_cols:
-        return qtype
-    return qtype if (cols // tp_size()) % ops.QUANT_TYPES[qtype][1] == 0 else None
-
-
 class FusedMoE(nn.Module):
     """The experts of a block: ``forward(x, router_logits)`` routes each token to its ``top_k``
     experts (softmax, top-k, renormalised when ``renormalize``) and returns the weighted sum of
     their gated MLPs, this rank's partial sum under tensor parallelism."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 dtype: torch.dtype, quant: Any, prefix: str):
+                 dtype: torch.dtype, quant: "QuantConfig", prefix: str):
         super().__init__()
         size = tp_size()
         if intermediate_size % size:
@@ -112,11 +106,11 @@ class FusedMoE(nn.Module):
         local = intermediate_size // size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.w1 = ExpertStack(num_experts, local, hidden_size, 0, dtype,
-                              expert_qtype(quant, f"{prefix}.w1", hidden_size, False))
+                              quant.expert_qtype(f"{prefix}.w1", hidden_size, False))
         self.w3 = ExpertStack(num_experts, local, hidden_size, 0, dtype,
-                              expert_qtype(quant, f"{prefix}.w3", hidden_size, False))
+                              quant.expert_qtype(f"{prefix}.w3", hidden_size, False))
         self.w2 = ExpertStack(num_experts, hidden_size, local, 1, dtype,
-                              expert_qtype(quant, f"{prefix}.w2", intermediate_size, True))
+                              quant.expert_qtype(f"{prefix}.w2", intermediate_size, True))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, hidden]``, router_logits ``[num_tokens, num_experts]`` -> ``[num_tokens, hidden]``."""
