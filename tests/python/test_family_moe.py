@@ -239,3 +239,39 @@ def test_down_experts_whose_split_would_cut_blocks_stay_float_and_are_named():
             assert "mlp.experts.w2 (1 layer: 256 input columns in Q4_K blocks" in quant.cut_blocks_message()
         else:
             assert experts.w2.qtype == "Q8_0" and quant.cut_blocks_message() is None
+
+
+def _loop_and_layers(loaded, steps):
+    """Hidden states and KV caches of ``steps`` (lists of {seq: tokens}) through the C++ loop
+    and through the Python layers, each from fresh caches of the same blocks."""
+    results = []
+    for use_loop in (True, False):
+        loaded.model.use_cpu_decoder = use_loop
+        cache = PagedKVCache(loaded.config, block_size=8)
+        hidden = [loaded.model(cache.step(chunks), cache.caches) for chunks in steps]
+        results.append((hidden, [t.clone() for kv in cache.caches for t in kv]))
+        if use_loop:
+            assert loaded.model._cpu_decoder[1] is not None, "the C++ loop was not built"
+    loaded.model.use_cpu_decoder = True
+    return results
+
+
+@pytest.mark.parametrize("source", ["folder", "bfloat16", "Q8_0"])
+def test_cpu_loop_runs_the_experts_bitwise_like_the_layers(tiny, source, tmp_path):
+    """Mixtral and Qwen3-MoE run on the C++ layer loop (router, then the fused experts) with
+    bitwise the Python layers' hidden states and caches: packed float32 or bfloat16 experts,
+    or GGUF blocks; Qwen2-MoE (a shared expert, a dense layer) stays on the Python layers."""
+    kind, folder, hf = tiny
+    if source == "Q8_0":
+        path, _ = _quantized_gguf(kind, "Q8_0", tmp_path)
+        loaded = load_model(str(path), device="cpu")
+    else:
+        loaded = load_model(str(folder), dtype="float32" if source == "folder" else source, device="cpu")
+    pack_dense_weights(loaded.model)
+    assert loaded.model.has_cpu_decoder_structure() == (kind != "qwen2_moe")
+    if kind == "qwen2_moe":
+        return
+    steps = [{0: list(range(3, 24)), 1: list(range(40, 49))}, {0: [5], 1: [6]}, {0: [7], 1: [8]}]
+    (loop_hidden, loop_caches), (layer_hidden, layer_caches) = _loop_and_layers(loaded, steps)
+    for ours, ref in zip(loop_hidden + loop_caches, layer_hidden + layer_caches):
+        assert torch.equal(ours, ref)

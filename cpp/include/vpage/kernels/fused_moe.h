@@ -32,7 +32,7 @@ struct MoeExpertWeights {
 /// the lower expert id), weight = p, divided by their sum when `renormalize` (Mixtral; Qwen3-MoE
 /// with norm_topk_prob); without, the given topk_ids / topk_weights.
 struct FusedMoeArgs {
-  void* out = nullptr;                   // [m, hidden], row stride out_stride, dtype `dtype`
+  void* out = nullptr;                   // [m, hidden], row stride out_stride, dtype `dtype`; may be x
   const void* x = nullptr;               // [m, hidden], row stride x_stride, dtype `dtype`
   const float* router_logits = nullptr;  // [m, num_experts] float32 contiguous, or nullptr
   const int32_t* topk_ids = nullptr;     // [m, top_k] in [0, num_experts) (when no logits)

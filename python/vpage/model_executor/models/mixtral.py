@@ -39,4 +39,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
         block_name="block_sparse_moe",
     )
     parts = DecoderParts(mlp=mixtral_moe)
-    cpu_decoder_structure = None  # the C++ layer loop has no MoE block

@@ -127,6 +127,9 @@ class SparseMoeBlock(nn.Module):
     """``gate`` (the router, ``[num_experts, hidden]``), ``experts`` (``FusedMoE``) and, with a
     ``shared_intermediate_size``, ``shared_expert`` and ``shared_expert_gate``."""
 
+    # The C++ layer loop runs a block without a shared expert (its child modules: gate, experts).
+    cpu_decoder_role = "sparse_moe"
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  dtype: torch.dtype, quant: QuantConfig, prefix: str, shared_intermediate_size: int = 0):
         super().__init__()
