@@ -1,4 +1,4 @@
-// One forward of a dense decoder on the CPU, with float32, bfloat16 or float16 activations and
+// One forward of a decoder on the CPU, with float32, bfloat16 or float16 activations and
 // every projection kept in a GGUF block format or packed float weights (dense_matmul.h): the
 // layers' kernels run back to back from C++, with nothing between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
 // and Gemma's (Gemma 2 and 3: a norm before and after each block); per layer a sliding
