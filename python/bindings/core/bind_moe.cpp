@@ -64,7 +64,6 @@ void bind_moe(py::module_& m) {
       "out [m, hidden] = the mixture-of-experts block on x (fused_moe.h). router_logits float32 [m, experts]\n"
       "or 0 with topk_ids int32 / topk_weights float32 [m, top_k]; w1/w3/w2: (pointer, bytes between experts,\n"
       "ggml type id or -1 for packed float panels, dtype code of those panels).");
-  m.attr("FUSED_MOE_TOKENS_PER_PASS") = cpu::kFusedMoeTokensPerPass;
 }
 
 }  // namespace vpage::bindings
