@@ -283,7 +283,9 @@ void check_float_weights(std::mt19937& rng) {
   const Stack w3 = dense_stack(DType::kFloat32, 6, 40, 72, rng);
   const Stack w2 = dense_stack(DType::kFloat32, 6, 72, 40, rng);
   for (int64_t m : {1, 3, 17, 70}) {
-    for (bool renormalize : {false, true}) check(make_problem(m, 72, 40, 6, 2, renormalize, rng), w1, w3, w2, DType::kFloat32, 1e-5);
+    for (bool renormalize : {false, true}) {
+      check(make_problem(m, 72, 40, 6, 2, renormalize, rng), w1, w3, w2, DType::kFloat32, 1e-5);
+    }
   }
   // Every token to every expert (top_k = experts; expert 0 included).
   check(make_problem(9, 72, 40, 6, 6, false, rng), w1, w3, w2, DType::kFloat32, 1e-5);
@@ -324,7 +326,9 @@ void check_quantized_weights(std::mt19937& rng) {
     const Stack w13 = quantized_stack(QuantType::kQ4_K, 4, 2 * 256, 256, rng);  // fused gate/up rows
     const Stack w1 = rows_of(w13, 4, 512, 256, 0, 256), w3 = rows_of(w13, 4, 512, 256, 256, 256);
     const Stack w2 = quantized_stack(QuantType::kQ6_K, 4, 256, 256, rng);
-    for (int64_t m : {1, 5, 150}) check(make_problem(m, 256, 256, 4, 2, true, rng, 0.1f), w1, w3, w2, DType::kFloat32, 1e-4);
+    for (int64_t m : {1, 5, 150}) {
+      check(make_problem(m, 256, 256, 4, 2, true, rng, 0.1f), w1, w3, w2, DType::kFloat32, 1e-4);
+    }
   }
   // 32-value formats: x and the activations rounded to 8 bits per 32 values for the integer
   // paths (dot up to 16 rows per expert, GEMM beyond); with the GEMM off, the float path.

@@ -57,7 +57,8 @@ def assert_logits_match(hf, loaded, rel=None):
         torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
 
     gen = torch.Generator().manual_seed(1)
-    seqs = {0: torch.randint(3, 320, (29,), generator=gen).tolist(), 1: torch.randint(3, 320, (11,), generator=gen).tolist()}
+    seqs = {0: torch.randint(3, 320, (29,), generator=gen).tolist(),
+            1: torch.randint(3, 320, (11,), generator=gen).tolist()}
     cache = PagedKVCache(loaded.config, block_size=8)
     first = run_step(loaded, cache, {0: seqs[0][:13], 1: seqs[1]})
     ref = torch.cat([hf_logits(hf, seqs[0][:13]), hf_logits(hf, seqs[1])])
@@ -186,7 +187,8 @@ def test_the_experts_run_in_the_fused_kernel(tiny, monkeypatch):
     assert calls == [17] * (1 if kind == "qwen2_moe" else 2)
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "prefix", "preempt", pytest.param("tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "prefix", "preempt",
+                                     pytest.param("tp2", marks=pytest.mark.slow)])
 def test_engine_matches_transformers(tiny, setting):
     _, folder, hf = tiny
     assert_family_parity(folder, hf, [setting], prompt_len=37)
@@ -200,7 +202,8 @@ def test_checkpoint_names_map_onto_the_expert_stacks():
         "model.layers.3.mlp.experts.w3.weight", 5)
     assert mixtral.param_for("model.layers.3.block_sparse_moe.gate.weight") == ("model.layers.3.mlp.gate.weight", None)
     qwen = get_model_class("Qwen2MoeForCausalLM").arch
-    assert qwen.param_for("model.layers.0.mlp.experts.12.down_proj.weight") == ("model.layers.0.mlp.experts.w2.weight", 12)
+    assert qwen.param_for("model.layers.0.mlp.experts.12.down_proj.weight") == (
+        "model.layers.0.mlp.experts.w2.weight", 12)
     assert qwen.param_for("model.layers.0.mlp.shared_expert.up_proj.weight") == (
         "model.layers.0.mlp.shared_expert.gate_up_proj.weight", 1)
     assert qwen.param_for("model.layers.0.mlp.experts.w1.weight") == ("model.layers.0.mlp.experts.w1.weight", None)

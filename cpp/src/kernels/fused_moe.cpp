@@ -166,7 +166,10 @@ void expert_matmuls(const MatmulPart* parts, int count, int32_t k, const float* 
   };
   const DenseKernels& dense_kernels = selected_dense_kernels();
   QuantizedX qx{};
-  const MoeExpertWeights* quantized = parts[0].w->quantized ? parts[0].w : count > 1 && parts[1].w->quantized ? parts[1].w : nullptr;
+  const MoeExpertWeights* quantized = nullptr;  // the block type x is rounded for
+  for (int part = count - 1; part >= 0; --part) {
+    if (parts[part].w->quantized) quantized = parts[part].w;
+  }
   if (quantized != nullptr) {
     QuantMatmulArgs all;
     all.m = rows.total_rows;
@@ -271,7 +274,8 @@ void run_pass(const FusedMoeArgs& a, int64_t t0, int64_t tokens, int num_threads
   ThreadPool::instance().parallel_for(token_tasks, num_threads, [&](int64_t task, int) {
     const int64_t end = std::min(tokens, (task + 1) * kTokensPerTask);
     for (int64_t t = task * kTokensPerTask; t < end; ++t) {
-      for (int32_t j = 0; j < top_k; ++j) widen_row(a.dtype, x + (t0 + t) * x_row_bytes, h, xg_out + row_of[t * top_k + j] * h);
+      const void* row = x + (t0 + t) * x_row_bytes;
+      for (int32_t j = 0; j < top_k; ++j) widen_row(a.dtype, row, h, xg_out + row_of[t * top_k + j] * h);
     }
   });
   const MatmulPart gate_and_up[2] = {{&a.w1, inter, 0}, {&a.w3, inter, inter}};

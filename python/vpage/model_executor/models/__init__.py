@@ -22,7 +22,8 @@ _MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalL
                                                Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
 
 _BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}
-_BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS if cls.arch.gguf is not None and cls.arch.gguf.matches is None}
+_BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS
+                 if cls.arch.gguf is not None and cls.arch.gguf.matches is None}
 # Classes sharing another's GGUF architecture name, told apart by the file's metadata.
 _GGUF_VARIANTS = tuple(cls for cls in _MODELS if cls.arch.gguf is not None and cls.arch.gguf.matches is not None)
 _BY_MODEL_TYPE = {model_type: arch for cls in _MODELS for model_type, arch in cls.arch.model_types.items()}
