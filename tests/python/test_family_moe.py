@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from family_parity import assert_family_parity, engine_greedy
+from family_parity import assert_family_parity, engine_greedy, hf_greedy, parity_prompts
 from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
 from quant_fixtures import dequantized, quantized_rows
+from test_ops_cuda import requires_cuda
 from vpage import _core, ops
 from vpage.model_executor import load_model
 from vpage.model_executor.layers.fused_moe import FusedMoE
@@ -278,3 +279,11 @@ def test_cpu_loop_runs_the_experts_bitwise_like_the_layers(tiny, source, tmp_pat
     (loop_hidden, loop_caches), (layer_hidden, layer_caches) = _loop_and_layers(loaded, steps)
     for ours, ref in zip(loop_hidden + loop_caches, layer_hidden + layer_caches):
         assert torch.equal(ours, ref)
+
+
+@requires_cuda
+def test_engine_on_cuda_matches_transformers(tiny):
+    """The experts in vpage's grouped CUDA kernel (decode steps in CUDA graphs)."""
+    _, folder, hf = tiny
+    prompts = parity_prompts(hf.config, hf, 37, 16)[:3]
+    assert engine_greedy(folder, prompts, 16, device="cuda") == [hf_greedy(hf, p, 16) for p in prompts]
