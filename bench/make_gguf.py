@@ -7,7 +7,8 @@ writes ``DIR/SHAPE[-LN]-TYPE.gguf`` and prints its path and size; a file already
 the same settings (shape table entry, type, layers, seed) is kept. SHAPE is one of ``SHAPES``:
 smollm2-360m, smollm2-1.7b, llama-0.6b (arch llama), qwen3-0.6b (arch qwen3), gemma3-1b
 (arch gemma3), llama-gemma3-1b (arch llama), qwen3moe-1b-a0.2b (arch qwen3moe: 32 experts, 4
-active) and qwen3-a0.2b (arch qwen3: its dense peer with the same active parameters). ``--layers`` shrinks the layer count (tests, quick checks).
+active) and qwen3-a0.2b (arch qwen3: its dense peer with the same active parameters).
+``--layers`` shrinks the layer count (tests, quick checks).
 
 What the file holds:
 - the tokenizer of vpage's default model (SmolLM2-135M-Instruct): its ``tokenizer.*``

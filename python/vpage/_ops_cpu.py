@@ -128,6 +128,12 @@ def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
                                  get_num_threads())
 
 
+def sigmoid_gated_add(out: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
+    """In place, CPU only; see vpage.ops.sigmoid_gated_add_."""
+    _core._cpu_sigmoid_gated_add(out.data_ptr(), y.data_ptr(), gate.data_ptr(), out.shape[0], out.shape[1],
+                                 DTYPE_CODES[out.dtype], get_num_threads())
+
+
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, num_heads: int, head_size: int) -> None:
     """In place, CPU only; see vpage.ops.rms_norm_heads_."""
     _core._cpu_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0],

@@ -34,7 +34,7 @@ __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
-    "silu_and_mul", "gelu_tanh_and_mul", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
+    "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
     "dequantize_rows", "pack_dense_weight", "dense_matmul", "dense_rows", "pack_expert_weights", "fused_moe",
     "logsumexp_argmax",
     "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
@@ -497,6 +497,24 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _ops_cpu.silu_and_mul(out, input)
     else:
         torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)
+
+
+def sigmoid_gated_add_(out: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
+    """In place ``out += sigmoid(gate) * y`` for contiguous ``out`` and ``y`` ``[num_tokens, d]``
+    and ``gate`` ``[num_tokens, 1]`` (or ``[num_tokens]``) of one dtype: a gated branch joining
+    a sum (Qwen2-MoE's shared expert). CPU: float32 arithmetic rounded once to the dtype, the
+    kernel the C++ layer loop calls too."""
+    if _checking():
+        _check_tensor("out", out, ndim=2)
+        _check_tensor("y", y, dtype=out.dtype, device=out.device)
+        _check_tensor("gate", gate, dtype=out.dtype, device=out.device)
+        if out.dtype not in _SUPPORTED_DTYPES or y.shape != out.shape or gate.numel() != out.shape[0]:
+            raise ValueError(f"out and y must be float [n, d] and gate [n, 1] of one dtype, got {tuple(out.shape)}, "
+                             f"{tuple(y.shape)}, {tuple(gate.shape)}")
+    if out.device.type == "cpu":
+        _ops_cpu.sigmoid_gated_add(out, y, gate)
+    else:
+        out.add_(y * torch.sigmoid(gate.reshape(-1, 1)))
 
 
 def gelu_tanh_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:

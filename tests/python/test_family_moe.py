@@ -97,6 +97,8 @@ def test_hf_folder_matches_transformers(tiny):
     assert len(blocks) == (1 if kind == "qwen2_moe" else 2)  # Qwen2-MoE's layer 0 is dense
     assert all(isinstance(b.experts, FusedMoE) and b.experts.w1.packed is not None for b in blocks)
     assert (blocks[0].shared_expert is not None) == (kind == "qwen2_moe")
+    # Qwen2-MoE's dense first layer: the C++ loop takes one MLP kind for every layer.
+    assert loaded.model.has_cpu_decoder_structure() == (kind != "qwen2_moe")
     assert_logits_match(hf, loaded)
 
 
@@ -123,10 +125,10 @@ def _mapped_file(address: int) -> str:
     return ""
 
 
-def _quantized_gguf(kind, qtype, tmp_path):
-    """A tiny model of ``kind`` with sizes of 256 (every row whole K blocks) saved as GGUF with
-    its matrices in ``qtype`` (norms and routers F32); returns (path, hf model holding the
-    dequantized weights)."""
+def _quantized_gguf(kind, qtype, tmp_path, **overrides):
+    """A tiny model of ``kind`` with sizes of 256 (every row whole K blocks; ``overrides`` on
+    top) saved as GGUF with its matrices in ``qtype`` (norms and routers F32); returns (path,
+    hf model holding the dequantized weights)."""
     import gguf
 
     folder = tmp_path / kind
@@ -134,7 +136,7 @@ def _quantized_gguf(kind, qtype, tmp_path):
                  shared_expert_intermediate_size=256, head_dim=64)
     if kind == "mixtral":
         sizes = dict(hidden_size=256, intermediate_size=256)
-    hf = save_tiny_model(kind, folder, seed=6, **sizes)
+    hf = save_tiny_model(kind, folder, seed=6, **sizes, **overrides)
     _spread_routers(hf)
     rng = np.random.default_rng(7)
     reference = {}
@@ -265,21 +267,23 @@ def _loop_and_layers(loaded, steps):
     return results
 
 
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
 @pytest.mark.parametrize("source", ["folder", "bfloat16", "Q8_0"])
-def test_cpu_loop_runs_the_experts_bitwise_like_the_layers(tiny, source, tmp_path):
-    """Mixtral and Qwen3-MoE run on the C++ layer loop (router, then the fused experts) with
-    bitwise the Python layers' hidden states and caches: packed float32 or bfloat16 experts,
-    or GGUF blocks; Qwen2-MoE (a shared expert, a dense layer) stays on the Python layers."""
-    kind, folder, hf = tiny
+def test_cpu_loop_runs_the_moe_blocks_bitwise_like_the_layers(kind, source, tmp_path):
+    """On the C++ layer loop (router, fused experts, Qwen2-MoE's gated shared expert) every
+    family gives bitwise the Python layers' hidden states and caches: packed float32 or
+    bfloat16 weights, or GGUF blocks (Qwen2-MoE without its dense layer here)."""
+    every_layer_sparse = dict(mlp_only_layers=[]) if kind == "qwen2_moe" else {}
     if source == "Q8_0":
-        path, _ = _quantized_gguf(kind, "Q8_0", tmp_path)
+        path, _ = _quantized_gguf(kind, "Q8_0", tmp_path, **every_layer_sparse)
         loaded = load_model(str(path), device="cpu")
     else:
-        loaded = load_model(str(folder), dtype="float32" if source == "folder" else source, device="cpu")
+        hf = save_tiny_model(kind, tmp_path, seed=5, **every_layer_sparse)
+        _spread_routers(hf)
+        hf.save_pretrained(str(tmp_path))
+        loaded = load_model(str(tmp_path), dtype="float32" if source == "folder" else source, device="cpu")
     pack_dense_weights(loaded.model)
-    assert loaded.model.has_cpu_decoder_structure() == (kind != "qwen2_moe")
-    if kind == "qwen2_moe":
-        return
+    assert loaded.model.has_cpu_decoder_structure()
     steps = [{0: list(range(3, 24)), 1: list(range(40, 49))}, {0: [5], 1: [6]}, {0: [7], 1: [8]}]
     (loop_hidden, loop_caches), (layer_hidden, layer_caches) = _loop_and_layers(loaded, steps)
     for ours, ref in zip(loop_hidden + loop_caches, layer_hidden + layer_caches):

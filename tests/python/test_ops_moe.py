@@ -145,3 +145,17 @@ def test_cuda_grouped_kernel(dtype, m):
     torch.testing.assert_close(given.cpu().double(), ref, atol=tol, rtol=0)
     cpu = ops.fused_moe(x, *(ops.pack_expert_weights(w) for w in (w1, w3, w2)), logits, top_k, True)
     torch.testing.assert_close(out.cpu().double(), cpu.double(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sigmoid_gated_add(dtype):
+    """out += sigmoid(gate) * y per row, float32 inside, one rounding to the dtype."""
+    gen = torch.Generator().manual_seed(4)
+    out, y = (torch.randn(37, 72, generator=gen).to(dtype) for _ in range(2))
+    gate = (torch.randn(37, 1, generator=gen) * 4).to(dtype)
+    ref = out.double() + torch.sigmoid(gate.double()) * y.double()
+    ops.sigmoid_gated_add_(out, y, gate)
+    eps = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=eps * ref.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="gate"):
+        ops.sigmoid_gated_add_(out, y, gate[:3])

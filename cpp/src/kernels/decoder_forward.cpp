@@ -18,7 +18,8 @@ namespace {
 
 // Activations of one step, grown as needed and kept for the next call of the same thread.
 struct Workspace {
-  std::vector<char> residual, hidden, qkv, attention, gate_up, activation, router;
+  std::vector<char> residual, hidden, qkv, attention, gate_up, activation, router, shared_gate_up, shared_activation,
+      shared_out, shared_gate;
   std::vector<float> router_float32;
 
   static Workspace& of_this_thread() {
@@ -69,7 +70,9 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
   VPAGE_CHECK(pointers_ok, "decoder_forward: null pointer");
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& l = layers[i];
-    const bool mlp_ok = moe ? l.moe.router.weight && l.moe.w1.data && l.moe.w3.data && l.moe.w2.data
+    const bool shared_ok = s.shared_intermediate_size == 0 ||
+                           (l.moe.shared_gate_up.weight && l.moe.shared_down.weight && l.moe.shared_gate.weight);
+    const bool mlp_ok = moe ? l.moe.router.weight && l.moe.w1.data && l.moe.w3.data && l.moe.w2.data && shared_ok
                             : l.gate_up.weight && l.down.weight;
     VPAGE_CHECK(l.input_norm && l.post_attention_norm && l.qkv.weight && l.o.weight && mlp_ok && l.cos_sin &&
                     l.key_cache && l.value_cache,
@@ -79,9 +82,16 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
                                           << " the Gemma structure's feed-forward norms");
     VPAGE_CHECK(l.sliding_window >= 0 && l.logits_soft_cap >= 0.0f,
                 "decoder_forward: layer " << i << " has a negative sliding window or soft-cap");
-    const LinearWeights* mlp_first = moe ? &l.moe.router : &l.gate_up;
-    const LinearWeights* mlp_last = moe ? &l.moe.router : &l.down;
-    for (const LinearWeights* w : {&l.qkv, &l.o, mlp_first, mlp_last}) {
+    std::vector<const LinearWeights*> linears = {&l.qkv, &l.o};
+    if (!moe) {
+      linears.insert(linears.end(), {&l.gate_up, &l.down});
+    } else {
+      linears.push_back(&l.moe.router);
+      if (s.shared_intermediate_size > 0) {
+        linears.insert(linears.end(), {&l.moe.shared_gate_up, &l.moe.shared_down, &l.moe.shared_gate});
+      }
+    }
+    for (const LinearWeights* w : linears) {
       VPAGE_CHECK(w->format == WeightFormat::kPackedDense || s.dtype == DType::kFloat32,
                   "decoder_forward: layer " << i << " has quantized projections under 16-bit activations");
     }
@@ -240,10 +250,33 @@ void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n
   linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, s, num_threads);
 }
 
-// SparseMoeBlock.forward without a shared expert: out [n, hidden] = experts(x, gate(x).float());
-// out may be x (fused_moe reads every row before it writes one).
+// SharedExpert.forward and shared_expert_gate: y [n, hidden] (this rank's partial sum) and the
+// sigmoid's argument gate [n, 1].
+void shared_expert_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x,
+                        Workspace& w, void* y, void* gate, int num_threads) {
+  const int32_t inter = s.shared_intermediate_size;
+  void* gate_up = sized(w.shared_gate_up, n, 2 * static_cast<int64_t>(inter), s.dtype).data;
+  void* activation = sized(w.shared_activation, n, inter, s.dtype).data;
+  linear(layer.moe.shared_gate_up, x, n, s.hidden_size, gate_up, 2 * inter, s, num_threads);
+  SiluAndMulArgs act;
+  act.out = activation;
+  act.x = gate_up;
+  act.num_tokens = n;
+  act.d = inter;
+  act.dtype = s.dtype;
+  silu_and_mul(act, num_threads);
+  linear(layer.moe.shared_down, activation, n, inter, y, s.hidden_size, s, num_threads);
+  linear(layer.moe.shared_gate, x, n, s.hidden_size, gate, 1, s, num_threads);
+}
+
+// SparseMoeBlock.forward: out [n, hidden] = experts(x, gate(x).float()) (+ the gated shared
+// expert, computed first: out may be x, and fused_moe reads every row before it writes one).
 void moe_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x, Workspace& w,
               void* out, int num_threads) {
+  const bool shared = s.shared_intermediate_size > 0;
+  void* shared_out = sized(w.shared_out, shared ? n : 0, s.hidden_size, s.dtype).data;
+  void* shared_gate = sized(w.shared_gate, shared ? n : 0, 1, s.dtype).data;
+  if (shared) shared_expert_step(s, layer, n, x, w, shared_out, shared_gate, num_threads);
   const Rows logits = sized(w.router, n, s.num_experts, s.dtype);
   linear(layer.moe.router, x, n, s.hidden_size, logits.data, s.num_experts, s, num_threads);
   int64_t logits_stride = 0;
@@ -266,6 +299,15 @@ void moe_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n
   args.w3 = layer.moe.w3;
   args.w2 = layer.moe.w2;
   fused_moe(args, num_threads);
+  if (!shared) return;
+  SigmoidGatedAddArgs add;
+  add.out = out;
+  add.y = shared_out;
+  add.gate = shared_gate;
+  add.num_tokens = n;
+  add.d = s.hidden_size;
+  add.dtype = s.dtype;
+  sigmoid_gated_add(add, num_threads);
 }
 
 }  // namespace

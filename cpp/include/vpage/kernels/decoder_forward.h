@@ -51,16 +51,21 @@ enum class MlpActivation : int32_t { kSilu = 0, kGeluTanh = 1 };
 /// What every layer's MLP part is.
 enum class MlpKind : int32_t {
   kGated = 0,      // gate_up, the activation, down (LlamaMLP, GemmaMLP)
-  kSparseMoe = 1,  // a router, then fused_moe's experts (SparseMoeBlock without a shared expert)
+  kSparseMoe = 1,  // a router, fused_moe's experts, optionally a shared expert (SparseMoeBlock)
 };
 
 /// A layer's mixture-of-experts block (MlpKind::kSparseMoe): router logits = x @ router^T in
-/// the activations' dtype, as float32, then fused_moe (SiLU experts) over the three stacks.
+/// the activations' dtype, as float32, then fused_moe (SiLU experts) over the three stacks;
+/// with DecoderShape::shared_intermediate_size, plus sigmoid(shared_gate(x)) times the shared
+/// expert's gated SiLU MLP (sigmoid_gated_add).
 struct DecoderMoeWeights {
   LinearWeights router;  // [num_experts, hidden_size]
   MoeExpertWeights w1;   // gate: [num_experts][intermediate_size, hidden_size]
   MoeExpertWeights w3;   // up: [num_experts][intermediate_size, hidden_size]
   MoeExpertWeights w2;   // down: [num_experts][hidden_size, intermediate_size]
+  LinearWeights shared_gate_up;  // [2 shared_intermediate_size, hidden_size], or unused
+  LinearWeights shared_down;     // [hidden_size, shared_intermediate_size], or unused
+  LinearWeights shared_gate;     // [1, hidden_size], or unused
 };
 
 /// One decoder layer: its weights, its attention's settings and rotary table, and its KV
@@ -101,6 +106,7 @@ struct DecoderShape {
   int32_t num_experts = 0;            // kSparseMoe: FusedMoeArgs's routing
   int32_t top_k = 0;
   bool renormalize = false;
+  int32_t shared_intermediate_size = 0;  // kSparseMoe: the shared expert's (0: none)
   float rms_norm_eps = 1e-6f;         // of every [hidden_size] norm
   float head_norm_eps = 1e-6f;        // of the q/k norms
   const void* final_norm = nullptr;   // [hidden_size], dtype `dtype`

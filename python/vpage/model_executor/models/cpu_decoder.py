@@ -4,7 +4,7 @@ the CPU.
 It implements two layer structures (``cpu_decoder_structure`` of the model class):
 "llama", the pre-norm decoder layer (RMSNorm with the residual add fused in, fused QKV with
 optional biases, optional per-head q/k RMSNorm, rotary, paged attention, gated MLP or a
-mixture of experts without a shared expert: router then ``ops.fused_moe``), and
+mixture of experts: router, ``ops.fused_moe``, optionally a sigmoid-gated shared expert), and
 "gemma", Gemma's layer (a norm before and after attention and MLP, the post-norms' outputs
 joining the residual stream), each layer with its own sliding window, logit soft-cap and
 rotary table (partial rotary included). A module runs on it only when its class states, in its
@@ -74,8 +74,9 @@ _ATTENTION_CHILDREN = {"attention": {"qkv_proj", "o_proj", "attn"},
 # MLP role (one for every layer) -> MlpActivation in decoder_forward.h (a mixture of experts:
 # SiLU experts); -> its child modules; -> MlpKind.
 _ACTIVATION_CODES = {"silu_mlp": 0, "gelu_tanh_mlp": 1, "sparse_moe": 0}
-_MLP_CHILDREN = {"silu_mlp": {"gate_up_proj", "down_proj"}, "gelu_tanh_mlp": {"gate_up_proj", "down_proj"},
-                 "sparse_moe": {"gate", "experts"}}
+_GATED = frozenset({"gate_up_proj", "down_proj"})
+_MLP_CHILDREN = {"silu_mlp": (_GATED,), "gelu_tanh_mlp": (_GATED,),
+                 "sparse_moe": ({"gate", "experts"}, {"gate", "experts", "shared_expert", "shared_expert_gate"})}
 _MLP_KINDS = {"silu_mlp": 0, "gelu_tanh_mlp": 0, "sparse_moe": 1}
 
 
@@ -104,10 +105,15 @@ def _is_loop_layer(layer: nn.Module, structure: _Structure) -> bool:
         return False
     if "q_norm" in children and not role_of(attn.q_norm) == role_of(attn.k_norm) == "rms_norm":
         return False
-    children = _MLP_CHILDREN.get(role_of(mlp))
-    if children is None or set(mlp._modules) != children:
+    if set(mlp._modules) not in _MLP_CHILDREN.get(role_of(mlp), ()):
         return False
-    return "experts" not in children or (type(mlp.experts) is FusedMoE and isinstance(mlp.gate, DenseWeight))
+    if role_of(mlp) != "sparse_moe":
+        return True
+    if type(mlp.experts) is not FusedMoE or not isinstance(mlp.gate, DenseWeight):
+        return False
+    shared = mlp.shared_expert
+    return shared is None or (role_of(shared) == "silu_mlp" and set(shared._modules) == _GATED
+                              and isinstance(mlp.shared_expert_gate, DenseWeight))
 
 
 def _layer_rotaries(model: Any) -> list[Any]:
@@ -144,18 +150,25 @@ def _expert_fields(name: str, stack: ExpertStack) -> dict[str, int]:
 
 def _mlp_fields(mlp: nn.Module) -> dict[str, int]:
     if role_of(mlp) == "sparse_moe":
-        experts = mlp.experts
-        return {**_linear_fields("router", mlp.gate), **_expert_fields("w1", experts.w1),
-                **_expert_fields("w3", experts.w3), **_expert_fields("w2", experts.w2)}
+        experts, shared = mlp.experts, mlp.shared_expert
+        fields = {**_linear_fields("router", mlp.gate), **_expert_fields("w1", experts.w1),
+                  **_expert_fields("w3", experts.w3), **_expert_fields("w2", experts.w2)}
+        if shared is not None:
+            fields.update({**_linear_fields("shared_gate_up", shared.gate_up_proj),
+                           **_linear_fields("shared_down", shared.down_proj),
+                           **_linear_fields("shared_gate", mlp.shared_expert_gate)})
+        return fields
     return {**_linear_fields("gate_up", mlp.gate_up_proj), **_linear_fields("down", mlp.down_proj)}
 
 
 def _mlp_shape(mlp: nn.Module) -> tuple:
-    """What every layer's MLP must share: (intermediate size, experts, top_k, renormalize)."""
+    """What every layer's MLP must share: (intermediate size, experts, top_k, renormalize, the
+    shared expert's intermediate size)."""
     if role_of(mlp) == "sparse_moe":
-        experts = mlp.experts
-        return experts.w1.rows, experts.num_experts, experts.top_k, experts.renormalize
-    return mlp.intermediate_size, 0, 0, False
+        experts, shared = mlp.experts, mlp.shared_expert
+        return (experts.w1.rows, experts.num_experts, experts.top_k, experts.renormalize,
+                0 if shared is None else shared.intermediate_size)
+    return mlp.intermediate_size, 0, 0, False, 0
 
 
 def _loop_mlp(mlp: nn.Module, dtype: torch.dtype) -> bool:
@@ -164,7 +177,11 @@ def _loop_mlp(mlp: nn.Module, dtype: torch.dtype) -> bool:
     if role_of(mlp) != "sparse_moe":
         return _loop_projection(mlp.gate_up_proj, dtype) and _loop_projection(mlp.down_proj, dtype)
     stacks = (mlp.experts.w1, mlp.experts.w3, mlp.experts.w2)
-    return _loop_projection(mlp.gate, dtype) and all(s.qtype is not None or s.packed is not None for s in stacks)
+    projections = [mlp.gate]
+    if mlp.shared_expert is not None:
+        projections += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
+    return (all(_loop_projection(p, dtype) for p in projections)
+            and all(s.qtype is not None or s.packed is not None for s in stacks))
 
 
 def _loop_projection(layer: nn.Module, dtype: torch.dtype) -> bool:
@@ -247,7 +264,7 @@ class CpuDecoder:
         self.hidden_size = norm.weight.shape[0]
         self.dtype = model.dtype
         self.kv_caches = kv_caches
-        intermediate_size, num_experts, top_k, renormalize = _mlp_shape(mlp0)
+        intermediate_size, num_experts, top_k, renormalize, shared_intermediate_size = _mlp_shape(mlp0)
         self._decoder = _core._CpuDecoder(
             structure=structure.code, activation=_ACTIVATION_CODES[role_of(mlp0)], hidden_size=self.hidden_size,
             num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads, head_size=attn0.head_size,
@@ -256,7 +273,7 @@ class CpuDecoder:
             num_blocks=num_blocks, block_size=block_size, dtype=DTYPE_CODES[model.dtype],
             cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
             layers=entries, mlp=_MLP_KINDS[role_of(mlp0)], num_experts=num_experts, top_k=top_k,
-            renormalize=renormalize)
+            renormalize=renormalize, shared_intermediate_size=shared_intermediate_size)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token

@@ -104,8 +104,10 @@ def _partial_matmul(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class SharedExpert(nn.Module):
     """Qwen2-MoE's shared expert: a gated MLP of ``intermediate_size`` (column- then
-    row-parallel) whose output is this rank's partial sum, scaled by
-    ``sigmoid(shared_expert_gate(x))`` (a replicated ``[1, hidden]`` projection)."""
+    row-parallel) whose output is this rank's partial sum (the block scales it by
+    ``sigmoid(shared_expert_gate(x))``)."""
+
+    cpu_decoder_role = "silu_mlp"
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, quant: QuantConfig,
                  prefix: str):
@@ -115,19 +117,19 @@ class SharedExpert(nn.Module):
         self.gate_up_proj = quant.column_linear(f"{prefix}.gate_up_proj", hidden_size, rows, False, dtype)
         self.down_proj = quant.row_linear(f"{prefix}.down_proj", intermediate_size, hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x ``[num_tokens, hidden]``, gate ``[num_tokens, 1]`` (the logits of the sigmoid)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``, before the all-reduce."""
         gate_up = self.gate_up_proj(x)
         h = gate_up.new_empty(gate_up.shape[0], self.intermediate_size)
         ops.silu_and_mul(h, gate_up)
-        return _partial_matmul(self.down_proj, h).mul_(torch.sigmoid(gate))
+        return _partial_matmul(self.down_proj, h)
 
 
 class SparseMoeBlock(nn.Module):
     """``gate`` (the router, ``[num_experts, hidden]``), ``experts`` (``FusedMoE``) and, with a
     ``shared_intermediate_size``, ``shared_expert`` and ``shared_expert_gate``."""
 
-    # The C++ layer loop runs a block without a shared expert (its child modules: gate, experts).
+    # The C++ layer loop runs the block (children: gate, experts; shared_expert, shared_expert_gate).
     cpu_decoder_role = "sparse_moe"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
@@ -146,7 +148,7 @@ class SparseMoeBlock(nn.Module):
         """x ``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``."""
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            out.add_(self.shared_expert(x, self.shared_expert_gate(x)))
+            ops.sigmoid_gated_add_(out, self.shared_expert(x), self.shared_expert_gate(x))
         return all_reduce(out) if tp_size() > 1 else out
 
 

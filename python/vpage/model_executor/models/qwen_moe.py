@@ -48,7 +48,6 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     )
     parts = DecoderParts(attention=_qwen2_moe_attention,
                          mlp=functools.partial(qwen_moe_mlp, shared=True, dense_mlp=LlamaMLP))
-    cpu_decoder_structure = None  # the C++ layer loop has no shared expert
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
