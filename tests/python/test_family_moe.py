@@ -296,3 +296,16 @@ def test_engine_on_cuda_matches_transformers(tiny):
     _, folder, hf = tiny
     prompts = parity_prompts(hf.config, hf, 37, 16)[:3]
     assert engine_greedy(folder, prompts, 16, device="cuda") == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_tensor_parallel_check_covers_the_experts(tmp_path):
+    """The engine refuses a tensor-parallel size that cannot split the experts before any
+    worker starts."""
+    from model_fixtures import tiny_hf_config
+    from vpage.model_executor import inspect_model
+
+    tiny_hf_config("qwen3_moe", moe_intermediate_size=50).save_pretrained(str(tmp_path))
+    facts = inspect_model(str(tmp_path))
+    facts.check_tensor_parallel(2)
+    with pytest.raises(ValueError, match="does not divide the experts' moe_intermediate_size 50"):
+        facts.check_tensor_parallel(4)
