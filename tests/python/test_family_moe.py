@@ -309,3 +309,14 @@ def test_tensor_parallel_check_covers_the_experts(tmp_path):
     facts.check_tensor_parallel(2)
     with pytest.raises(ValueError, match="does not divide the experts' moe_intermediate_size 50"):
         facts.check_tensor_parallel(4)
+
+
+def test_a_checkpoint_with_an_unknown_expert_is_a_clear_error(tiny, tmp_path):
+    from vpage.model_executor.models import get_model_class
+
+    kind, _, hf = tiny
+    model = get_model_class(FAMILIES[kind])(hf.config, torch.float32)
+    name = ("model.layers.1.block_sparse_moe.experts.9.w1.weight" if kind == "mixtral"
+            else "model.layers.1.mlp.experts.9.gate_proj.weight")
+    with pytest.raises(ValueError, match=r"experts\.9\.\S+ is expert 9 of a model with \d experts"):
+        model.load_weights([(name, torch.zeros(1))])

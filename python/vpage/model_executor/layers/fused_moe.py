@@ -57,6 +57,8 @@ class ExpertStack(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: ShardId) -> None:
         """Expert ``shard_id``'s checkpoint matrix, or (None) the whole stack."""
+        if shard_id is not None and not 0 <= shard_id < self.num_experts:
+            raise ValueError(f"is expert {shard_id} of a model with {self.num_experts} experts")
         dest = param.data if shard_id is None else param.data[shard_id]
         offset = 1 if shard_id is None else 0  # the matrix's first dimension in ``loaded``
         if self.qtype is None:
