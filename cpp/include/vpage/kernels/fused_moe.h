@@ -58,15 +58,15 @@ namespace cpu {
 /// paths. Threads: the gate and up matmuls are one parallel_for (two when their block types
 /// differ), the down matmul another, over the (expert, block of weight rows [and of token
 /// rows]) tasks of every expert that has tokens, cut as quant_matmul or dense_matmul cut one
-/// expert's matmul (experts with the most tokens first); routing, the
-/// SiLU and the weighted sum go over token ranges. Each output sums its experts in top-k
-/// order, so a row's result does not depend on the thread count. Float32 intermediates;
-/// tokens go at most kFusedMoeTokensPerPass per pass.
+/// expert's matmul (experts with the most tokens first); routing, the SiLU and the weighted sum
+/// go over token ranges. Each output sums its experts in top-k order, so a row's result does
+/// not depend on the thread count. Float32 intermediates; tokens go at most
+/// kFusedMoeTokensPerPass per pass, and every row is read before any is written (out may be x).
 /// Throws vpage::CheckError on bad sizes, types, expert ids or null pointers.
 void fused_moe(const FusedMoeArgs& args, int num_threads);
 
-/// Tokens routed per pass of fused_moe (bounds its float32 buffers: ~top_k x this many rows of
-/// hidden + 3 x intermediate values).
+/// Tokens routed per pass of fused_moe (bounds its float32 buffers: about top_k x this many rows
+/// of 2 x hidden + 3 x intermediate values).
 constexpr int64_t kFusedMoeTokensPerPass = 1024;
 
 }  // namespace cpu
