@@ -6,7 +6,9 @@ models without downloading any.
 writes ``DIR/SHAPE[-LN]-TYPE.gguf`` and prints its path and size; a file already there with
 the same settings (shape table entry, type, layers, seed) is kept. SHAPE is one of ``SHAPES``:
 smollm2-360m, smollm2-1.7b, llama-0.6b (arch llama), qwen3-0.6b (arch qwen3), gemma3-1b
-(arch gemma3), llama-gemma3-1b (arch llama). ``--layers`` shrinks the layer count (tests, quick checks).
+(arch gemma3), llama-gemma3-1b (arch llama), qwen3moe-1b-a0.2b (arch qwen3moe: 32 experts, 4
+active) and qwen3-a0.2b (arch qwen3: its dense peer with the same active parameters).
+``--layers`` shrinks the layer count (tests, quick checks).
 
 What the file holds:
 - the tokenizer of vpage's default model (SmolLM2-135M-Instruct): its ``tokenizer.*``
@@ -15,7 +17,9 @@ What the file holds:
   ``[49152, hidden]``. Every shape ties its embeddings, as the published ones do (no output.weight);
 - the metadata keys llama.cpp's converter (convert_hf_to_gguf.py) writes for the arch;
 - random weights: 2-D weights normal with std 0.02 in ``--type`` (token_embd too), norms
-  F32 near 1 (as llama.cpp stores them: Gemma's ``1 + w``). Arch llama's Q/K rows are
+  F32 near 1 (as llama.cpp stores them: Gemma's ``1 + w``); a MoE's merged expert tensors
+  (``ffn_gate_exps`` [experts, intermediate, hidden] and so on) in ``--type``, its router
+  (``ffn_gate_inp``) F32, as llama-quantize leaves it. Arch llama's Q/K rows are
   permuted per head as the converter permutes them. Q4_K needs rows of a multiple of 256
   values; a tensor whose rows are not (hidden 960 or 1152) is written Q4_1 instead, and the
   script says how many were (llama.cpp falls back to Q5_0 there, which vpage does not read).
@@ -62,6 +66,9 @@ class Shape:
     rope_theta: float  # the global layers' base for gemma3
     rms_eps: float  # rms_norm_eps
     sliding_window: Optional[int] = None  # gemma3's local layers
+    experts: int = 0  # a mixture of experts (qwen3moe): expert_count
+    experts_used: int = 0  # num_experts_per_tok
+    expert_intermediate: int = 0  # moe_intermediate_size
 
 
 SHAPES = {
@@ -99,6 +106,18 @@ SHAPES = {
     # post-norms, SiLU MLP): the peer a Gemma 3 1B is compared with at equal parameter count.
     "llama-gemma3-1b": Shape("llama", hidden=1152, layers=26, heads=4, kv_heads=1, head_dim=256,
                              intermediate=6912, context=32768, rope_theta=1000000.0, rms_eps=1e-6),
+    # No published model: Qwen/Qwen3-30B-A3B scaled down (its config.json: hidden_size 2048,
+    # num_hidden_layers 48, num_attention_heads 32, num_key_value_heads 4, head_dim 128,
+    # num_experts 128, num_experts_per_tok 8, moe_intermediate_size 768, intermediate_size
+    # 6144, rope_theta 1000000, rms_norm_eps 1e-6, norm_topk_prob true): hidden 1024, 12
+    # layers, 32 experts of which 4 active; ~1.03B parameters, ~0.24B active per token.
+    "qwen3moe-1b-a0.2b": Shape("qwen3moe", hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=128,
+                               intermediate=3072, context=40960, rope_theta=1000000.0, rms_eps=1e-6,
+                               experts=32, experts_used=4, expert_intermediate=768),
+    # No published model: the dense Qwen3 with qwen3moe-1b-a0.2b's active parameters (its
+    # attention, an MLP of 4 x 768).
+    "qwen3-a0.2b": Shape("qwen3", hidden=1024, layers=12, heads=16, kv_heads=8, head_dim=128,
+                         intermediate=3072, context=40960, rope_theta=1000000.0, rms_eps=1e-6),
 }
 
 
@@ -113,6 +132,11 @@ class TensorSpec:
     @property
     def is_norm(self) -> bool:
         return len(self.shape) == 1
+
+    @property
+    def is_router(self) -> bool:
+        """A MoE router (ffn_gate_inp): F32 in llama.cpp's quantized files."""
+        return self.name.endswith("ffn_gate_inp.weight")
 
 
 def tensor_specs(shape: Shape, layers: int, vocab: int) -> list[TensorSpec]:
@@ -135,12 +159,21 @@ def tensor_specs(shape: Shape, layers: int, vocab: int) -> list[TensorSpec]:
         specs.append(TensorSpec(b + "attn_output.weight", (h, q)))
         if shape.arch == "gemma3":
             specs.append(TensorSpec(b + "post_attention_norm.weight", (h,)))
-        specs += [
-            TensorSpec(b + "ffn_norm.weight", (h,)),  # gemma3's pre_feedforward_layernorm
-            TensorSpec(b + "ffn_gate.weight", (ff, h)),
-            TensorSpec(b + "ffn_up.weight", (ff, h)),
-            TensorSpec(b + "ffn_down.weight", (h, ff)),
-        ]
+        specs.append(TensorSpec(b + "ffn_norm.weight", (h,)))  # gemma3's pre_feedforward_layernorm
+        if shape.experts:
+            e, eff = shape.experts, shape.expert_intermediate
+            specs += [
+                TensorSpec(b + "ffn_gate_inp.weight", (e, h)),
+                TensorSpec(b + "ffn_gate_exps.weight", (e, eff, h)),
+                TensorSpec(b + "ffn_up_exps.weight", (e, eff, h)),
+                TensorSpec(b + "ffn_down_exps.weight", (e, h, eff)),
+            ]
+        else:
+            specs += [
+                TensorSpec(b + "ffn_gate.weight", (ff, h)),
+                TensorSpec(b + "ffn_up.weight", (ff, h)),
+                TensorSpec(b + "ffn_down.weight", (h, ff)),
+            ]
         if shape.arch == "gemma3":
             specs.append(TensorSpec(b + "post_ffw_norm.weight", (h,)))
     specs.append(TensorSpec("output_norm.weight", (h,)))
@@ -148,10 +181,11 @@ def tensor_specs(shape: Shape, layers: int, vocab: int) -> list[TensorSpec]:
 
 
 def stored_type(spec: TensorSpec, qtype: str) -> str:
-    """The type a tensor is written in: norms F32; Q4_K rows that are not whole 256-blocks Q4_1."""
-    if spec.is_norm:
+    """The type a tensor is written in: norms and routers F32; Q4_K rows that are not whole
+    256-blocks Q4_1."""
+    if spec.is_norm or spec.is_router:
         return "F32"
-    if qtype == "Q4_K" and spec.shape[1] % 256:
+    if qtype == "Q4_K" and spec.shape[-1] % 256:
         return "Q4_1"
     return qtype
 
@@ -212,7 +246,7 @@ def _chunks(spec: TensorSpec, qtype: str, seed: int) -> Iterator[np.ndarray]:
     if spec.is_norm:
         yield (1.0 + _NORM_STD * rng.standard_normal(spec.shape, dtype=np.float32)).astype(np.float32)
         return
-    rows, cols = spec.shape
+    rows, cols = int(np.prod(spec.shape[:-1])), spec.shape[-1]  # expert stacks: their rows in order
     if spec.permute_heads is not None:  # small: generated whole in Hugging Face's order
         w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(_WEIGHT_STD)
         yield encode_rows(permute_qk(w, spec.permute_heads), qtype)
@@ -231,7 +265,7 @@ def _nbytes(spec: TensorSpec, qtype: str) -> int:
     if qtype == "F32":
         return 4 * int(np.prod(spec.shape))
     values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-    return spec.shape[0] * spec.shape[1] // values * size
+    return int(np.prod(spec.shape[:-1])) * spec.shape[-1] // values * size
 
 
 def _copy_tokenizer(writer, source: Path) -> int:
@@ -247,8 +281,8 @@ def _copy_tokenizer(writer, source: Path) -> int:
 
 
 def _write_metadata(writer, shape: Shape, layers: int, vocab: int) -> None:
-    """The keys llama.cpp's converter writes for the arch (TextModel, then LlamaModel or
-    Gemma3Model; Qwen3Model adds none)."""
+    """The keys llama.cpp's converter writes for the arch (TextModel, then LlamaModel,
+    Gemma3Model or Qwen3MoeModel; Qwen3Model adds none)."""
     writer.add_block_count(layers)
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
@@ -267,6 +301,10 @@ def _write_metadata(writer, shape: Shape, layers: int, vocab: int) -> None:
         writer.add_rope_dimension_count(shape.head_dim)
     if shape.sliding_window is not None:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.experts:  # Qwen3MoeModel: the counts and an expert's intermediate size
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
 
 
 _FILE_TYPES = {"F32": "ALL_F32", "Q4_1": "MOSTLY_Q4_1", "Q8_0": "MOSTLY_Q8_0", "Q4_K": "MOSTLY_Q4_K_S"}
@@ -373,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     note = f"written in {time.perf_counter() - start:.1f} s" if written else "exists, same settings"
     shape = SHAPES[args.shape]
     fallback = sum(stored_type(s, args.type) != args.type
-                   for s in tensor_specs(shape, args.layers or shape.layers, 1) if not s.is_norm)
+                   for s in tensor_specs(shape, args.layers or shape.layers, 1) if not (s.is_norm or s.is_router))
     if fallback:
         note += f"; {fallback} tensors Q4_1 (rows not a multiple of 256)"
     size = path.stat().st_size

@@ -128,6 +128,12 @@ def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
                                  get_num_threads())
 
 
+def sigmoid_gated_add(out: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> None:
+    """In place, CPU only; see vpage.ops.sigmoid_gated_add_."""
+    _core._cpu_sigmoid_gated_add(out.data_ptr(), y.data_ptr(), gate.data_ptr(), out.shape[0], out.shape[1],
+                                 DTYPE_CODES[out.dtype], get_num_threads())
+
+
 def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, num_heads: int, head_size: int) -> None:
     """In place, CPU only; see vpage.ops.rms_norm_heads_."""
     _core._cpu_rms_norm_heads(x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0],
@@ -154,6 +160,26 @@ def dense_matmul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias:
     _core._cpu_dense_matmul(out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                             x.shape[0], n, k, max(x.stride(0), k), max(out.stride(0), n), DTYPE_CODES[x.dtype],
                             DTYPE_CODES[packed.dtype], get_num_threads())
+
+
+def _expert_stack(w: torch.Tensor, type_id: Optional[int]) -> tuple:
+    """(pointer, bytes between experts, ggml type id or -1, packed dtype code) of an expert stack."""
+    return (w.data_ptr(), w.stride(0) * w.element_size(), -1 if type_id is None else type_id,
+            DTYPE_CODES.get(w.dtype, 0))
+
+
+def fused_moe(out: torch.Tensor, x: torch.Tensor, router_logits: Optional[torch.Tensor],
+              topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], top_k: int, renormalize: bool,
+              w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, type_ids: Sequence[Optional[int]],
+              intermediate: int) -> None:
+    """CPU only; see vpage.ops.fused_moe (expert stacks: packed float panels or uint8 block rows)."""
+    hidden = x.shape[1]
+    _core._cpu_fused_moe(out.data_ptr(), x.data_ptr(), 0 if router_logits is None else router_logits.data_ptr(),
+                         0 if topk_ids is None else topk_ids.data_ptr(),
+                         0 if topk_weights is None else topk_weights.data_ptr(), x.shape[0], hidden, intermediate,
+                         w1.shape[0], top_k, renormalize, max(x.stride(0), hidden), max(out.stride(0), hidden),
+                         DTYPE_CODES[x.dtype], _expert_stack(w1, type_ids[0]), _expert_stack(w3, type_ids[1]),
+                         _expert_stack(w2, type_ids[2]), get_num_threads())
 
 
 def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int, k: int) -> None:

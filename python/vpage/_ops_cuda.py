@@ -164,3 +164,25 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
             logits=logits.data_ptr(), num_rows=logits.shape[0], vocab=logits.shape[1],
             row_stride=max(logits.stride(0), logits.shape[1]), bitmask=bitmask.data_ptr(),
             bitmask_stride=bitmask.shape[1], stream=_stream(device))
+
+
+def fused_moe(out: torch.Tensor, x: torch.Tensor, router_logits: Optional[torch.Tensor],
+              topk_ids: Optional[torch.Tensor], topk_weights: Optional[torch.Tensor], top_k: int, renormalize: bool,
+              w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, intermediate: int) -> None:
+    """out [m, hidden] = the MoE block on x (see vpage.ops.fused_moe); w1, w3 [E, intermediate,
+    hidden] and w2 [E, hidden, intermediate] plain expert stacks of x's dtype (each expert
+    contiguous). The workspace is a fresh device tensor from torch's caching allocator."""
+    device = x.device
+    m, hidden = x.shape
+    with torch.cuda.device(device):
+        size = _cuda.fused_moe_workspace_bytes(m, top_k, w1.shape[0], hidden, intermediate)
+        workspace = torch.empty(size, dtype=torch.uint8, device=device)
+        _cuda.fused_moe(
+            out=out.data_ptr(), x=x.data_ptr(), router_logits=0 if router_logits is None else router_logits.data_ptr(),
+            topk_ids=0 if topk_ids is None else topk_ids.data_ptr(),
+            topk_weights=0 if topk_weights is None else topk_weights.data_ptr(), m=m, hidden=hidden,
+            intermediate=intermediate, num_experts=w1.shape[0], top_k=top_k, renormalize=renormalize,
+            x_stride=max(x.stride(0), hidden), out_stride=max(out.stride(0), hidden), dtype=_DTYPE_CODES[x.dtype],
+            w1=(w1.data_ptr(), w1.stride(0) * w1.element_size()), w3=(w3.data_ptr(), w3.stride(0) * w3.element_size()),
+            w2=(w2.data_ptr(), w2.stride(0) * w2.element_size()), workspace=workspace.data_ptr(),
+            workspace_bytes=size, stream=_stream(device))

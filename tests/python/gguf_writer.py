@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import numpy as np
 
@@ -29,6 +29,19 @@ LLAMA_LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
 }
 LLAMA_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+# Mixtures of experts: the router and the converter's merged expert stacks (it stacks each
+# expert's gate, up and down matrices into ``...experts.{part}`` [experts, rows, cols]), and
+# Qwen2-MoE's shared expert and its gate.
+MOE_LAYER_NAMES = {
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -237,6 +250,35 @@ def write_phi3_rope_factors(writer: Any, hf_model: Any) -> None:
     writer.add_tensor("rope_factors_short.weight", np.array(params["short_factor"], dtype=np.float32))
 
 
+def _write_experts(writer: Any, cfg: Any, experts: int) -> None:
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+
+
+def write_mixtral_metadata(writer: Any, cfg: Any) -> None:
+    """Mixtral is written as "llama" with its expert counts (feed_forward_length: an expert's)."""
+    write_llama_metadata(writer, cfg)
+    _write_experts(writer, cfg, cfg.num_local_experts)
+
+
+def write_qwen2_moe_metadata(writer: Any, cfg: Any) -> None:
+    write_common_metadata(writer, cfg)
+    _write_experts(writer, cfg, cfg.num_experts)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def write_qwen3_moe_metadata(writer: Any, cfg: Any) -> None:
+    write_qwen3_metadata(writer, cfg)
+    _write_experts(writer, cfg, cfg.num_experts)
+    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+
+def shared_gate_as_vector(name: str, w: np.ndarray, cfg: Any) -> np.ndarray:
+    """ffn_gate_inp_shexp is one vector of hidden values in llama.cpp's layout."""
+    return w.reshape(-1) if name.endswith("shared_expert_gate.weight") else w
+
+
 FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("llama", permute_qk=True, metadata=write_llama_metadata,
                         extra_tensors=write_llama3_rope_freqs),
@@ -251,6 +293,14 @@ FAMILIES: dict[str, GgufFamily] = {
     "gemma3_text": GgufFamily("gemma3", layer_names={**GEMMA_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm",
                                                      "self_attn.k_norm": "attn_k_norm"},
                               metadata=write_gemma3_metadata, transform=gemma_norms_plus_one),
+    "mixtral": GgufFamily("llama", layer_names={**LLAMA_LAYER_NAMES, **MOE_LAYER_NAMES}, permute_qk=True,
+                          metadata=write_mixtral_metadata),
+    "qwen2_moe": GgufFamily("qwen2moe", layer_names={**LLAMA_LAYER_NAMES, **MOE_LAYER_NAMES},
+                            metadata=write_qwen2_moe_metadata, transform=shared_gate_as_vector),
+    "qwen3_moe": GgufFamily("qwen3moe", layer_names={**LLAMA_LAYER_NAMES, **MOE_LAYER_NAMES,
+                                                     "self_attn.q_norm": "attn_q_norm",
+                                                     "self_attn.k_norm": "attn_k_norm"},
+                            metadata=write_qwen3_moe_metadata),
 }
 
 
@@ -275,6 +325,23 @@ def _gguf_name(name: str, family: GgufFamily) -> str:
     return f"{family.global_names[module]}.{kind}"
 
 
+def checkpoint_tensors(hf_model: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, float32 array) of the model's tensors as the converter sees them: transformers 5
+    holds each block's experts fused in memory (``experts.gate_up_proj`` [experts, 2 x
+    intermediate, hidden], gate rows first; ``experts.down_proj``), which come as the
+    converter's merged stacks ``experts.gate_proj``, ``experts.up_proj``, ``experts.down_proj``."""
+    for name, tensor in hf_model.state_dict().items():
+        w = tensor.float().numpy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(w, 2, axis=1)
+            yield name.replace("gate_up_proj", "gate_proj.weight"), gate
+            yield name.replace("gate_up_proj", "up_proj.weight"), up
+        elif name.endswith("mlp.experts.down_proj"):
+            yield name + ".weight", w
+        else:
+            yield name, w
+
+
 def write_gguf(hf_model: Any, folder: Path, path: Path, quantize=None) -> None:
     """Write ``hf_model`` (a tiny transformers model of a family in ``FAMILIES``) and the
     tokenizer of ``folder`` as a GGUF file the way llama.cpp's converter does.
@@ -288,10 +355,9 @@ def write_gguf(hf_model: Any, folder: Path, path: Path, quantize=None) -> None:
     writer = gguf.GGUFWriter(str(path), arch=family.arch)
     family.metadata(writer, cfg)
     _write_tokenizer(writer, folder, cfg)
-    for name, tensor in hf_model.state_dict().items():
+    for name, w in checkpoint_tensors(hf_model):
         if name == "lm_head.weight" and getattr(cfg, "tie_word_embeddings", False):
             continue  # the converter writes no output.weight for tied embeddings
-        w = tensor.float().numpy()
         if family.transform is not None:
             w = family.transform(name, w, cfg)
         # Quantized first, then permuted: the permutation moves whole rows, and ``quantize``

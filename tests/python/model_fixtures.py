@@ -24,6 +24,18 @@ _TINY = dict(
     eos_token_id=2,
     tie_word_embeddings=False,
 )
+# Per kind: Qwen3's head_dim other than hidden / heads, as its real sizes have; the mixtures of
+# experts' routing (Qwen2-MoE: a shared expert, a dense first layer; Qwen3-MoE: 8 experts, top 3
+# renormalised).
+_TINY_EXTRA = {
+    "llama": {"rope_theta": 500.0},
+    "qwen3": {"head_dim": 32},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96},
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 96, "mlp_only_layers": [0], "norm_topk_prob": False},
+    "qwen3_moe": {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 48,
+                  "norm_topk_prob": True},
+}
 _CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "paged attention keeps the kv cache in fixed size blocks",
@@ -32,14 +44,14 @@ _CORPUS = [
 
 
 def tiny_hf_config(kind: str, **overrides):
-    """A tiny transformers config of ``kind`` (llama, mistral, qwen2, qwen3), float32."""
+    """A tiny transformers config of ``kind`` (llama, mistral, qwen2, qwen3; the mixtures of
+    experts mixtral, qwen2_moe, qwen3_moe), float32."""
     import transformers
 
-    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+               "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig", "qwen3_moe": "Qwen3MoeConfig"}
     cls = getattr(transformers, classes[kind])
-    # Qwen3: a head_dim other than hidden / heads, as its real sizes have.
-    extra = {"rope_theta": 500.0} if kind == "llama" else {"head_dim": 32} if kind == "qwen3" else {}
-    return cls(**{**_TINY, **extra, **overrides})
+    return cls(**{**_TINY, **_TINY_EXTRA.get(kind, {}), **overrides})
 
 
 def save_tiny_tokenizer(folder: Path) -> None:

@@ -146,3 +146,23 @@ def test_shrunken_file_loads_with_transformers_logits(mg, tmp_path):
     assert mg._existing_settings(default_model_path()) is None and mg._existing_settings(_SCRIPT) is None
     assert mg.make_gguf("smollm2-360m", "F32", tmp_path, layers=2) == (path, False)
     assert path.stat().st_mtime_ns == mtime
+
+
+def test_moe_file_loads_with_its_experts_in_blocks(mg, tmp_path, monkeypatch):
+    """A shrunken qwen3moe shape: llama.cpp's expert tensors and keys, read by vpage as a
+    Qwen3-MoE whose expert stacks stay Q8_0 (routers F32)."""
+    shape = mg.Shape("qwen3moe", hidden=64, layers=2, heads=4, kv_heads=2, head_dim=32, intermediate=96,
+                     context=128, rope_theta=1e6, rms_eps=1e-6, experts=8, experts_used=2, expert_intermediate=64)
+    monkeypatch.setitem(mg.SHAPES, "tiny-moe", shape)
+    specs = {s.name: s for s in mg.tensor_specs(shape, 2, 80)}
+    assert specs["blk.1.ffn_gate_exps.weight"].shape == (8, 64, 64) and "blk.0.ffn_gate.weight" not in specs
+    assert mg.stored_type(specs["blk.0.ffn_gate_inp.weight"], "Q8_0") == "F32"
+    path, _ = mg.make_gguf("tiny-moe", "Q8_0", tmp_path)
+    loaded = load_model(str(path), device="cpu")
+    cfg = loaded.hf_config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 2, 64, True)
+    experts = loaded.model.model.layers[1].mlp.experts
+    assert {s.qtype for s in (experts.w1, experts.w3, experts.w2)} == {"Q8_0"}
+    cache = PagedKVCache(loaded.config)
+    logits = loaded.model.compute_logits(loaded.model(cache.step({0: [5, 6, 7, 8]}), cache.caches))
+    assert logits.shape == (4, 49152) and torch.isfinite(logits).all()

@@ -158,13 +158,13 @@ def test_unsupported_gguf_architecture_is_a_clear_error(tmp_path):
     import gguf
 
     path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch="qwen3next")
     writer.add_tensor("token_embd.weight", np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"moe.gguf: unsupported GGUF architecture 'qwen3moe'; supported: .*'qwen3'"):
+    with pytest.raises(ValueError, match=r"moe.gguf: unsupported GGUF architecture 'qwen3next'; supported: .*'qwen3'"):
         load_model(str(path), device="cpu")
 
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "float_rows.h"
 #include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/layer_ops.h"
@@ -17,7 +18,9 @@ namespace {
 
 // Activations of one step, grown as needed and kept for the next call of the same thread.
 struct Workspace {
-  std::vector<char> residual, hidden, qkv, attention, gate_up, activation;
+  std::vector<char> residual, hidden, qkv, attention, gate_up, activation, router, shared_gate_up, shared_activation,
+      shared_out, shared_gate;
+  std::vector<float> router_float32;
 
   static Workspace& of_this_thread() {
     thread_local Workspace workspace;
@@ -53,6 +56,11 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
               "decoder_forward: unknown layer structure " << static_cast<int32_t>(s.structure));
   VPAGE_CHECK(s.activation == MlpActivation::kSilu || s.activation == MlpActivation::kGeluTanh,
               "decoder_forward: unknown MLP activation " << static_cast<int32_t>(s.activation));
+  const bool moe = s.mlp == MlpKind::kSparseMoe;
+  VPAGE_CHECK(s.mlp == MlpKind::kGated || (moe && s.activation == MlpActivation::kSilu && s.num_experts > 0 &&
+                                           s.top_k >= 1 && s.top_k <= s.num_experts),
+              "decoder_forward: bad MLP kind " << static_cast<int32_t>(s.mlp) << " (experts " << s.num_experts
+                                               << ", top_k " << s.top_k << "; experts are SiLU)");
   VPAGE_CHECK(b.query_start_loc != nullptr || b.num_tokens == b.num_seqs,
               "decoder_forward: a decode batch has one token per sequence, got " << b.num_tokens << " tokens for "
                                                                                  << b.num_seqs);
@@ -62,15 +70,28 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
   VPAGE_CHECK(pointers_ok, "decoder_forward: null pointer");
   for (int32_t i = 0; i < num_layers; ++i) {
     const DecoderLayerWeights& l = layers[i];
-    VPAGE_CHECK(l.input_norm && l.post_attention_norm && l.qkv.weight && l.o.weight && l.gate_up.weight &&
-                    l.down.weight && l.cos_sin && l.key_cache && l.value_cache,
+    const bool shared_ok = s.shared_intermediate_size == 0 ||
+                           (l.moe.shared_gate_up.weight && l.moe.shared_down.weight && l.moe.shared_gate.weight);
+    const bool mlp_ok = moe ? l.moe.router.weight && l.moe.w1.data && l.moe.w3.data && l.moe.w2.data && shared_ok
+                            : l.gate_up.weight && l.down.weight;
+    VPAGE_CHECK(l.input_norm && l.post_attention_norm && l.qkv.weight && l.o.weight && mlp_ok && l.cos_sin &&
+                    l.key_cache && l.value_cache,
                 "decoder_forward: layer " << i << " has a null pointer");
     VPAGE_CHECK((l.pre_feedforward_norm != nullptr) == gemma && (l.post_feedforward_norm != nullptr) == gemma,
                 "decoder_forward: layer " << i << (gemma ? " lacks" : " has")
                                           << " the Gemma structure's feed-forward norms");
     VPAGE_CHECK(l.sliding_window >= 0 && l.logits_soft_cap >= 0.0f,
                 "decoder_forward: layer " << i << " has a negative sliding window or soft-cap");
-    for (const LinearWeights* w : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+    std::vector<const LinearWeights*> linears = {&l.qkv, &l.o};
+    if (!moe) {
+      linears.insert(linears.end(), {&l.gate_up, &l.down});
+    } else {
+      linears.push_back(&l.moe.router);
+      if (s.shared_intermediate_size > 0) {
+        linears.insert(linears.end(), {&l.moe.shared_gate_up, &l.moe.shared_down, &l.moe.shared_gate});
+      }
+    }
+    for (const LinearWeights* w : linears) {
       VPAGE_CHECK(w->format == WeightFormat::kPackedDense || s.dtype == DType::kFloat32,
                   "decoder_forward: layer " << i << " has quantized projections under 16-bit activations");
     }
@@ -229,6 +250,66 @@ void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n
   linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, s, num_threads);
 }
 
+// SharedExpert.forward and shared_expert_gate: y [n, hidden] (this rank's partial sum) and the
+// sigmoid's argument gate [n, 1].
+void shared_expert_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x,
+                        Workspace& w, void* y, void* gate, int num_threads) {
+  const int32_t inter = s.shared_intermediate_size;
+  void* gate_up = sized(w.shared_gate_up, n, 2 * static_cast<int64_t>(inter), s.dtype).data;
+  void* activation = sized(w.shared_activation, n, inter, s.dtype).data;
+  linear(layer.moe.shared_gate_up, x, n, s.hidden_size, gate_up, 2 * inter, s, num_threads);
+  SiluAndMulArgs act;
+  act.out = activation;
+  act.x = gate_up;
+  act.num_tokens = n;
+  act.d = inter;
+  act.dtype = s.dtype;
+  silu_and_mul(act, num_threads);
+  linear(layer.moe.shared_down, activation, n, inter, y, s.hidden_size, s, num_threads);
+  linear(layer.moe.shared_gate, x, n, s.hidden_size, gate, 1, s, num_threads);
+}
+
+// SparseMoeBlock.forward: out [n, hidden] = experts(x, gate(x).float()) (+ the gated shared
+// expert, computed first: out may be x, and fused_moe reads every row before it writes one).
+void moe_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x, Workspace& w,
+              void* out, int num_threads) {
+  const bool shared = s.shared_intermediate_size > 0;
+  void* shared_out = sized(w.shared_out, shared ? n : 0, s.hidden_size, s.dtype).data;
+  void* shared_gate = sized(w.shared_gate, shared ? n : 0, 1, s.dtype).data;
+  if (shared) shared_expert_step(s, layer, n, x, w, shared_out, shared_gate, num_threads);
+  const Rows logits = sized(w.router, n, s.num_experts, s.dtype);
+  linear(layer.moe.router, x, n, s.hidden_size, logits.data, s.num_experts, s, num_threads);
+  int64_t logits_stride = 0;
+  const float* logits32 = float32_rows(s.dtype, logits.data, n, s.num_experts, s.num_experts, w.router_float32,
+                                       &logits_stride, num_threads);
+  FusedMoeArgs args;
+  args.out = out;
+  args.x = x;
+  args.router_logits = logits32;
+  args.m = n;
+  args.hidden = s.hidden_size;
+  args.intermediate = s.intermediate_size;
+  args.num_experts = s.num_experts;
+  args.top_k = s.top_k;
+  args.renormalize = s.renormalize;
+  args.x_stride = s.hidden_size;
+  args.out_stride = s.hidden_size;
+  args.dtype = s.dtype;
+  args.w1 = layer.moe.w1;
+  args.w3 = layer.moe.w3;
+  args.w2 = layer.moe.w2;
+  fused_moe(args, num_threads);
+  if (!shared) return;
+  SigmoidGatedAddArgs add;
+  add.out = out;
+  add.y = shared_out;
+  add.gate = shared_gate;
+  add.num_tokens = n;
+  add.d = s.hidden_size;
+  add.dtype = s.dtype;
+  sigmoid_gated_add(add, num_threads);
+}
+
 }  // namespace
 
 void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num_layers,
@@ -242,8 +323,9 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
   void* hidden = sized(w.hidden, n, s.hidden_size, s.dtype).data;
   const Rows qkv = sized(w.qkv, n, q_size + 2 * s.num_kv_heads * s.head_size, s.dtype);
   void* attention = sized(w.attention, n, q_size, s.dtype).data;
-  void* gate_up = sized(w.gate_up, n, 2 * static_cast<int64_t>(s.intermediate_size), s.dtype).data;
-  void* activation = sized(w.activation, n, s.intermediate_size, s.dtype).data;
+  const bool moe = s.mlp == MlpKind::kSparseMoe;  // the experts' buffers are fused_moe's own
+  void* gate_up = sized(w.gate_up, moe ? 0 : n, 2 * static_cast<int64_t>(s.intermediate_size), s.dtype).data;
+  void* activation = sized(w.activation, moe ? 0 : n, s.intermediate_size, s.dtype).data;
 
   // Layer 0's input norm has no residual yet: the embeddings become the residual stream.
   std::memcpy(residual.data, b.embeddings, static_cast<size_t>(n * s.hidden_size * residual.element));
@@ -259,12 +341,15 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
       // then the pre-feedforward norm takes the residual add.
       rms_norm_step(layer.post_attention_norm, hidden, nullptr, hidden, n, s, num_threads);
       rms_norm_step(layer.pre_feedforward_norm, hidden, residual.data, hidden, n, s, num_threads);
-      mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
-      rms_norm_step(layer.post_feedforward_norm, hidden, nullptr, hidden, n, s, num_threads);
     } else {
       rms_norm_step(layer.post_attention_norm, hidden, residual.data, hidden, n, s, num_threads);
+    }
+    if (moe) {
+      moe_step(s, layer, n, hidden, w, hidden, num_threads);
+    } else {
       mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
     }
+    if (gemma) rms_norm_step(layer.post_feedforward_norm, hidden, nullptr, hidden, n, s, num_threads);
   }
   rms_norm_step(s.final_norm, hidden, residual.data, b.out, n, s, num_threads);
 }

@@ -25,20 +25,6 @@ constexpr int64_t kMBlock = 256;
 constexpr int64_t kStreamingRows = 16;
 constexpr int64_t kTasksPerThread = 4;
 
-const DenseKernels& selected_dense_kernels() {
-  const char* name = selected_kernels().name;
-#if defined(VPAGE_X86_KERNELS)
-#if defined(VPAGE_AVX512BF16_KERNELS)
-  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
-  if (std::strncmp(name, "avx512", 6) == 0 && has_bf16_dot) return avx512bf16::kDenseKernels;
-#endif
-  if (std::strncmp(name, "avx512", 6) == 0) return avx512::kDenseKernels;
-  if (std::strncmp(name, "avx2", 4) == 0) return avx2::kDenseKernels;
-#endif
-  (void)name;
-  return generic::kDenseKernels;
-}
-
 bool known_dtype(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
 }
@@ -54,19 +40,6 @@ void check_args(const DenseMatmulArgs& a) {
               "dense_matmul: null pointer");
 }
 
-DensePlan plan_tasks(const DenseMatmulArgs& a, int num_threads) {
-  DensePlan plan;
-  plan.m_block = std::min(a.m, kMBlock);
-  plan.num_panels = (a.n + kDensePanelRows - 1) / kDensePanelRows;
-  const int64_t m_blocks = (a.m + plan.m_block - 1) / plan.m_block;
-  const int64_t wanted_groups =
-      a.m < kStreamingRows ? (kTasksPerThread * num_threads + m_blocks - 1) / m_blocks : plan.num_panels;
-  const int64_t groups = std::clamp<int64_t>(wanted_groups, 1, plan.num_panels);
-  plan.panels_per_task = (plan.num_panels + groups - 1) / groups;
-  plan.panel_groups = (plan.num_panels + plan.panels_per_task - 1) / plan.panels_per_task;
-  return plan;
-}
-
 // Panel p of W [n, k] (row stride w_stride) into packed[p] [k, 32], zeros past row n.
 template <typename T>
 void pack_panel(const T* weight, int32_t n, int32_t k, int64_t w_stride, int64_t p, T* packed) {
@@ -80,6 +53,33 @@ void pack_panel(const T* weight, int32_t n, int32_t k, int64_t w_stride, int64_t
 }
 
 }  // namespace
+
+const DenseKernels& selected_dense_kernels() {
+  const char* name = selected_kernels().name;
+#if defined(VPAGE_X86_KERNELS)
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  if (std::strncmp(name, "avx512", 6) == 0 && has_bf16_dot) return avx512bf16::kDenseKernels;
+#endif
+  if (std::strncmp(name, "avx512", 6) == 0) return avx512::kDenseKernels;
+  if (std::strncmp(name, "avx2", 4) == 0) return avx2::kDenseKernels;
+#endif
+  (void)name;
+  return generic::kDenseKernels;
+}
+
+DensePlan dense_plan(const DenseMatmulArgs& a, int num_threads) {
+  DensePlan plan;
+  plan.m_block = std::min(a.m, kMBlock);
+  plan.num_panels = (a.n + kDensePanelRows - 1) / kDensePanelRows;
+  const int64_t m_blocks = (a.m + plan.m_block - 1) / plan.m_block;
+  const int64_t wanted_groups =
+      a.m < kStreamingRows ? (kTasksPerThread * num_threads + m_blocks - 1) / m_blocks : plan.num_panels;
+  const int64_t groups = std::clamp<int64_t>(wanted_groups, 1, plan.num_panels);
+  plan.panels_per_task = (plan.num_panels + groups - 1) / groups;
+  plan.panel_groups = (plan.num_panels + plan.panels_per_task - 1) / plan.panels_per_task;
+  return plan;
+}
 
 void dense_store_out(const DenseMatmulArgs& a, int64_t row, int32_t col0, int32_t cols, const float* values) {
   const int64_t offset = (row * a.out_stride + col0) * dtype_size(a.dtype);
@@ -109,7 +109,7 @@ void dense_matmul(const DenseMatmulArgs& args, int num_threads) {
   num_threads = std::max(num_threads, 1);
   const DenseKernels& kernels = selected_dense_kernels();
   if (kernels.run_bf16_task != nullptr && args.dtype == DType::kBFloat16 && args.weight_dtype == DType::kBFloat16) {
-    const DensePlan plan = plan_tasks(args, num_threads);
+    const DensePlan plan = dense_plan(args, num_threads);
     const int64_t num_tasks = (args.m + plan.m_block - 1) / plan.m_block * plan.panel_groups;
     ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
       kernels.run_bf16_task(args, plan, task);
@@ -119,7 +119,7 @@ void dense_matmul(const DenseMatmulArgs& args, int num_threads) {
   thread_local std::vector<float> converted;
   int64_t x_stride = 0;
   const float* x = float32_rows(args.dtype, args.x, args.m, args.k, args.x_stride, converted, &x_stride, num_threads);
-  const DensePlan plan = plan_tasks(args, num_threads);
+  const DensePlan plan = dense_plan(args, num_threads);
   const int64_t num_tasks = (args.m + plan.m_block - 1) / plan.m_block * plan.panel_groups;
   ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
     kernels.run_task(args, x, x_stride, plan, task);

@@ -37,6 +37,12 @@ struct DenseKernels {
 /// Compiled once with baseline flags (dense_matmul.cpp).
 void dense_store_out(const DenseMatmulArgs& args, int64_t row, int32_t col0, int32_t cols, const float* values);
 
+/// The entry points of the level set_cpu_isa selected (dense_matmul.cpp).
+const DenseKernels& selected_dense_kernels();
+
+/// How dense_matmul cuts `args` for `num_threads` threads: ceil(m / m_block) * panel_groups tasks.
+DensePlan dense_plan(const DenseMatmulArgs& args, int num_threads);
+
 namespace generic {
 extern const DenseKernels kDenseKernels;
 }

@@ -1,4 +1,5 @@
-// Fused RMSNorm (+ residual add, or per head), SiLU- and GELU(tanh)-and-multiply. Threads take
+// Fused RMSNorm (+ residual add, or per head), SiLU- and GELU(tanh)-and-multiply, a
+// sigmoid-gated add. Threads take
 // ranges of tokens. The float32 row loops are compiled for AVX-512, AVX2 and baseline (chosen
 // at load time) and, like rotary.cpp, without FMA contraction, so each product and sum is
 // rounded as torch's unfused operations round it. 16-bit rows go through float32 row buffers,
@@ -238,6 +239,29 @@ void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, int64_t t) {
   round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
 }
 
+float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+VPAGE_TARGET_CLONES
+void add_scaled(float* out, float s, const float* y, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] = out[i] + s * y[i];
+}
+
+void sigmoid_gated_add_f32(const SigmoidGatedAddArgs& a, int64_t t) {
+  add_scaled(static_cast<float*>(a.out) + t * a.d, sigmoid(static_cast<const float*>(a.gate)[t]),
+             static_cast<const float*>(a.y) + t * a.d, a.d);
+}
+
+template <class Codec>
+void sigmoid_gated_add_16(const SigmoidGatedAddArgs& a, int64_t t) {
+  uint16_t* out = static_cast<uint16_t*>(a.out) + t * a.d;
+  float* sum = row_buffer(0, a.d).data();
+  float* y = row_buffer(1, a.d).data();
+  load_row<Codec>(sum, out, a.d);
+  load_row<Codec>(y, static_cast<const uint16_t*>(a.y) + t * a.d, a.d);
+  add_scaled(sum, sigmoid(Codec::load(static_cast<const uint16_t*>(a.gate)[t])), y, a.d);
+  round_row<Codec>(sum, out, a.d);
+}
+
 template <class Args>
 void for_token_ranges(const Args& a, int num_threads, void (*f32)(const Args&, int64_t),
                       void (*f16)(const Args&, int64_t), void (*bf16)(const Args&, int64_t)) {
@@ -277,6 +301,14 @@ void gelu_tanh_and_mul(const GeluTanhAndMulArgs& args, int num_threads) {
               "gelu_tanh_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
   for_token_ranges(args, num_threads, &gelu_tanh_and_mul_f32, &gelu_tanh_and_mul_16<Half>,
                    &gelu_tanh_and_mul_16<BFloat16>);
+}
+
+void sigmoid_gated_add(const SigmoidGatedAddArgs& args, int num_threads) {
+  check_dtype(args.dtype, "sigmoid_gated_add");
+  VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
+              "sigmoid_gated_add: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
+  for_token_ranges(args, num_threads, &sigmoid_gated_add_f32, &sigmoid_gated_add_16<Half>,
+                   &sigmoid_gated_add_16<BFloat16>);
 }
 
 void rms_norm_heads(const RmsNormHeadsArgs& args, int num_threads) {

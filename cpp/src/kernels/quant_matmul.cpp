@@ -90,9 +90,39 @@ bool use_gemm_path(const QuantMatmulArgs& a) {
 // Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).
 constexpr int64_t kQuantizeRowsPerTask = 64;  // a multiple of the x group (4 rows)
 
-// x quantized for the integer paths, in thread_local buffers of the calling thread.
-QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, const float* x, int64_t x_stride,
-                      int num_threads) {
+void check_args(const QuantMatmulArgs& a) {
+  VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
+              "quant_matmul: unsupported quantization type " << static_cast<int32_t>(a.type)
+                                                             << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
+  VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
+              "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
+  const int32_t block = quant_block_values(a.type);
+  VPAGE_CHECK(a.m >= 0 && a.n >= 0 && a.k > 0 && a.k % block == 0 && a.x_stride >= a.k && a.out_stride >= a.n,
+              "quant_matmul: bad sizes (m " << a.m << ", n " << a.n << ", k " << a.k << " must be a positive multiple of "
+                                            << block << ", x_stride " << a.x_stride << ", out_stride " << a.out_stride
+                                            << ")");
+  VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
+              "quant_matmul: null pointer");
+}
+
+}  // namespace
+
+const QuantKernels& selected_quant_kernels() {
+  const char* name = selected_kernels().name;
+#if defined(VPAGE_X86_KERNELS)
+  if (std::strcmp(name, "avx512vnni") == 0) return avx512vnni::kQuantKernels;
+  if (std::strcmp(name, "avx512") == 0) return avx512::kQuantKernels;
+#if defined(VPAGE_AVX2VNNI_KERNELS)
+  if (std::strcmp(name, "avx2vnni") == 0) return avx2vnni::kQuantKernels;
+#endif
+  if (std::strcmp(name, "avx2") == 0) return avx2::kQuantKernels;
+#endif
+  (void)name;
+  return generic::kQuantKernels;
+}
+
+QuantizedX quant_quantize_x(const QuantMatmulArgs& a, const float* x, int64_t x_stride, int num_threads) {
+  const QuantKernels& kernels = selected_quant_kernels();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs, pairs;
   const int32_t blocks = a.k / 32;
@@ -120,37 +150,6 @@ QuantizedX quantize_x(const QuantMatmulArgs& a, const QuantKernels& kernels, con
   return qx;
 }
 
-const QuantKernels& selected_quant_kernels() {
-  const char* name = selected_kernels().name;
-#if defined(VPAGE_X86_KERNELS)
-  if (std::strcmp(name, "avx512vnni") == 0) return avx512vnni::kQuantKernels;
-  if (std::strcmp(name, "avx512") == 0) return avx512::kQuantKernels;
-#if defined(VPAGE_AVX2VNNI_KERNELS)
-  if (std::strcmp(name, "avx2vnni") == 0) return avx2vnni::kQuantKernels;
-#endif
-  if (std::strcmp(name, "avx2") == 0) return avx2::kQuantKernels;
-#endif
-  (void)name;
-  return generic::kQuantKernels;
-}
-
-void check_args(const QuantMatmulArgs& a) {
-  VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
-              "quant_matmul: unsupported quantization type " << static_cast<int32_t>(a.type)
-                                                             << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
-  VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
-              "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
-  const int32_t block = quant_block_values(a.type);
-  VPAGE_CHECK(a.m >= 0 && a.n >= 0 && a.k > 0 && a.k % block == 0 && a.x_stride >= a.k && a.out_stride >= a.n,
-              "quant_matmul: bad sizes (m " << a.m << ", n " << a.n << ", k " << a.k << " must be a positive multiple of "
-                                            << block << ", x_stride " << a.x_stride << ", out_stride " << a.out_stride
-                                            << ")");
-  VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
-              "quant_matmul: null pointer");
-}
-
-}  // namespace
-
 void quant_store_out(const QuantMatmulArgs& a, int64_t row, int32_t col0, int32_t cols, const float* values) {
   const int64_t offset = (row * a.out_stride + col0) * dtype_size(a.dtype);
   store_float32_row(a.dtype, static_cast<char*>(a.out) + offset, values, nullptr, cols);
@@ -171,40 +170,63 @@ void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, in
   }
 }
 
-void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
-  check_args(args);
-  if (args.m == 0 || args.n == 0) return;
+bool quant_integer_path(const QuantMatmulArgs& args) { return use_dot_path(args) || use_gemm_path(args); }
+
+QuantizedX quant_x_rows(const QuantizedX& qx, int32_t k, int64_t first_row) {
+  const int32_t blocks = k / 32;
+  return {qx.q + first_row * qx.q_stride, qx.q_stride, qx.d + first_row * blocks, qx.s + first_row * blocks,
+          qx.pairs + first_row / 4 * quant_x_group_floats(blocks)};
+}
+
+QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x, int64_t x_stride,
+                                    const QuantizedX& qx, int num_threads) {
+  QuantMatmulTasks tasks;
+  tasks.args = args;
+  tasks.x = x;
+  tasks.x_stride = x_stride;
+  tasks.qx = qx;
+  tasks.kernels = &selected_quant_kernels();
   num_threads = std::max(num_threads, 1);
-  const QuantKernels& kernels = selected_quant_kernels();
-  thread_local std::vector<float> converted;
-  int64_t x_stride = 0;
-  const float* x = float32_rows(args.dtype, args.x, args.m, args.k, args.x_stride, converted, &x_stride, num_threads);
-  if (use_dot_path(args) || use_gemm_path(args)) {
-    const QuantizedX qx = quantize_x(args, kernels, x, x_stride, num_threads);
+  if (quant_integer_path(args)) {
     const bool dot = use_dot_path(args);
-    const int32_t task_rows = dot ? dot_task_rows(args.n, num_threads) : kGemmTaskRows;
-    const QuantDotTaskFn run = dot ? kernels.run_dot_task : kernels.run_gemm_task;
-    const int64_t num_tasks = (args.n + task_rows - 1) / task_rows;
-    ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
-      run(args, qx, task_rows, task);
-    });
-    return;
+    tasks.integer_rows = dot ? dot_task_rows(args.n, num_threads) : kGemmTaskRows;
+    tasks.integer_task = dot ? tasks.kernels->run_dot_task : tasks.kernels->run_gemm_task;
+    tasks.num_tasks = (args.n + tasks.integer_rows - 1) / tasks.integer_rows;
+    return tasks;
   }
-  QuantPlan plan;
+  QuantPlan& plan = tasks.plan;
   if (args.m < kDecodeRows) {
-    plan.rows_per_task = kDecodeRowGroups * kernels.rows_multiple;
+    plan.rows_per_task = kDecodeRowGroups * tasks.kernels->rows_multiple;
     plan.k_chunk = kDecodeKChunk;
     plan.m_chunk = args.m;
   } else {
-    plan.rows_per_task = kPrefillPanels * kernels.panel_rows;
+    plan.rows_per_task = kPrefillPanels * tasks.kernels->panel_rows;
     plan.k_chunk = kPrefillKChunk;
     plan.m_chunk = kPrefillMChunk;
     plan.k_major = true;
   }
-  const int64_t num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
-  ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](int64_t task, int) {
-    kernels.run_task(args, x, x_stride, plan, task);
-  });
+  tasks.num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
+  return tasks;
+}
+
+void QuantMatmulTasks::run(int64_t task) const {
+  if (integer_task != nullptr) {
+    integer_task(args, qx, integer_rows, task);
+  } else {
+    kernels->run_task(args, x, x_stride, plan, task);
+  }
+}
+
+void quant_matmul(const QuantMatmulArgs& args, int num_threads) {
+  check_args(args);
+  if (args.m == 0 || args.n == 0) return;
+  num_threads = std::max(num_threads, 1);
+  thread_local std::vector<float> converted;
+  int64_t x_stride = 0;
+  const float* x = float32_rows(args.dtype, args.x, args.m, args.k, args.x_stride, converted, &x_stride, num_threads);
+  const QuantizedX qx = quant_integer_path(args) ? quant_quantize_x(args, x, x_stride, num_threads) : QuantizedX{};
+  const QuantMatmulTasks tasks = quant_matmul_tasks(args, x, x_stride, qx, num_threads);
+  ThreadPool::instance().parallel_for(tasks.num_tasks, num_threads, [&](int64_t task, int) { tasks.run(task); });
 }
 
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out) {

@@ -79,6 +79,44 @@ struct QuantKernels {
 /// with baseline flags (quant_matmul.cpp), so every ISA build shares its conversions.
 void quant_store_out(const QuantMatmulArgs& args, int64_t row, int32_t col0, int32_t cols, const float* values);
 
+/// The entry points of the level set_cpu_isa selected (quant_matmul.cpp).
+const QuantKernels& selected_quant_kernels();
+
+/// Whether `args` takes an integer path (32-value formats: x must be quantized first, by
+/// quant_quantize_x).
+bool quant_integer_path(const QuantMatmulArgs& args);
+
+/// x [args.m, args.k] (float32, row stride x_stride) quantized for the integer paths in
+/// args.type's pair layout, threads over rows. The buffers are thread_local to the calling
+/// thread: valid until its next call.
+QuantizedX quant_quantize_x(const QuantMatmulArgs& args, const float* x, int64_t x_stride, int num_threads);
+
+/// The view of quantized x from row `first_row` (a multiple of 4, the pair layout's group)
+/// on, for rows of `k` values.
+QuantizedX quant_x_rows(const QuantizedX& qx, int32_t k, int64_t first_row);
+
+/// One quantized matmul cut into tasks the way quant_matmul cuts it: run(task) for every
+/// task in [0, num_tasks), in any order, on any threads (the tasks write disjoint columns).
+struct QuantMatmulTasks {
+  QuantMatmulArgs args;
+  const float* x = nullptr;  // float32 [args.m, args.k], row stride x_stride (float paths)
+  int64_t x_stride = 0;
+  QuantizedX qx;             // integer paths
+  QuantPlan plan;            // float paths
+  const QuantKernels* kernels = nullptr;
+  QuantDotTaskFn integer_task = nullptr;  // the integer path's task, or nullptr (float paths)
+  int32_t integer_rows = 0;               // weight rows per integer task
+  int64_t num_tasks = 0;
+
+  /// Runs task `task`.
+  void run(int64_t task) const;
+};
+
+/// The tasks of `args` for `num_threads` threads, with x already float32 (and quantized on an
+/// integer path); args.x is ignored.
+QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x, int64_t x_stride,
+                                    const QuantizedX& qx, int num_threads);
+
 namespace generic {
 extern const QuantKernels kQuantKernels;
 }

@@ -47,6 +47,22 @@ void bind_cpu_kernels(py::module_& m) {
       "out = rms_norm(x) * weight per row; with residual != 0: residual += x first, then out =\n"
       "rms_norm(residual) * weight. Contiguous rows; out may be x.");
   m.def(
+      "_cpu_sigmoid_gated_add",
+      [](uintptr_t out, uintptr_t y, uintptr_t gate, int64_t num_tokens, int32_t d, int32_t dtype, int num_threads) {
+        SigmoidGatedAddArgs args;
+        args.out = ptr<void>(out);
+        args.y = ptr<const void>(y);
+        args.gate = ptr<const void>(gate);
+        args.num_tokens = num_tokens;
+        args.d = d;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::sigmoid_gated_add(args, num_threads);
+      },
+      py::arg("out"), py::arg("y"), py::arg("gate"), py::arg("num_tokens"), py::arg("d"), py::arg("dtype"),
+      py::arg("num_threads"),
+      "In place: out [num_tokens, d] += sigmoid(gate [num_tokens]) * y [num_tokens, d], contiguous rows.");
+  m.def(
       "_cpu_silu_and_mul",
       [](uintptr_t out, uintptr_t x, int64_t num_tokens, int32_t d, int32_t dtype, int num_threads) {
         SiluAndMulArgs args;

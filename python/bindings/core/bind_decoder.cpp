@@ -42,6 +42,19 @@ LinearWeights linear_of(const py::dict& d, const std::string& name) {
   return w;
 }
 
+// An expert stack's entries: <name>_data, <name>_expert_bytes, <name>_type (ggml type id, or
+// -1 for packed float panels), <name>_dtype (the panels').
+MoeExpertWeights experts_of(const py::dict& d, const std::string& name) {
+  MoeExpertWeights w;
+  w.data = ptr<const void>(field(d, (name + "_data").c_str()));
+  w.expert_bytes = field<int64_t>(d, (name + "_expert_bytes").c_str());
+  const int32_t type = field<int32_t>(d, (name + "_type").c_str());
+  w.quantized = type >= 0;
+  if (w.quantized) w.qtype = static_cast<QuantType>(type);
+  w.dtype = static_cast<DType>(field<int32_t>(d, (name + "_dtype").c_str()));
+  return w;
+}
+
 class CpuDecoder {
  public:
   CpuDecoder(const DecoderShape& shape, const std::vector<py::dict>& layers) : shape_(shape) {
@@ -54,8 +67,20 @@ class CpuDecoder {
       l.o = linear_of(d, "o");
       l.post_attention_norm = ptr<const void>(field(d, "post_attention_norm"));
       l.pre_feedforward_norm = ptr<const void>(field(d, "pre_feedforward_norm"));
-      l.gate_up = linear_of(d, "gate_up");
-      l.down = linear_of(d, "down");
+      if (shape.mlp == MlpKind::kSparseMoe) {
+        l.moe.router = linear_of(d, "router");
+        l.moe.w1 = experts_of(d, "w1");
+        l.moe.w3 = experts_of(d, "w3");
+        l.moe.w2 = experts_of(d, "w2");
+        if (shape.shared_intermediate_size > 0) {
+          l.moe.shared_gate_up = linear_of(d, "shared_gate_up");
+          l.moe.shared_down = linear_of(d, "shared_down");
+          l.moe.shared_gate = linear_of(d, "shared_gate");
+        }
+      } else {
+        l.gate_up = linear_of(d, "gate_up");
+        l.down = linear_of(d, "down");
+      }
       l.post_feedforward_norm = ptr<const void>(field(d, "post_feedforward_norm"));
       l.cos_sin = ptr<const float>(field(d, "cos_sin"));
       l.max_position = field<int64_t>(d, "max_position");
@@ -85,8 +110,14 @@ void bind_decoder(py::module_& m) {
       .def(py::init([](int32_t structure, int32_t activation, int32_t hidden_size, int32_t num_heads,
                        int32_t num_kv_heads, int32_t head_size, int32_t intermediate_size, float rms_norm_eps,
                        float head_norm_eps, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
-                       int32_t dtype, int32_t cache_dtype, const std::vector<py::dict>& layers) {
+                       int32_t dtype, int32_t cache_dtype, const std::vector<py::dict>& layers, int32_t mlp,
+                       int32_t num_experts, int32_t top_k, bool renormalize, int32_t shared_intermediate_size) {
              DecoderShape s;
+             s.mlp = static_cast<MlpKind>(mlp);
+             s.num_experts = num_experts;
+             s.top_k = top_k;
+             s.renormalize = renormalize;
+             s.shared_intermediate_size = shared_intermediate_size;
              s.structure = static_cast<DecoderStructure>(structure);
              s.activation = static_cast<MlpActivation>(activation);
              s.hidden_size = hidden_size;
@@ -104,7 +135,9 @@ void bind_decoder(py::module_& m) {
            py::arg("structure"), py::arg("activation"), py::arg("hidden_size"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_size"), py::arg("intermediate_size"), py::arg("rms_norm_eps"),
            py::arg("head_norm_eps"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
-           py::arg("dtype"), py::arg("cache_dtype"), py::arg("layers"),
+           py::arg("dtype"), py::arg("cache_dtype"), py::arg("layers"), py::arg("mlp") = 0,
+           py::arg("num_experts") = 0, py::arg("top_k") = 0, py::arg("renormalize") = false,
+           py::arg("shared_intermediate_size") = 0,
            "structure: 0 Llama, 1 Gemma (norms before and after each block); activation: 0 SiLU,\n"
            "1 GELU(tanh). layers: one dict per layer of pointers (ints; 0 = none where optional):\n"
            "input_norm, q_norm, k_norm (optional), post_attention_norm, pre_feedforward_norm and\n"
@@ -113,7 +146,11 @@ void bind_decoder(py::module_& m) {
            "type id, blocks) or <name>_dtype (packed dense), <name>_bias (float32, 0 = none); and values:\n"
            "max_position (rows of cos_sin), rotary_dim, attention_scale, sliding_window (0 = none),\n"
            "logits_soft_cap (0 = none). dtype (activations and norms) and cache_dtype: 0 float32,\n"
-           "1 float16, 2 bfloat16; GGUF blocks need float32 activations.")
+           "1 float16, 2 bfloat16; GGUF blocks need float32 activations. mlp: 0 gated (gate_up, down),\n"
+           "1 sparse MoE: router (a projection's entries) and the expert stacks w1, w3, w2 (<name>_data,\n"
+           "<name>_expert_bytes, <name>_type: ggml type id or -1 for packed float, <name>_dtype), routed\n"
+           "to top_k of num_experts, renormalize as fused_moe; with shared_intermediate_size, also\n"
+           "shared_gate_up, shared_down and shared_gate (projections' entries).")
       .def(
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,

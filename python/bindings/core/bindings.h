@@ -18,6 +18,7 @@ void bind_scheduler(pybind11::module_& m);    // bind_scheduler.cpp
 void bind_cpu_kernels(pybind11::module_& m);  // bind_cpu_kernels.cpp
 void bind_quant(pybind11::module_& m);        // bind_quant.cpp
 void bind_dense(pybind11::module_& m);        // bind_dense.cpp
+void bind_moe(pybind11::module_& m);          // bind_moe.cpp
 void bind_shm_allreduce(pybind11::module_& m);  // bind_shm_allreduce.cpp
 void bind_decoder(pybind11::module_& m);      // bind_decoder.cpp
 

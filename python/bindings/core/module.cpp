@@ -11,6 +11,7 @@ PYBIND11_MODULE(_core, m) {
   vpage::bindings::bind_cpu_kernels(m);
   vpage::bindings::bind_quant(m);
   vpage::bindings::bind_dense(m);
+  vpage::bindings::bind_moe(m);
   vpage::bindings::bind_shm_allreduce(m);
   vpage::bindings::bind_decoder(m);
 }

@@ -27,5 +27,6 @@ void bind_device(pybind11::module_& m);     // module.cpp
 void bind_attention(pybind11::module_& m);  // bind_attention.cpp
 void bind_cache_ops(pybind11::module_& m);  // bind_cache_ops.cpp
 void bind_token_bitmask(pybind11::module_& m);  // bind_token_bitmask.cpp
+void bind_moe(pybind11::module_& m);            // bind_moe.cpp
 
 }  // namespace vpage::cuda_bindings

@@ -1,8 +1,9 @@
-// One forward of a dense decoder on the CPU, with float32, bfloat16 or float16 activations and
+// One forward of a decoder on the CPU, with float32, bfloat16 or float16 activations and
 // every projection kept in a GGUF block format or packed float weights (dense_matmul.h): the
 // layers' kernels run back to back from C++, with nothing between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
 // and Gemma's (Gemma 2 and 3: a norm before and after each block); per layer a sliding
-// window, an attention logit soft-cap, per-head q/k norms and a rotary table of its own. They
+// window, an attention logit soft-cap, per-head q/k norms and a rotary table of its own; the
+// MLP part a gated MLP or a mixture of experts (router + fused_moe: Mixtral, Qwen3-MoE). They
 // are the kernels the Python model code calls one by one (RMSNorm, quant_matmul, per-head
 // RMSNorm, rotary, reshape_and_cache, paged attention, SiLU- or GELU-and-multiply), called in
 // the same order on the same arguments, so the hidden states are bitwise those of the
@@ -14,6 +15,7 @@
 
 #include "vpage/common.h"
 #include "vpage/kernels/dense_matmul.h"
+#include "vpage/kernels/fused_moe.h"
 #include "vpage/kernels/kernel_args.h"
 #include "vpage/kernels/quant_matmul.h"
 
@@ -46,6 +48,26 @@ enum class DecoderStructure : int32_t {
 /// The gated MLP's activation: silu(gate) * up or gelu_tanh(gate) * up.
 enum class MlpActivation : int32_t { kSilu = 0, kGeluTanh = 1 };
 
+/// What every layer's MLP part is.
+enum class MlpKind : int32_t {
+  kGated = 0,      // gate_up, the activation, down (LlamaMLP, GemmaMLP)
+  kSparseMoe = 1,  // a router, fused_moe's experts, optionally a shared expert (SparseMoeBlock)
+};
+
+/// A layer's mixture-of-experts block (MlpKind::kSparseMoe): router logits = x @ router^T in
+/// the activations' dtype, as float32, then fused_moe (SiLU experts) over the three stacks;
+/// with DecoderShape::shared_intermediate_size, plus sigmoid(shared_gate(x)) times the shared
+/// expert's gated SiLU MLP (sigmoid_gated_add).
+struct DecoderMoeWeights {
+  LinearWeights router;  // [num_experts, hidden_size]
+  MoeExpertWeights w1;   // gate: [num_experts][intermediate_size, hidden_size]
+  MoeExpertWeights w3;   // up: [num_experts][intermediate_size, hidden_size]
+  MoeExpertWeights w2;   // down: [num_experts][hidden_size, intermediate_size]
+  LinearWeights shared_gate_up;  // [2 shared_intermediate_size, hidden_size], or unused
+  LinearWeights shared_down;     // [hidden_size, shared_intermediate_size], or unused
+  LinearWeights shared_gate;     // [1, hidden_size], or unused
+};
+
 /// One decoder layer: its weights, its attention's settings and rotary table, and its KV
 /// cache (geometry in DecoderShape::cache).
 struct DecoderLayerWeights {
@@ -57,8 +79,9 @@ struct DecoderLayerWeights {
   LinearWeights o;                          // [hidden_size, num_heads head_size]
   const void* post_attention_norm = nullptr;     // [hidden_size]
   const void* pre_feedforward_norm = nullptr;    // [hidden_size]: kGemma only (nullptr for kLlama)
-  LinearWeights gate_up;                    // [2 intermediate_size, hidden_size]: gate rows, then up
-  LinearWeights down;                       // [hidden_size, intermediate_size]
+  LinearWeights gate_up;                    // [2 intermediate_size, hidden_size]: gate rows, then up (kGated)
+  LinearWeights down;                       // [hidden_size, intermediate_size] (kGated)
+  DecoderMoeWeights moe;                    // kSparseMoe
   const void* post_feedforward_norm = nullptr;   // [hidden_size]: kGemma only (nullptr for kLlama)
   const float* cos_sin = nullptr;  // [max_position, rotary_dim]: cos half, then sin half (RotaryArgs)
   int64_t max_position = 0;
@@ -78,7 +101,12 @@ struct DecoderShape {
   int32_t num_heads = 0;
   int32_t num_kv_heads = 0;
   int32_t head_size = 0;
-  int32_t intermediate_size = 0;
+  int32_t intermediate_size = 0;      // the MLP's, or each expert's (kSparseMoe)
+  MlpKind mlp = MlpKind::kGated;
+  int32_t num_experts = 0;            // kSparseMoe: FusedMoeArgs's routing
+  int32_t top_k = 0;
+  bool renormalize = false;
+  int32_t shared_intermediate_size = 0;  // kSparseMoe: the shared expert's (0: none)
   float rms_norm_eps = 1e-6f;         // of every [hidden_size] norm
   float head_norm_eps = 1e-6f;        // of the q/k norms
   const void* final_norm = nullptr;   // [hidden_size], dtype `dtype`

@@ -38,6 +38,17 @@ struct SiluAndMulArgs {
 /// out[t, i] = gelu_tanh(x[t, i]) * x[t, d + i]: the layout of SiluAndMulArgs.
 using GeluTanhAndMulArgs = SiluAndMulArgs;
 
+/// out[t, i] = out[t, i] + sigmoid(gate[t]) * y[t, i]: a gated branch joining a sum (Qwen2-MoE's
+/// shared expert joining the experts' output).
+struct SigmoidGatedAddArgs {
+  void* out = nullptr;         // [num_tokens, d], updated in place
+  const void* y = nullptr;     // [num_tokens, d]
+  const void* gate = nullptr;  // [num_tokens]: the sigmoid's argument per row
+  int64_t num_tokens = 0;
+  int32_t d = 0;
+  DType dtype = DType::kFloat32;  // of out, y and gate
+};
+
 /// In place, each of the first `num_heads` heads h of every row of `x` becomes
 /// rms_norm(h) * weight (per-head q/k norms); the rest of each row is untouched.
 struct RmsNormHeadsArgs {
@@ -71,6 +82,11 @@ void silu_and_mul(const SiluAndMulArgs& args, int num_threads);
 /// instead of ~0).
 /// Multi-threaded over token ranges. Throws vpage::CheckError on bad sizes.
 void gelu_tanh_and_mul(const GeluTanhAndMulArgs& args, int num_threads);
+
+/// s = 1 / (1 + exp(-gate)) in float32 (std::exp), out = dtype(out + s * y) with float32
+/// arithmetic and one rounding. Multi-threaded over token ranges.
+/// Throws vpage::CheckError on bad sizes.
+void sigmoid_gated_add(const SigmoidGatedAddArgs& args, int num_threads);
 
 /// Per head, exactly rms_norm's arithmetic on the head as a row (no residual).
 /// Multi-threaded over token ranges. Throws vpage::CheckError on bad sizes.

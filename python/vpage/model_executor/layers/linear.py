@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vpage import ops
+from vpage.model_executor.layers.fused_moe import ExpertStack
 from vpage.model_executor.layers.weight_utils import empty_parameter
 
 
@@ -76,7 +77,11 @@ class Embedding(DenseWeight):
 
 
 def pack_dense_weights(model: nn.Module) -> None:
-    """Packs every loaded float weight of ``model`` (on the CPU) for the CPU matmul kernel."""
+    """Packs every loaded float weight of ``model`` (on the CPU) for the CPU matmul kernels
+    (expert stacks for ``ops.fused_moe`` included)."""
     for module in model.modules():
         if isinstance(module, DenseWeight) and module.packed is None and module.weight.device.type == "cpu":
+            module.pack()
+        elif isinstance(module, ExpertStack) and module.packed is None and module.qtype is None and (
+                module.weight.device.type == "cpu"):
             module.pack()

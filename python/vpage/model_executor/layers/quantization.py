@@ -61,6 +61,17 @@ class QuantConfig:
             self.cut_blocks[key] = self.cut_blocks.get(key, 0) + 1
         return RowParallelLinear(in_features, out_features, bias, dtype)
 
+    def expert_qtype(self, prefix: str, cols: int, split_cols: bool) -> Optional[str]:
+        """The block format of expert stack ``prefix`` (rows of ``cols`` values; None: float).
+        A stack whose columns tensor parallelism splits (the down experts) stays float unless
+        each rank gets whole blocks, and is then listed in ``cut_blocks_message``."""
+        qtype = self.qtype(prefix, cols)
+        if qtype is None or not split_cols or tp_size() in block_splits(cols, qtype):
+            return qtype
+        key = (_LAYER_PREFIX.sub("", prefix), cols, qtype)
+        self.cut_blocks[key] = self.cut_blocks.get(key, 0) + 1
+        return None
+
     def embedding(self, prefix: str, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> nn.Module:
         qtype = self.qtype(prefix, hidden_size)
         if qtype is not None:

@@ -52,8 +52,9 @@ def hf_config_from_gguf(reader: Any, path: Path) -> Any:
 
     try:
         name = gguf_architecture(reader)
-        model_class = gguf_model_class(name)
-        kwargs = model_class.arch.gguf.config_fields(GgufMetadata(reader, name))
+        meta = GgufMetadata(reader, name)
+        model_class = gguf_model_class(name, meta)
+        kwargs = model_class.arch.gguf.config_fields(meta)
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from e
     # freq_factors is vpage's key (GGUF rope_freqs): set after transformers validated the others.

@@ -11,15 +11,21 @@ from typing import Any
 from vpage.model_executor.models.gemma2 import Gemma2ForCausalLM
 from vpage.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vpage.model_executor.models.llama import LlamaForCausalLM
+from vpage.model_executor.models.mixtral import MixtralForCausalLM
 from vpage.model_executor.models.phi3 import Phi3ForCausalLM
 from vpage.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vpage.model_executor.models.qwen3 import Qwen3ForCausalLM
+from vpage.model_executor.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 _MODELS: tuple[type[LlamaForCausalLM], ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
-                                               Gemma2ForCausalLM, Gemma3ForCausalLM)
+                                               Gemma2ForCausalLM, Gemma3ForCausalLM, MixtralForCausalLM,
+                                               Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
 
 _BY_NAME = {name: cls for cls in _MODELS for name in cls.arch.architectures}
-_BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS if cls.arch.gguf is not None}
+_BY_GGUF_NAME = {cls.arch.gguf.name: cls for cls in _MODELS
+                 if cls.arch.gguf is not None and cls.arch.gguf.matches is None}
+# Classes sharing another's GGUF architecture name, told apart by the file's metadata.
+_GGUF_VARIANTS = tuple(cls for cls in _MODELS if cls.arch.gguf is not None and cls.arch.gguf.matches is not None)
 _BY_MODEL_TYPE = {model_type: arch for cls in _MODELS for model_type, arch in cls.arch.model_types.items()}
 
 
@@ -49,9 +55,13 @@ def architecture_of(hf_config: Any) -> str:
     return _BY_MODEL_TYPE[model_type]
 
 
-def gguf_model_class(name: str) -> type[LlamaForCausalLM]:
+def gguf_model_class(name: str, meta: Any = None) -> type[LlamaForCausalLM]:
     """The class of a GGUF file whose ``general.architecture`` is ``name`` (its description in
-    ``arch.gguf``); ValueError naming the supported GGUF architectures otherwise."""
+    ``arch.gguf``), a variant whose ``matches(meta)`` holds first (Mixtral among "llama" files);
+    ValueError naming the supported GGUF architectures otherwise."""
+    for variant in _GGUF_VARIANTS:
+        if meta is not None and variant.arch.gguf.name == name and variant.arch.gguf.matches(meta):
+            return variant
     cls = _BY_GGUF_NAME.get(name)
     if cls is None:
         raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {sorted(_BY_GGUF_NAME)}")

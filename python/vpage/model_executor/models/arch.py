@@ -146,6 +146,9 @@ class GgufArch:
     # (Hugging Face name, tensor) -> the tensor as the Hugging Face checkpoint holds it, undoing
     # what the converter changed beyond names and the Q/K permutation (Gemma: norms stored + 1).
     tensor_transform: Optional[Callable[[str, Any], Any]] = None
+    # For a variant of another class's architecture name (Mixtral: "llama" with experts): whether
+    # a file's metadata is this variant's. None: the class the name stands for.
+    matches: Optional[Callable[[GgufMetadata], bool]] = None
 
 
 @dataclass(frozen=True)

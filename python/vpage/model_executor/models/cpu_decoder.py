@@ -3,7 +3,8 @@ the CPU.
 
 It implements two layer structures (``cpu_decoder_structure`` of the model class):
 "llama", the pre-norm decoder layer (RMSNorm with the residual add fused in, fused QKV with
-optional biases, optional per-head q/k RMSNorm, rotary, paged attention, gated MLP), and
+optional biases, optional per-head q/k RMSNorm, rotary, paged attention, gated MLP or a
+mixture of experts: router, ``ops.fused_moe``, optionally a sigmoid-gated shared expert), and
 "gemma", Gemma's layer (a norm before and after attention and MLP, the post-norms' outputs
 joining the residual stream), each layer with its own sliding window, logit soft-cap and
 rotary table (partial rotary included). A module runs on it only when its class states, in its
@@ -33,6 +34,7 @@ from vpage._ops_cpu import DTYPE_CODES
 from vpage.distributed.parallel_state import tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
+from vpage.model_executor.layers.fused_moe import ExpertStack, FusedMoE
 from vpage.model_executor.layers.linear import DenseWeight
 from vpage.model_executor.layers.quant_linear import QuantizedLinear
 from vpage.model_executor.layers.rotary import RotaryEmbedding
@@ -69,8 +71,13 @@ _NORM_FIELDS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "po
 # ops.rms_norm_heads_ before the rotary (Qwen3, Gemma 3).
 _ATTENTION_CHILDREN = {"attention": {"qkv_proj", "o_proj", "attn"},
                        "attention_qk_norm": {"qkv_proj", "o_proj", "attn", "q_norm", "k_norm"}}
-# MLP role (one for every layer) -> MlpActivation in decoder_forward.h
-_ACTIVATION_CODES = {"silu_mlp": 0, "gelu_tanh_mlp": 1}
+# MLP role (one for every layer) -> MlpActivation in decoder_forward.h (a mixture of experts:
+# SiLU experts); -> its child modules; -> MlpKind.
+_ACTIVATION_CODES = {"silu_mlp": 0, "gelu_tanh_mlp": 1, "sparse_moe": 0}
+_GATED = frozenset({"gate_up_proj", "down_proj"})
+_MLP_CHILDREN = {"silu_mlp": (_GATED,), "gelu_tanh_mlp": (_GATED,),
+                 "sparse_moe": ({"gate", "experts"}, {"gate", "experts", "shared_expert", "shared_expert_gate"})}
+_MLP_KINDS = {"silu_mlp": 0, "gelu_tanh_mlp": 0, "sparse_moe": 1}
 
 
 def has_loop_structure(model: Any) -> bool:
@@ -98,7 +105,15 @@ def _is_loop_layer(layer: nn.Module, structure: _Structure) -> bool:
         return False
     if "q_norm" in children and not role_of(attn.q_norm) == role_of(attn.k_norm) == "rms_norm":
         return False
-    return role_of(mlp) in _ACTIVATION_CODES and set(mlp._modules) == {"gate_up_proj", "down_proj"}
+    if set(mlp._modules) not in _MLP_CHILDREN.get(role_of(mlp), ()):
+        return False
+    if role_of(mlp) != "sparse_moe":
+        return True
+    if type(mlp.experts) is not FusedMoE or not isinstance(mlp.gate, DenseWeight):
+        return False
+    shared = mlp.shared_expert
+    return shared is None or (role_of(shared) == "silu_mlp" and set(shared._modules) == _GATED
+                              and isinstance(mlp.shared_expert_gate, DenseWeight))
 
 
 def _layer_rotaries(model: Any) -> list[Any]:
@@ -123,6 +138,50 @@ def _linear_fields(name: str, layer: nn.Module) -> dict[str, int]:
     bias = layer.packed_bias
     return {f"{name}_weight": layer.packed.data_ptr(), f"{name}_format": 1,
             f"{name}_dtype": DTYPE_CODES[layer.packed.dtype], f"{name}_bias": 0 if bias is None else bias.data_ptr()}
+
+
+def _expert_fields(name: str, stack: ExpertStack) -> dict[str, int]:
+    """An expert stack's entries: GGUF block rows (its ggml type) or packed float panels (-1)."""
+    weights = stack.kernel_weights()
+    return {f"{name}_data": weights.data_ptr(), f"{name}_expert_bytes": weights.stride(0) * weights.element_size(),
+            f"{name}_type": -1 if stack.qtype is None else stack.type_id,
+            f"{name}_dtype": DTYPE_CODES.get(weights.dtype, 0)}
+
+
+def _mlp_fields(mlp: nn.Module) -> dict[str, int]:
+    if role_of(mlp) == "sparse_moe":
+        experts, shared = mlp.experts, mlp.shared_expert
+        fields = {**_linear_fields("router", mlp.gate), **_expert_fields("w1", experts.w1),
+                  **_expert_fields("w3", experts.w3), **_expert_fields("w2", experts.w2)}
+        if shared is not None:
+            fields.update({**_linear_fields("shared_gate_up", shared.gate_up_proj),
+                           **_linear_fields("shared_down", shared.down_proj),
+                           **_linear_fields("shared_gate", mlp.shared_expert_gate)})
+        return fields
+    return {**_linear_fields("gate_up", mlp.gate_up_proj), **_linear_fields("down", mlp.down_proj)}
+
+
+def _mlp_shape(mlp: nn.Module) -> tuple:
+    """What every layer's MLP must share: (intermediate size, experts, top_k, renormalize, the
+    shared expert's intermediate size)."""
+    if role_of(mlp) == "sparse_moe":
+        experts, shared = mlp.experts, mlp.shared_expert
+        return (experts.w1.rows, experts.num_experts, experts.top_k, experts.renormalize,
+                0 if shared is None else shared.intermediate_size)
+    return mlp.intermediate_size, 0, 0, False, 0
+
+
+def _loop_mlp(mlp: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the loop runs ``mlp``'s projections: the gated MLP's, or the router's and the
+    experts' (GGUF blocks, or float experts already packed)."""
+    if role_of(mlp) != "sparse_moe":
+        return _loop_projection(mlp.gate_up_proj, dtype) and _loop_projection(mlp.down_proj, dtype)
+    stacks = (mlp.experts.w1, mlp.experts.w3, mlp.experts.w2)
+    projections = [mlp.gate]
+    if mlp.shared_expert is not None:
+        projections += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
+    return (all(_loop_projection(p, dtype) for p in projections)
+            and all(s.qtype is not None or s.packed is not None for s in stacks))
 
 
 def _loop_projection(layer: nn.Module, dtype: torch.dtype) -> bool:
@@ -159,11 +218,11 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
     attn0, mlp0 = layers[0].self_attn, layers[0].mlp
     for layer, rotary in zip(layers, _layer_rotaries(model)):
         attn, mlp = layer.self_attn, layer.mlp
-        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(_loop_projection(p, dtype) for p in parts):
+        if not (_loop_projection(attn.qkv_proj, dtype) and _loop_projection(attn.o_proj, dtype)
+                and _loop_mlp(mlp, dtype)):
             return False
-        if ((attn.num_heads, attn.num_kv_heads, attn.head_size, mlp.intermediate_size)
-                != (attn0.num_heads, attn0.num_kv_heads, attn0.head_size, mlp0.intermediate_size)):
+        if ((attn.num_heads, attn.num_kv_heads, attn.head_size, _mlp_shape(mlp))
+                != (attn0.num_heads, attn0.num_kv_heads, attn0.head_size, _mlp_shape(mlp0))):
             return False
         # None for rope kinds without a static table (longrope, dynamic)
         cos_sin = rotary.cos_sin
@@ -197,8 +256,7 @@ class CpuDecoder:
                 "sliding_window": 0 if window is None else min(int(window), _INT32_MAX),
                 "logits_soft_cap": 0.0 if cap is None else float(cap),
                 "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
-                **_linear_fields("qkv", attn.qkv_proj), **_linear_fields("o", attn.o_proj),
-                **_linear_fields("gate_up", mlp.gate_up_proj), **_linear_fields("down", mlp.down_proj),
+                **_linear_fields("qkv", attn.qkv_proj), **_linear_fields("o", attn.o_proj), **_mlp_fields(mlp),
             })
         num_blocks, _, _, block_size = kv_caches[0][1].shape
         norm = model.model.norm
@@ -206,14 +264,16 @@ class CpuDecoder:
         self.hidden_size = norm.weight.shape[0]
         self.dtype = model.dtype
         self.kv_caches = kv_caches
+        intermediate_size, num_experts, top_k, renormalize, shared_intermediate_size = _mlp_shape(mlp0)
         self._decoder = _core._CpuDecoder(
             structure=structure.code, activation=_ACTIVATION_CODES[role_of(mlp0)], hidden_size=self.hidden_size,
             num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads, head_size=attn0.head_size,
-            intermediate_size=mlp0.intermediate_size, rms_norm_eps=norm.eps,
+            intermediate_size=intermediate_size, rms_norm_eps=norm.eps,
             head_norm_eps=head_norms[0].eps if head_norms else norm.eps, final_norm=norm.weight.data_ptr(),
             num_blocks=num_blocks, block_size=block_size, dtype=DTYPE_CODES[model.dtype],
             cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
-            layers=entries)
+            layers=entries, mlp=_MLP_KINDS[role_of(mlp0)], num_experts=num_experts, top_k=top_k,
+            renormalize=renormalize, shared_intermediate_size=shared_intermediate_size)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token
