@@ -40,7 +40,7 @@ def test_a_failing_commit_changes_nothing():
     plan = s.schedule()
     ids = plan.sample_seq_ids.copy()
     used = s.usage().free_gpu_blocks
-    for bad_ids, bad_tokens, needle in [([ids[0], 999], [1, 1], "never issued"), ([ids[0]] * 2, [1, 1], "twice"),
+    for bad_ids, bad_tokens, needle in [([ids[0], 999], [1, 1], "never issued"), ([ids[0]] * 2, [1, 1], "2 tokens for 0 drafts"),
                                         ([ids[0]], [-5], "negative token")]:
         with pytest.raises(ValueError, match=needle):
             s.commit(np.array(bad_ids, dtype=np.int64), np.array(bad_tokens, dtype=np.int32))
