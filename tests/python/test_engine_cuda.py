@@ -242,3 +242,20 @@ def test_memory_profiling_sizes_the_cache_and_names_the_knobs():
     for knob in ("max_num_batched_tokens", "max_model_len", "dtype", "tensor_parallel_size"):
         assert knob in str(error.value)
     _free_cuda()
+
+
+@requires_cuda
+def test_cuda_speculative_decoding_matches_plain_decoding():
+    # Draft rows run eagerly, each token its own decode query; the output is plain decoding's.
+    plain = _llm()
+    expected = _greedy(plain)
+    del plain
+    _free_cuda()
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
+                 {"model": "smollm2", "num_speculative_tokens": 3}):
+        llm = _llm(speculative_config=spec)
+        assert _greedy(llm) == expected, spec
+        stats = llm.engine.get_stats()
+        assert stats.spec_decode_num_draft_tokens > 0, spec
+        del llm
+        _free_cuda()

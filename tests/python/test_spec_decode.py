@@ -171,6 +171,12 @@ def test_default_model_copies_with_drafts():
     fast = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    # The model as its own draft (its GGUF file twice): greedy drafts are the greedy tokens.
+    llm = LLM(speculative_config={"model": "smollm2", "num_speculative_tokens": 3})
+    fast = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert fast.token_ids == plain.token_ids
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0.9 * stats.spec_decode_num_draft_tokens
 
 
 @pytest.mark.parametrize("variant", [
