@@ -109,8 +109,9 @@ def start_llama_server(args, slots: int) -> tuple[subprocess.Popen, str]:
     port = 18080
     cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", args.model, "--host", "127.0.0.1", "--port",
            str(port), "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-cb",
-           "-c", str(slots * _PER_SLOT_CONTEXT), "-fa", "on", "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "-c", str(slots * _PER_SLOT_CONTEXT), "-fa", "on", "--no-webui"] + (["--no-repack"] if args.no_repack else [])
+    env = dict(os.environ, LD_LIBRARY_PATH=args.llama_bin)  # prebuilt binaries keep their libraries beside them
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     wait_http(f"http://127.0.0.1:{port}/health")
     return proc, f"http://127.0.0.1:{port}/v1"
 
@@ -151,7 +152,8 @@ def serve_rows(args) -> list[dict]:
 def llama_bench_single(args) -> float:
     out = subprocess.run([os.path.join(args.llama_bin, "llama-bench"), "-m", args.model, "-p", "0", "-n", "128",
                           "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
+                         capture_output=True, text=True, check=True,
+                         env=dict(os.environ, LD_LIBRARY_PATH=args.llama_bin)).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
@@ -215,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="single-stream repetitions")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma list of parts to skip: serving, single")
+    p.add_argument("--no-repack", action="store_true",
+                   help="llama-server --no-repack (its AMX kernels crash on VMs that do not grant AMX state)")
     p.add_argument("--markdown", default=None)
     args = p.parse_args(argv)
     if args.model is None:
