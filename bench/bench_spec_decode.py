@@ -30,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -168,7 +169,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="draft tokens at most (both systems)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every system (the best is reported)")
-    parser.add_argument("--work-dir", default="/tmp/vpage-bench-spec", help="where the float32 copies go")
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "vpage-bench-spec"),
+                        help="where the float32 copies go")
     parser.add_argument("--no-repack", action="store_true",
                         help="llama-server --no-repack (its AMX kernels crash on VMs that do not grant AMX state)")
     parser.add_argument("--markdown", default=None)
