@@ -153,18 +153,20 @@ def test_integer_gemm_against_float64(qtype, n, k):
 
 
 @pytest.mark.parametrize("qtype", INTEGER_TYPES)
-def test_integer_gemm_rows_equal_single_rows_bitwise(qtype):
+@pytest.mark.parametrize("n", [1, 6, 70, 1560])
+def test_integer_gemm_rows_equal_single_rows_bitwise(qtype, n):
     # Every (weight row, x row) pair runs the same arithmetic in both integer paths, whatever m,
-    # task split or thread count: a row of a batch equals that row alone (the decode path), bit
-    # for bit, and 1 thread equals 2.
-    n, k = 70, 96 * 3  # 9 blocks: an odd block count
+    # task split (the decode path's tasks read their quarters side by side: n = 6 leaves a
+    # stream empty, 70 and 1560 make ragged last tasks) or thread count: a row of a batch equals
+    # that row alone (the decode path), bit for bit, and 1 thread equals 2 and 3.
+    k = 96 * 3  # 9 blocks: an odd block count
     qweight, _ = _weights(qtype, n, k, seed=5)
     x = torch.randn(257, k, generator=torch.Generator().manual_seed(6))
     single = torch.cat([ops.quant_matmul(x[i:i + 1], qweight, qtype, n, k) for i in range(x.shape[0])])
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 3):
             ops.set_num_threads(threads)
-            for m in (17, 64, 257):
+            for m in (2, 5, 16, 17, 64, 257):
                 out = ops.quant_matmul(x[:m], qweight, qtype, n, k, out=_poisoned(m, n))
                 assert torch.equal(out, single[:m]), (threads, m)
     finally:

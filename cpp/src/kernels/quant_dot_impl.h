@@ -29,6 +29,7 @@
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 
 constexpr int kXRowsPerPass = 4;  // x rows whose accumulators stay in registers together
+constexpr int kDotStreams = 4;    // weight rows per decode tile, one from each quarter of a task
 
 // Where byte j (0..31) of x block b sits within its row of QuantizedX::q (pair order above).
 inline int64_t x_byte_offset(int32_t b, int32_t j) { return (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16; }
@@ -110,12 +111,13 @@ constexpr int32_t block_bytes() {
 // and combination this costs 2 maddubs and a quarter each of madd, cvt, mul and the two FMAs,
 // against 7 multiply-class uops when each combination was scaled on its own.
 //
-// Software prefetch: each step touches the weights kPrefetchTiles tiles ahead (the rows NW *
-// kPrefetchTiles further on, possibly past the matrix: a prefetch never faults). The hardware
-// prefetcher alone does not keep up with rows read side by side (weights from memory, Zen 3,
-// one thread, m = 1: Q8_0 16-18 -> 8 cycles per block, Q4_1 k = 1536 11-13 -> 5-6).
-constexpr int kPrefetchTiles = 1;
+// Software prefetch: each step touches every tile row kPrefetchRows rows further on in its
+// stream (see run_dot_task_typed; possibly past the matrix: a prefetch never faults). The
+// hardware prefetcher alone does not keep up with rows read side by side (weights from memory,
+// Zen 3, one thread, m = 1: Q8_0 16-18 -> 8 cycles per block, Q4_1 k = 1536 11-13 -> 5-6).
+constexpr int kPrefetchRows = 1;
 constexpr int kCombos = 4;  // (weight row, x row) combinations per vector
+static_assert(kCombos == kDotStreams, "a decode tile's rows fill one vector's combinations");
 
 // The byte dot product: sums of 4 adjacent unsigned x signed byte products added to int32
 // lanes. With VNNI (the avx512vnni and avx2vnni builds) one vpdpbusd; VPAGE_EMULATE_VNNI gives
@@ -294,12 +296,12 @@ inline __m256 spread_lane(const float* group_floats, int lane) {
                                                                                    lane + 4, lane + 4, lane + 4));
 }
 
-// Decode tile: weight rows rows[0..4) (pointers to their first block; a short tile repeats a
-// row and drops its results) against x rows [0, MR) of one x group (xq: the group's first
+// Decode tile: weight rows rows[0..4) (pointers to their first block; a row may repeat, its
+// results unused) against x rows [0, MR) of one x group (xq: the group's first
 // row, x_stride bytes apart; xp: the group's pair floats). out[r * out_stride + i].
 template <QuantType T, int MR>
 inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32_t blocks, const int8_t* xq,
-                     int64_t x_stride, const float* xp, float* out, int out_stride, int num_rows) {
+                     int64_t x_stride, const float* xp, float* out, int out_stride) {
   constexpr int32_t kBytes = block_bytes<T>();
   LaneSums acc[MR];
   auto step = [&](auto full, int32_t b) {
@@ -333,68 +335,77 @@ inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32
   for (int i = 0; i < MR; ++i) {
     alignas(16) float lanes[kCombos];
     _mm_store_ps(lanes, lane_results(acc[i]));
-    for (int r = 0; r < num_rows; ++r) out[r * out_stride + i] = lanes[r];
+    for (int r = 0; r < kCombos; ++r) out[r * out_stride + i] = lanes[r];
   }
 }
 
-// values [rows, mr]: weight rows [0, rows) against x rows [i0, i0 + mr), i0 a multiple of
-// kCombos (one x group), mr <= kXRowsPerPass.
+// values [tiles, kCombos, mr]: tile j's rows stream[s] + (t0 + j) * row_bytes (s < kCombos; a
+// stream without that row, stream_rows[s] <= t0 + j, repeats stream 0's row and its results are
+// not used) against x rows [i0, i0 + mr), i0 a multiple of kCombos (one x group), mr <= kXRowsPerPass.
 template <QuantType T>
-inline void dot_block_of_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const QuantizedX& x,
-                              int64_t i0, int mr, float* values) {
+inline void dot_tiles(const uint8_t* const stream[kDotStreams], const int32_t stream_rows[kDotStreams], int64_t row_bytes,
+                      int32_t t0, int32_t tiles, int32_t blocks, const QuantizedX& x, int64_t i0, int mr, float* values) {
   static_assert(kXRowsPerPass == kCombos, "a pass covers one x group");
   const int8_t* xq = x.q + i0 * x.q_stride;
   const float* xp = x.pairs + (i0 / kCombos) * quant_x_group_floats(blocks);
-  const int64_t prefetch = kPrefetchTiles * kCombos * row_bytes;
-  for (int32_t r0 = 0; r0 < rows; r0 += kCombos) {
-    const int num_rows = std::min(kCombos, rows - r0);
+  const int64_t prefetch = kPrefetchRows * row_bytes;
+  for (int32_t j = 0; j < tiles; ++j) {
+    const int32_t t = t0 + j;
     const uint8_t* tile[kCombos];
-    for (int r = 0; r < kCombos; ++r) tile[r] = w + (r0 + std::min(r, num_rows - 1)) * row_bytes;
-    float* out = values + r0 * mr;
+    for (int s = 0; s < kCombos; ++s) tile[s] = (t < stream_rows[s] ? stream[s] : stream[0]) + t * row_bytes;
+    float* out = values + j * kCombos * mr;
     switch (mr) {
-      case 1: dot_tile<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1, num_rows); break;
-      case 2: dot_tile<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2, num_rows); break;
-      case 3: dot_tile<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3, num_rows); break;
-      default: dot_tile<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4, num_rows); break;
+      case 1: dot_tile<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1); break;
+      case 2: dot_tile<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2); break;
+      case 3: dot_tile<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3); break;
+      default: dot_tile<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4); break;
     }
   }
 }
 #else
 template <QuantType T>
-inline void dot_block_of_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks, const QuantizedX& x,
-                              int64_t i0, int mr, float* values) {
-  for (int32_t r = 0; r < rows; ++r) {
-    const uint8_t* row = w + r * row_bytes;
-    float* out = values + r * mr;
-    for (int i = 0; i < mr; ++i) out[i] = 0.0f;
-    for (int32_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
-      const float dw = load_f16(blk);
-      for (int i = 0; i < mr; ++i) {
-        const int8_t* xq = x.q + (i0 + i) * x.q_stride;
-        const int64_t xb = (i0 + i) * blocks + b;
-        int32_t dot = 0;
-        if constexpr (T == QuantType::kQ8_0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-          for (int j = 0; j < 32; ++j) dot += q[j] * xq[x_byte_offset(b, j)];
-        } else {
-          const uint8_t* qs = blk + (T == QuantType::kQ4_1 ? 4 : 2);
-          for (int j = 0; j < 16; ++j) {
-            dot += (qs[j] & 15) * xq[x_byte_offset(b, j)] + (qs[j] >> 4) * xq[x_byte_offset(b, j + 16)];
+inline void dot_tiles(const uint8_t* const stream[kDotStreams], const int32_t stream_rows[kDotStreams], int64_t row_bytes,
+                      int32_t t0, int32_t tiles, int32_t blocks, const QuantizedX& x, int64_t i0, int mr, float* values) {
+  for (int32_t j = 0; j < tiles; ++j) {
+    for (int st = 0; st < kDotStreams; ++st) {
+      if (t0 + j >= stream_rows[st]) continue;
+      const uint8_t* row = stream[st] + (t0 + j) * row_bytes;
+      float* out = values + (j * kDotStreams + st) * mr;
+      for (int i = 0; i < mr; ++i) out[i] = 0.0f;
+      for (int32_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
+        const float dw = load_f16(blk);
+        for (int i = 0; i < mr; ++i) {
+          const int8_t* xq = x.q + (i0 + i) * x.q_stride;
+          const int64_t xb = (i0 + i) * blocks + b;
+          int32_t dot = 0;
+          if constexpr (T == QuantType::kQ8_0) {
+            const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+            for (int v = 0; v < 32; ++v) dot += q[v] * xq[x_byte_offset(b, v)];
+          } else {
+            const uint8_t* qs = blk + (T == QuantType::kQ4_1 ? 4 : 2);
+            for (int v = 0; v < 16; ++v) {
+              dot += (qs[v] & 15) * xq[x_byte_offset(b, v)] + (qs[v] >> 4) * xq[x_byte_offset(b, v + 16)];
+            }
           }
+          out[i] += dw * x.d[xb] * static_cast<float>(dot);
+          if constexpr (T == QuantType::kQ4_1) out[i] += load_f16(blk + 2) * x.s[xb];
+          if constexpr (T == QuantType::kQ4_0) out[i] -= 8.0f * dw * x.s[xb];
         }
-        out[i] += dw * x.d[xb] * static_cast<float>(dot);
-        if constexpr (T == QuantType::kQ4_1) out[i] += load_f16(blk + 2) * x.s[xb];
-        if constexpr (T == QuantType::kQ4_0) out[i] -= 8.0f * dw * x.s[xb];
       }
     }
   }
 }
 #endif
 
-// Weight rows are taken kDotRowChunk at a time, and each chunk meets all x rows (kXRowsPerPass
-// at a time) while it is in L1.
-constexpr int32_t kDotRowChunk = 16;
+// A task's weight rows are read as kDotStreams streams, its quarters, and a tile takes one row
+// from each: rows side by side in memory would put up to four read streams in one 4 KiB page,
+// and the L2 streamer follows one per page (weights from memory, one thread, Q4_1 at
+// k = 2048: 10.9 GB/s with consecutive rows against 14.6 at k = 8192, whose 5 KiB rows keep
+// one stream per page). kDotChunkTiles tiles are taken at a time, and each chunk meets all x
+// rows (kXRowsPerPass at a time) while it is in L1. Which rows share a tile changes nothing
+// in a row's result.
+constexpr int32_t kDotChunkTiles = 4;
 
 template <QuantType T>
 inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
@@ -402,18 +413,28 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
   const int32_t rows = std::min(rows_per_task, a.n - n0);
   const int32_t blocks = a.k / 32;
   const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
+  const int32_t quarter = (rows + kDotStreams - 1) / kDotStreams;  // tiles; the last streams may be shorter
+  const uint8_t* stream[kDotStreams];
+  int32_t stream_rows[kDotStreams];
+  for (int s = 0; s < kDotStreams; ++s) {
+    stream[s] = a.weight + (n0 + static_cast<int64_t>(s) * quarter) * row_bytes;
+    stream_rows[s] = std::max(0, std::min(quarter, rows - s * quarter));
+  }
   thread_local std::vector<float> out_buffer;  // [m, rows_per_task] for quant_store_out
   out_buffer.resize(static_cast<size_t>(a.m) * rows_per_task);
   float* out_rows = out_buffer.data();
-  float values[kDotRowChunk * kXRowsPerPass];
-  for (int32_t r0 = 0; r0 < rows; r0 += kDotRowChunk) {
-    const int32_t chunk = std::min(kDotRowChunk, rows - r0);
-    const uint8_t* w = a.weight + (n0 + r0) * row_bytes;
+  float values[kDotChunkTiles * kDotStreams * kXRowsPerPass];
+  for (int32_t t0 = 0; t0 < quarter; t0 += kDotChunkTiles) {
+    const int32_t tiles = std::min(kDotChunkTiles, quarter - t0);
     for (int64_t i0 = 0; i0 < a.m; i0 += kXRowsPerPass) {
       const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
-      dot_block_of_rows<T>(w, row_bytes, chunk, blocks, x, i0, mr, values);
-      for (int32_t r = 0; r < chunk; ++r) {
-        for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + r0 + r] = values[r * mr + i];
+      dot_tiles<T>(stream, stream_rows, row_bytes, t0, tiles, blocks, x, i0, mr, values);
+      for (int32_t j = 0; j < tiles; ++j) {
+        for (int s = 0; s < kDotStreams; ++s) {
+          if (t0 + j >= stream_rows[s]) continue;
+          const float* v = values + (j * kDotStreams + s) * mr;
+          for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + s * quarter + t0 + j] = v[i];
+        }
       }
     }
   }
