@@ -17,7 +17,9 @@ serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage benc
           (-cb), a context of slots x per-slot context, flash attention on.
 single    one stream of 128 generated tokens with no prompt: ``llama-bench -p 0 -n 128``
           against vpage's engine generating 128 tokens after a one-token prompt (tok/s of
-          the whole generate call).
+          the whole generate call), each also as a share of the weight-streaming limit:
+          the machine's read bandwidth (measured in the run) over the file's weight bytes
+          per token (bench/memory_bandwidth.py).
 
 Both sides use --threads threads and a float16 KV cache (llama.cpp's default; vpage's
 --kv-cache-dtype). Prints the CPU model and vpage's instruction set.
@@ -190,10 +192,14 @@ def markdown(args, header: str, rows: list[dict], single: dict) -> str:
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['completed']}/{r['requests']} | {r['output_throughput']:.1f} | "
                      f"{ratio:.2f}x | {percentiles(r, 'ttft_ms', 1e-3)} | {percentiles(r, 'tpot_ms', 1.0)} | "
                      f"{r['peak_rss_mb']:.0f} |")
-    lines += ["", "| single stream, 128 tokens | tok/s | ratio |", "|---|---:|---:|"]
+    limit = args.read_bandwidth * 1e9 / args.weight_bytes
+    lines += ["", f"| single stream, 128 tokens | tok/s | ratio | of the limit ({limit:.1f} tok/s) |", "|---|---:|---:|---:|"]
     base = single.get("llama-bench")
     for name, rate in single.items():
-        lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x |")
+        lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x | {rate / limit:.0%} |")
+    lines += ["", f"The limit: {args.weight_bytes / 1e9:.3f} GB of weights per token (bench/memory_bandwidth.py) "
+              f"read at {args.read_bandwidth:.1f} GB/s, this machine's read bandwidth on {args.threads} threads "
+              "measured in the same run."]
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +237,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from vpage import _core
 
+    from memory_bandwidth import decode_weight_bytes, read_bandwidth_gbs
+
+    args.weight_bytes = decode_weight_bytes(args.model)
+    args.read_bandwidth = read_bandwidth_gbs(args.threads)
     header = (f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, vpage ISA {_core.cpu_isa()}, "
               f"{args.threads} threads each; model {os.path.basename(args.model)}; vpage float32 activations, "
               f"{args.kv_cache_dtype} KV cache, GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
