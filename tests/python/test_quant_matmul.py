@@ -48,10 +48,14 @@ def _round_x(xf: np.ndarray) -> np.ndarray:
 
 def _as_multiplied(x: torch.Tensor, qtype, max_integer_rows: int) -> np.ndarray:
     """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0 at up to max_integer_rows rows (the
-    integer paths) rounded to 8 bits (_round_x), otherwise x itself."""
+    integer paths), and Q4_K on the decode path (QUANT_INTEGER_PATH_ROWS), rounded to 8 bits
+    (_round_x); otherwise x itself."""
     xf = x.float().numpy()
     name = qtype if isinstance(qtype, str) else {v[0]: k for k, v in ops.QUANT_TYPES.items()}[qtype]
-    return _round_x(xf) if name in INTEGER_TYPES and x.shape[0] <= max_integer_rows else xf.astype(np.float64)
+    rows = x.shape[0]
+    integer = (name in INTEGER_TYPES and rows <= max_integer_rows) or (
+        name == "Q4_K" and rows <= _core.QUANT_INTEGER_PATH_ROWS)
+    return _round_x(xf) if integer else xf.astype(np.float64)
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float, qtype,

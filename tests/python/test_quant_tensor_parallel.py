@@ -31,11 +31,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # How far a chosen token's logprob may move from tp = 1's. The all-reduce changes only the float
 # summation order (partial products added over the ranks; the layer test below checks they add
-# up to the whole product within 1e-5), but Q4_0/Q4_1/Q8_0 matmuls round x to 8 bits per 32
-# values, and a last-bit change of an input flips some roundings: seen up to 8e-3 over 2
-# layers (and 0.01-0.1 between these files' quantized and dequantized float32 paths at tp = 1).
-# The K formats keep x float: seen 2.4e-6.
-ROUNDED_X, FLOAT_X = 0.05, 1e-4
+# up to the whole product within 1e-5), but Q4_0/Q4_1/Q8_0 matmuls (and Q4_K's at decode sizes)
+# round x to 8 bits per 32 values, and a last-bit change of an input flips some roundings: seen
+# up to 8e-3 over 2 layers (and 0.01-0.1 between these files' quantized and dequantized float32
+# paths at tp = 1).
+ROUNDED_X = 0.05
 # name: (kind, tiny-config overrides, layer -> GGUF type, logprob bound). Sizes: o_proj's and
 # down_proj's input columns over 2 and over 3 ranks are whole 32-value blocks (192, 384, 768
 # columns); for the 256-value K blocks, down_proj's 1536 are (768, 512 per rank), o_proj's 768
@@ -51,7 +51,7 @@ CASES = {
     "llama Q4_K, Q6_K down and output": (
         "llama", dict(hidden_size=768, intermediate_size=1536, num_attention_heads=6, num_key_value_heads=6),
         lambda name: "Q6_K" if "down_proj" in name or name.startswith("lm_head") else
-        "Q8_0" if "embed_tokens" in name else "Q4_K", FLOAT_X),
+        "Q8_0" if "embed_tokens" in name else "Q4_K", ROUNDED_X),
 }
 K_CASE = "llama Q4_K, Q6_K down and output"
 
@@ -135,13 +135,21 @@ def test_quantized_shards_match_the_unsharded_quantized_path(ggufs, unsharded, c
     finally:
         engine.shutdown()
     assert not children()
-    worst = 0.0
+    # Rounded x moves logprobs by up to the case's bound, so a near-tie may flip: the outputs are
+    # equal up to a token that tp = 1 ranked within twice the bound of its best, and each step's
+    # top 5 agree but for a near-tie at the fifth place.
+    bound, worst, equal = CASES[case][3], 0.0, 0
     for ours, expected in zip(got, unsharded[case]):
-        assert ours.token_ids == expected.token_ids
-        for mine, theirs in zip(ours.logprobs, expected.logprobs):
-            assert mine.keys() == theirs.keys()
-            worst = max(worst, *(abs(mine[t].logprob - theirs[t].logprob) for t in mine))
-    assert worst < CASES[case][3]
+        first = next((i for i, (a, b) in enumerate(zip(ours.token_ids, expected.token_ids)) if a != b), None)
+        equal += first is None
+        if first is not None:
+            top = expected.logprobs[first]
+            assert ours.token_ids[first] in top
+            assert max(lp.logprob for lp in top.values()) - top[ours.token_ids[first]].logprob < 2 * bound
+        for token, mine, theirs in zip(ours.token_ids[:first], ours.logprobs, expected.logprobs):
+            assert token in mine and token in theirs and len(mine.keys() & theirs.keys()) >= 4
+            worst = max(worst, *(abs(mine[t].logprob - theirs[t].logprob) for t in mine.keys() & theirs.keys()))
+    assert worst < bound and equal >= len(got) - 1
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -339,6 +339,90 @@ inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32
   }
 }
 
+// Q4_K on the same lane arithmetic: a 256-value super-block (d, dmin, twelve bytes of 6-bit
+// sub-block scales and mins, 128 bytes of nibbles) is eight 32-value sub-blocks, each exactly
+// a Q4_1 block with d_w = d * scale_j and m_w = -dmin * min_j. Its nibbles come in 32-byte runs
+// per sub-block pair (low nibbles: sub-block 2g, high: 2g + 1), and two lane permutes turn them
+// into Q4_1's pair layout. The scales of a tile's four rows are decoded once per super-block,
+// [sub-block][row], so that a pair's d_w and m_w vectors are plain loads.
+constexpr int32_t kQ4KBytes = 144;
+
+// The eight scales and mins of super-block `blk` times d and -dmin, as 8-float vectors.
+inline void q4k_scales(const uint8_t* blk, __m256& d_w, __m256& m_w) {
+  uint32_t word[3];
+  std::memcpy(word, blk + 4, 12);
+  // Bytes 0-3 of the results: sub-blocks 0-3 (low 6 bits of bytes 0-3 and 4-7); bytes 4-7:
+  // sub-blocks 4-7 (nibbles of bytes 8-11 plus the top 2 bits of bytes 0-3 and 4-7).
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+  const uint64_t scales = (word[0] & low6) |
+                          static_cast<uint64_t>((word[2] & low4) | (((word[0] >> 6) & top2) << 4)) << 32;
+  const uint64_t mins = (word[1] & low6) |
+                        static_cast<uint64_t>(((word[2] >> 4) & low4) | (((word[1] >> 6) & top2) << 4)) << 32;
+  auto floats = [](uint64_t bytes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+  };
+  d_w = _mm256_mul_ps(_mm256_set1_ps(load_f16(blk)), floats(scales));
+  m_w = _mm256_mul_ps(_mm256_set1_ps(-load_f16(blk + 2)), floats(mins));
+}
+
+// v[r] = row r's 8 sub-block values -> out[g] = [sub 2g of rows 0-3 | sub 2g + 1 of rows 0-3].
+inline void q4k_transpose(const __m256 v[kCombos], __m256 out[4]) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));  // subs 0 | 4
+  const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));  // subs 1 | 5
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));  // subs 2 | 6
+  const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));  // subs 3 | 7
+  out[0] = _mm256_permute2f128_ps(u0, u1, 0x20);
+  out[1] = _mm256_permute2f128_ps(u2, u3, 0x20);
+  out[2] = _mm256_permute2f128_ps(u0, u1, 0x31);
+  out[3] = _mm256_permute2f128_ps(u2, u3, 0x31);
+}
+
+// dot_tile for Q4_K rows (k / 256 super-blocks each).
+template <int MR>
+inline void dot_tile_q4k(const uint8_t* const rows[kCombos], int64_t prefetch, int32_t blocks, const int8_t* xq,
+                         int64_t x_stride, const float* xp, float* out, int out_stride) {
+  LaneSums acc[MR];
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int32_t b0 = 0; b0 < blocks; b0 += 8) {
+    const int64_t super = static_cast<int64_t>(b0 / 8) * kQ4KBytes;
+    __m256 d_row[kCombos], m_row[kCombos], d_pair[4], m_pair[4];
+    for (int r = 0; r < kCombos; ++r) q4k_scales(rows[r] + super, d_row[r], m_row[r]);
+    q4k_transpose(d_row, d_pair);
+    q4k_transpose(m_row, m_pair);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const int32_t b = b0 + 2 * g;
+      PairBytes<QuantType::kQ4_1> w[kCombos];
+#pragma GCC unroll 4
+      for (int r = 0; r < kCombos; ++r) {
+        const uint8_t* qs = rows[r] + super + 16 + 32 * g;
+        _mm_prefetch(reinterpret_cast<const char*>(qs + prefetch), _MM_HINT_T0);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        w[r].lo = _mm256_permute2x128_si256(lo, hi, 0x20);  // [sub 2g values 0-15 | sub 2g+1 values 0-15]
+        w[r].hi = _mm256_permute2x128_si256(lo, hi, 0x31);  // values 16-31 of both
+      }
+      const float* gx = xp + (b / 2) * kXPairFloats;
+#pragma GCC unroll 4
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
+        const __m256i sums = reduce_lanes<QuantType::kQ4_1>(
+            pair_products<QuantType::kQ4_1>(w[0], x), pair_products<QuantType::kQ4_1>(w[1], x),
+            pair_products<QuantType::kQ4_1>(w[2], x), pair_products<QuantType::kQ4_1>(w[3], x));
+        scale_add<QuantType::kQ4_1>(sums, d_pair[g], spread_lane(gx, i), m_pair[g], spread_lane(gx + 8, i), acc[i]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    alignas(16) float lanes[kCombos];
+    _mm_store_ps(lanes, lane_results(acc[i]));
+    for (int r = 0; r < kCombos; ++r) out[r * out_stride + i] = lanes[r];
+  }
+}
+
 // values [tiles, kCombos, mr]: tile j's rows stream[s] + (t0 + j) * row_bytes (s < kCombos; a
 // stream without that row, stream_rows[s] <= t0 + j, repeats stream 0's row and its results are
 // not used) against x rows [i0, i0 + mr), i0 a multiple of kCombos (one x group), mr <= kXRowsPerPass.
@@ -354,11 +438,20 @@ inline void dot_tiles(const uint8_t* const stream[kDotStreams], const int32_t st
     const uint8_t* tile[kCombos];
     for (int s = 0; s < kCombos; ++s) tile[s] = (t < stream_rows[s] ? stream[s] : stream[0]) + t * row_bytes;
     float* out = values + j * kCombos * mr;
-    switch (mr) {
-      case 1: dot_tile<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1); break;
-      case 2: dot_tile<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2); break;
-      case 3: dot_tile<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3); break;
-      default: dot_tile<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4); break;
+    if constexpr (T == QuantType::kQ4_K) {
+      switch (mr) {
+        case 1: dot_tile_q4k<1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1); break;
+        case 2: dot_tile_q4k<2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2); break;
+        case 3: dot_tile_q4k<3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3); break;
+        default: dot_tile_q4k<4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4); break;
+      }
+    } else {
+      switch (mr) {
+        case 1: dot_tile<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 1); break;
+        case 2: dot_tile<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 2); break;
+        case 3: dot_tile<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 3); break;
+        default: dot_tile<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xp, out, 4); break;
+      }
     }
   }
 }
@@ -373,6 +466,22 @@ inline void dot_tiles(const uint8_t* const stream[kDotStreams], const int32_t st
       float* out = values + (j * kDotStreams + st) * mr;
       for (int i = 0; i < mr; ++i) out[i] = 0.0f;
       for (int32_t b = 0; b < blocks; ++b) {
+        if constexpr (T == QuantType::kQ4_K) {  // sub-block b: a Q4_1 block, see dot_tile_q4k
+          const uint8_t* blk = row + static_cast<int64_t>(b / 8) * 144;
+          int sc = 0, mn = 0;
+          k_scale_min(blk + 4, b % 8, &sc, &mn);
+          const float dw = load_f16(blk) * static_cast<float>(sc), mw = -load_f16(blk + 2) * static_cast<float>(mn);
+          const uint8_t* qs = blk + 16 + 32 * (b % 8 / 2);
+          const int shift = 4 * (b % 2);
+          for (int i = 0; i < mr; ++i) {
+            const int8_t* xq = x.q + (i0 + i) * x.q_stride;
+            const int64_t xb = (i0 + i) * blocks + b;
+            int32_t dot = 0;
+            for (int v = 0; v < 32; ++v) dot += ((qs[v] >> shift) & 15) * xq[x_byte_offset(b, v)];
+            out[i] += dw * x.d[xb] * static_cast<float>(dot) + mw * x.s[xb];
+          }
+          continue;
+        }
         const uint8_t* blk = row + static_cast<int64_t>(b) * block_bytes<T>();
         const float dw = load_f16(blk);
         for (int i = 0; i < mr; ++i) {
@@ -411,8 +520,8 @@ template <QuantType T>
 inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
   const int32_t rows = std::min(rows_per_task, a.n - n0);
-  const int32_t blocks = a.k / 32;
-  const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
+  const int32_t blocks = a.k / 32;  // x's blocks; Q4_K: sub-blocks
+  const int64_t row_bytes = static_cast<int64_t>(a.k / quant_block_values(T)) * quant_block_bytes(T);
   const int32_t quarter = (rows + kDotStreams - 1) / kDotStreams;  // tiles; the last streams may be shorter
   const uint8_t* stream[kDotStreams];
   int32_t stream_rows[kDotStreams];
@@ -446,7 +555,8 @@ inline void run_dot_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t 
     case QuantType::kQ4_0: return run_dot_task_typed<QuantType::kQ4_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_1: return run_dot_task_typed<QuantType::kQ4_1>(a, x, rows_per_task, task);
     case QuantType::kQ8_0: return run_dot_task_typed<QuantType::kQ8_0>(a, x, rows_per_task, task);
-    default: return;  // the dispatcher sends only the 32-value formats here
+    case QuantType::kQ4_K: return run_dot_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
+    default: return;  // the dispatcher sends only the 32-value formats and Q4_K here
   }
 }
 

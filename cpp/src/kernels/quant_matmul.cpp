@@ -76,7 +76,10 @@ bool block32(const QuantMatmulArgs& a) {
   return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0;
 }
 
-bool use_dot_path(const QuantMatmulArgs& a) { return block32(a) && a.m <= kQuantIntegerPathRows; }
+// Q4_K's sub-blocks are Q4_1 blocks with 6-bit scales: the decode path takes them too.
+bool use_dot_path(const QuantMatmulArgs& a) {
+  return (block32(a) || a.type == QuantType::kQ4_K) && a.m <= kQuantIntegerPathRows;
+}
 
 // Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
 // into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
@@ -164,7 +167,7 @@ void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, in
       float* out = pairs + (i / 4 * num_pairs + b / 2) * kXPairFloats + 4 * (b % 2) + lane;
       const int64_t xb = i * blocks + b;
       out[0] = d[xb];
-      if (type == QuantType::kQ4_1) out[8] = s[xb];
+      if (type == QuantType::kQ4_1 || type == QuantType::kQ4_K) out[8] = s[xb];
       if (type == QuantType::kQ4_0) out[8] = -8.0f * s[xb];
     }
   }

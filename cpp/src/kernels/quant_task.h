@@ -44,7 +44,7 @@ constexpr int64_t quant_x_group_floats(int32_t blocks) { return static_cast<int6
 /// 2p and 2p + 1 (absent in the last pair of an odd count: zeros) in two 8-float vectors laid
 /// out as the SIMD kernels' lanes (quant_dot_impl.h), row j of the group in lanes j and 4 + j:
 ///   [0, 8):  the x scale d, block 2p in lanes 0-3, block 2p + 1 in lanes 4-7;
-///   [8, 16): the x factor of the weight header's offset, the same way: Q4_1 s (times m_w),
+///   [8, 16): the x factor of the weight header's offset, the same way: Q4_1 and Q4_K s (times m_w),
 ///            Q4_0 -8 s (times d_w), zeros for Q8_0.
 void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, int32_t blocks, float* pairs);
 
@@ -57,7 +57,7 @@ using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_
 
 /// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s (see QuantizedX).
 using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
-/// Integer decode path, 32-value formats only (Q4_0, Q4_1, Q8_0), m <= kQuantIntegerPathRows: task
+/// Integer decode path, Q4_0, Q4_1, Q8_0 and Q4_K, m <= kQuantIntegerPathRows: task
 /// `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
                                 int64_t task);
