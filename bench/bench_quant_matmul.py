@@ -3,7 +3,7 @@ matmul (F.linear) on the same weights dequantized, in the same run.
 
 Per block type, weight shape [n, k] (default: the default model's MLP, 1536x576 and
 576x1536) and rows m of x: median time, GB/s of weight bytes read (the quantized bytes for
-vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For Q4_0, Q4_1 and Q8_0 beyond
+vpage, float32 bytes for torch) and GFLOP/s (2 m n k). For Q4_0, Q4_1, Q8_0 and Q4_K beyond
 QUANT_INTEGER_PATH_ROWS rows, both paths are also timed whatever the dispatcher picks: the
 integer GEMM (set_quant_integer_gemm_rows(m)) and the float path (set_quant_integer_gemm_rows(0)).
 For decode-sized m (<= 16) each timed call runs over --copies distinct weight matrices in turn
@@ -40,7 +40,7 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
-INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # the integer GEMM's types
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # the integer GEMM's types
 
 
 def shapes(text):

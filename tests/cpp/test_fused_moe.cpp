@@ -321,16 +321,18 @@ TEST_CASE("fused_moe: bfloat16 weights, given ids, more tokens than one pass") {
 }
 
 void check_quantized_weights(std::mt19937& rng) {
-  // K formats: Q4_K on the integer decode path up to 16 rows per expert (x rounded to 8 bits),
-  // the float paths beyond (k-major from 128 rows); Q6_K always on the float paths.
+  // K formats: Q4_K on the integer paths (x rounded to 8 bits; with the GEMM off, the float
+  // paths from 17 rows per expert, k-major from 128); Q6_K always on the float paths.
   {
     const Stack w13 = quantized_stack(QuantType::kQ4_K, 4, 2 * 256, 256, rng);  // fused gate/up rows
     const Stack w1 = rows_of(w13, 4, 512, 256, 0, 256), w3 = rows_of(w13, 4, 512, 256, 256, 256);
     const Stack w2 = quantized_stack(QuantType::kQ6_K, 4, 256, 256, rng);
-    for (int64_t m : {1, 5}) {
+    for (int64_t m : {1, 5, 150}) {
       check(make_problem(m, 256, 256, 4, 2, true, rng, 0.1f), w1, w3, w2, DType::kFloat32, 3e-2);
     }
+    vpage::cpu::set_quant_integer_gemm_rows(0);
     check(make_problem(150, 256, 256, 4, 2, true, rng, 0.1f), w1, w3, w2, DType::kFloat32, 1e-4);
+    vpage::cpu::set_quant_integer_gemm_rows(vpage::cpu::kQuantIntegerGemmMaxRows);
   }
   // 32-value formats: x and the activations rounded to 8 bits per 32 values for the integer
   // paths (dot up to 16 rows per expert, GEMM beyond); with the GEMM off, the float path.

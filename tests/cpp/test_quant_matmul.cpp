@@ -70,9 +70,8 @@ float reference_value(QuantType type, const uint8_t* row, int i) {
 // GEMM up to gemm_rows) multiply x as rounded to 8 bits per 32 values; this is that rounding,
 // written from its definition: d = max|x| / 127, q = round(x * 127 / max|x|), x' = d * q.
 bool rounds_x(QuantType type, int64_t m, int64_t gemm_rows) {
-  const bool decode = m <= vpage::cpu::kQuantIntegerPathRows;
-  if (type == QuantType::kQ4_K) return decode;  // the decode path only
-  return (decode || m <= gemm_rows) && (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0);
+  return (m <= vpage::cpu::kQuantIntegerPathRows || m <= gemm_rows) &&
+         (type == QuantType::kQ4_0 || type == QuantType::kQ4_1 || type == QuantType::kQ8_0 || type == QuantType::kQ4_K);
 }
 
 std::vector<float> round_x_to_8_bits(const std::vector<float>& x) {

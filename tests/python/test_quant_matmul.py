@@ -31,7 +31,12 @@ def _weights(qtype: str, n: int, k: int, seed: int):
     return torch.from_numpy(np.ascontiguousarray(rows)), dequantized(qtype, rows)
 
 
-INTEGER_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # x rounded to 8 bits (integer decode and GEMM paths)
+INTEGER_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # x rounded to 8 bits (integer decode and GEMM paths)
+
+
+def _integer_k(qtype: str, k: int) -> int:
+    """k for a test written for 32-value blocks: Q4_K needs whole 256-value super-blocks."""
+    return k if qtype != "Q4_K" else (k + 255) // 256 * 256
 
 
 def _round_x(xf: np.ndarray) -> np.ndarray:
@@ -47,15 +52,11 @@ def _round_x(xf: np.ndarray) -> np.ndarray:
 
 
 def _as_multiplied(x: torch.Tensor, qtype, max_integer_rows: int) -> np.ndarray:
-    """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0 at up to max_integer_rows rows (the
-    integer paths), and Q4_K on the decode path (QUANT_INTEGER_PATH_ROWS), rounded to 8 bits
-    (_round_x); otherwise x itself."""
+    """x as the kernel multiplies it: for Q4_0/Q4_1/Q8_0/Q4_K at up to max_integer_rows rows (the
+    integer paths) rounded to 8 bits (_round_x), otherwise x itself."""
     xf = x.float().numpy()
     name = qtype if isinstance(qtype, str) else {v[0]: k for k, v in ops.QUANT_TYPES.items()}[qtype]
-    rows = x.shape[0]
-    integer = (name in INTEGER_TYPES and rows <= max_integer_rows) or (
-        name == "Q4_K" and rows <= _core.QUANT_INTEGER_PATH_ROWS)
-    return _round_x(xf) if integer else xf.astype(np.float64)
+    return _round_x(xf) if name in INTEGER_TYPES and x.shape[0] <= max_integer_rows else xf.astype(np.float64)
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, w64: np.ndarray, rtol: float, qtype,
@@ -135,11 +136,13 @@ def float_path():
         _core.set_quant_integer_gemm_rows(_core.QUANT_INTEGER_GEMM_MAX_ROWS)
 
 
-# The integer GEMM path (Q4_0/Q4_1/Q8_0 beyond QUANT_INTEGER_PATH_ROWS rows): awkward n (one
-# row, tasks of 32 rows with ragged ends) and k (one block, an odd block count, the model's).
+# The integer GEMM path (Q4_0/Q4_1/Q8_0/Q4_K beyond QUANT_INTEGER_PATH_ROWS rows): awkward n
+# (one row, tasks of 32 rows with ragged ends) and k (one block, an odd block count, the
+# model's; Q4_K: one to six super-blocks).
 @pytest.mark.parametrize("qtype", INTEGER_TYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (3, 96), (17, 576), (100, 1536), (257, 96)])
 def test_integer_gemm_against_float64(qtype, n, k):
+    k = _integer_k(qtype, k)
     qweight, w64 = _weights(qtype, n, k, seed=11 + n)
     gen = torch.Generator().manual_seed(n + k)
     for m in (17, 31, 64, 257):
@@ -163,7 +166,7 @@ def test_integer_gemm_rows_equal_single_rows_bitwise(qtype, n):
     # task split (the decode path's tasks read their quarters side by side: n = 6 leaves a
     # stream empty, 70 and 1560 make ragged last tasks) or thread count: a row of a batch equals
     # that row alone (the decode path), bit for bit, and 1 thread equals 2 and 3.
-    k = 96 * 3  # 9 blocks: an odd block count
+    k = _integer_k(qtype, 96 * 3)  # 9 blocks: an odd block count (Q4_K: 2 super-blocks)
     qweight, _ = _weights(qtype, n, k, seed=5)
     x = torch.randn(257, k, generator=torch.Generator().manual_seed(6))
     single = torch.cat([ops.quant_matmul(x[i:i + 1], qweight, qtype, n, k) for i in range(x.shape[0])])

@@ -74,6 +74,33 @@ inline void unpack_weight_rows(const uint8_t* w, int64_t row_bytes, int32_t rows
   }
 }
 
+// Q4_K rows unpacked as Q4_1 pairs (see dot_tile_q4k): sub-blocks 2g and 2g + 1 of a super-block
+// are one pair, with d * scale and -dmin * min as its d_w and m_w. The GEMM then runs them as
+// Q4_1, through the lane arithmetic of the decode path's Q4_K tiles.
+inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks,
+                            WeightPair<QuantType::kQ4_1>* tile) {
+  const int32_t pairs = blocks / 2;
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int32_t r = 0; r < rows; ++r) {
+    WeightPair<QuantType::kQ4_1>* out = tile + static_cast<int64_t>(r) * pairs;
+    for (int32_t b0 = 0; b0 < blocks; b0 += 8) {
+      const uint8_t* blk = w + r * row_bytes + static_cast<int64_t>(b0 / 8) * kQ4KBytes;
+      __m256 d_w, m_w;
+      q4k_scales(blk, d_w, m_w);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i lanes = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
+        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        WeightPair<QuantType::kQ4_1>& pair = out[b0 / 2 + g];
+        pair.bytes.lo = _mm256_permute2x128_si256(lo, hi, 0x20);
+        pair.bytes.hi = _mm256_permute2x128_si256(lo, hi, 0x31);
+        pair.d_w = _mm256_permutevar8x32_ps(d_w, lanes);
+        pair.m_w = _mm256_permutevar8x32_ps(m_w, lanes);
+      }
+    }
+  }
+}
+
 // out[r + i * out_stride] = dot(tile row r, x row i) for r < NW, i < mr; rows: NW tile rows
 // `pairs` apart; x[0..4): the group's rows (pair order; a short group repeats a row), xp: the
 // group's pair floats. With two weight rows the x rows go two at a time, each meeting both
@@ -118,23 +145,28 @@ inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* co
   }
 }
 
-template <QuantType T>
+// T: the weights' format; the tile holds them as K (Q4_K's pairs are Q4_1 pairs).
+template <QuantType T, QuantType K = T == QuantType::kQ4_K ? QuantType::kQ4_1 : T>
 inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
   const int32_t rows = std::min(rows_per_task, a.n - n0);
-  const int32_t blocks = a.k / 32;
+  const int32_t blocks = a.k / 32;  // x's blocks; Q4_K: sub-blocks
   const int32_t pairs = (blocks + 1) / 2;
-  const int64_t row_bytes = static_cast<int64_t>(blocks) * quant_block_bytes(T);
+  const int64_t row_bytes = static_cast<int64_t>(a.k / quant_block_values(T)) * quant_block_bytes(T);
   const int64_t group_floats = quant_x_group_floats(blocks);
   const int64_t x_row_bytes = x.q_stride + group_floats / kCombos * static_cast<int64_t>(sizeof(float));
   const int64_t x_chunk = std::max<int64_t>(kCombos, kGemmXChunkBytes / x_row_bytes / kCombos * kCombos);
-  thread_local std::vector<WeightPair<T>> tile;  // [rows_per_task, pairs]
+  thread_local std::vector<WeightPair<K>> tile;  // [rows_per_task, pairs]
   thread_local std::vector<float> out_rows;      // [x_chunk, rows_per_task] for quant_store_out
   tile.resize(static_cast<size_t>(rows_per_task) * pairs);
   // float32 results go straight into out; 16-bit ones through out_rows and quant_store_out.
   const bool direct = a.dtype == DType::kFloat32;
   if (!direct) out_rows.resize(static_cast<size_t>(x_chunk) * rows_per_task);
-  unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
+  if constexpr (T == QuantType::kQ4_K) {
+    unpack_q4k_rows(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
+  } else {
+    unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
+  }
   for (int64_t i0 = 0; i0 < a.m; i0 += x_chunk) {  // i0: a multiple of kCombos (one x group)
     const int64_t mc = std::min(x_chunk, a.m - i0);
     const int64_t groups = (mc + kCombos - 1) / kCombos;
@@ -147,13 +179,13 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
         const int mr = static_cast<int>(std::min<int64_t>(kCombos, mc - i));
         const int8_t* x_rows[kCombos];
         for (int l = 0; l < kCombos; ++l) x_rows[l] = x.q + (i0 + i + std::min(l, mr - 1)) * x.q_stride;
-        const WeightPair<T>* tile_rows = tile.data() + static_cast<int64_t>(r) * pairs;
+        const WeightPair<K>* tile_rows = tile.data() + static_cast<int64_t>(r) * pairs;
         const float* xp = xp0 + g * group_floats;
         float* out = out0 + i * out_stride + r;
         if (r + 1 < rows) {
-          gemm_tile<T, 2>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
+          gemm_tile<K, 2>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
         } else {
-          gemm_tile<T, 1>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
+          gemm_tile<K, 1>(tile_rows, pairs, x_rows, xp, mr, out, out_stride);
         }
       }
     }
@@ -169,7 +201,8 @@ inline void run_gemm_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t
     case QuantType::kQ4_0: return run_gemm_task_typed<QuantType::kQ4_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_1: return run_gemm_task_typed<QuantType::kQ4_1>(a, x, rows_per_task, task);
     case QuantType::kQ8_0: return run_gemm_task_typed<QuantType::kQ8_0>(a, x, rows_per_task, task);
-    default: return;  // the dispatcher sends only the 32-value formats here
+    case QuantType::kQ4_K: return run_gemm_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
+    default: return;  // the dispatcher sends only the 32-value formats and Q4_K here
   }
 }
 #else

@@ -72,14 +72,13 @@ int32_t dot_task_rows(int32_t n, int num_threads) {
   return static_cast<int32_t>(std::max(kDotMinTaskRows, (rows + 3) / 4 * 4));
 }
 
-bool block32(const QuantMatmulArgs& a) {
-  return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0;
+// The 32-value formats, and Q4_K, whose sub-blocks are Q4_1 blocks with 6-bit scales.
+bool integer_format(const QuantMatmulArgs& a) {
+  return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0 ||
+         a.type == QuantType::kQ4_K;
 }
 
-// Q4_K's sub-blocks are Q4_1 blocks with 6-bit scales: the decode path takes them too.
-bool use_dot_path(const QuantMatmulArgs& a) {
-  return (block32(a) || a.type == QuantType::kQ4_K) && a.m <= kQuantIntegerPathRows;
-}
+bool use_dot_path(const QuantMatmulArgs& a) { return integer_format(a) && a.m <= kQuantIntegerPathRows; }
 
 // Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
 // into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
@@ -87,7 +86,7 @@ std::atomic<int64_t> gemm_max_rows{kQuantIntegerGemmMaxRows};
 constexpr int32_t kGemmTaskRows = 32;
 
 bool use_gemm_path(const QuantMatmulArgs& a) {
-  return block32(a) && a.m > kQuantIntegerPathRows && a.m <= gemm_max_rows.load(std::memory_order_relaxed);
+  return integer_format(a) && a.m > kQuantIntegerPathRows && a.m <= gemm_max_rows.load(std::memory_order_relaxed);
 }
 
 // Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).

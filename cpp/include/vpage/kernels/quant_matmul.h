@@ -49,7 +49,8 @@ struct QuantMatmulArgs {
 
 namespace cpu {
 
-/// Decode with the 32-value formats (Q4_0, Q4_1, Q8_0) at up to this many x rows takes the
+/// Decode with the 32-value formats (Q4_0, Q4_1, Q8_0) and Q4_K (its 32-value sub-blocks are
+/// Q4_1 blocks with 6-bit scales) at up to this many x rows takes the
 /// integer path: each x row is rounded to 8 bits per 32 values (ggml's Q8_1 scheme: d =
 /// max|x| / 127, q = round(x / d)) and multiplied with the weights' integers, so an output
 /// differs from the float product by at most sum_k |w_k| * d_k / 2 (d_k of x's block of k).
@@ -58,7 +59,7 @@ namespace cpu {
 /// equal from 32. Prefill chunks of more rows keep the float path's accuracy.
 constexpr int64_t kQuantIntegerPathRows = 16;
 
-/// Beyond kQuantIntegerPathRows (decode batches and prefill chunks), the 32-value formats take
+/// Beyond kQuantIntegerPathRows (decode batches and prefill chunks), the same formats take
 /// the integer GEMM path: x rounded as above, each weight tile unpacked once for all rows; a
 /// row's output is bitwise the same on either integer path, whatever the batch.
 /// Zen 3, one thread, the default model's shapes, against the float path: Q4_1 1.22-1.52x at
@@ -69,7 +70,7 @@ constexpr int64_t kQuantIntegerPathRows = 16;
 /// divergence at a near-tie. set_quant_integer_gemm_rows(n) limits the path to n rows (0: off).
 constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 
-/// Runs the matmul. Besides the integer paths above (and for the K formats), two paths by m: below 128 rows (decode)
+/// Runs the matmul. Besides the integer paths above (and for Q5_K, Q6_K), two paths by m: below 128 rows (decode)
 /// every weight row is dequantized once, a K chunk at a time, and multiplied with all rows of
 /// x by a dot-product micro-kernel; from 128 rows (prefill: compute-bound) a 256-deep tile of
 /// 32 (AVX-512: 64) weight rows is dequantized once per 2048 rows of x, transposed, and an
