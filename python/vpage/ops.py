@@ -677,9 +677,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
     qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
     qtype a name of ``QUANT_TYPES`` or its ggml id. Returns out ``[m, n]`` in x's dtype
     (float32 accumulation). The weights are dequantized inside the kernel, never copied.
-    With Q4_0, Q4_1, Q8_0 or Q4_K and at most ``_core.QUANT_INTEGER_PATH_ROWS`` rows (decode), x
-    is rounded to 8 bits per 32 values and multiplied in integers, as llama.cpp does (beyond
-    that, Q4_0/Q4_1/Q8_0 take the integer GEMM, Q4_K the float paths)."""
+    With Q4_0, Q4_1, Q8_0 or Q4_K, x is rounded to 8 bits per 32 values and multiplied in
+    integers, as llama.cpp does (the decode path up to ``_core.QUANT_INTEGER_PATH_ROWS`` rows,
+    the integer GEMM beyond)."""
     if not _checking():
         if out is None:
             out = torch.empty(x.shape[0], n, dtype=x.dtype)
