@@ -379,12 +379,20 @@ inline void q4k_transpose(const __m256 v[kCombos], __m256 out[4]) {
   out[3] = _mm256_permute2f128_ps(u2, u3, 0x31);
 }
 
+// Sub-blocks 2g and 2g + 1 of a super-block as a Q4_1 pair (qs: their 32 bytes of nibbles).
+inline PairBytes<QuantType::kQ4_1> q4k_pair_bytes(const uint8_t* qs) {
+  const __m256i mask = _mm256_set1_epi8(15);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+  // [sub 2g values 0-15 | sub 2g + 1 values 0-15] and values 16-31 of both.
+  return {_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31)};
+}
+
 // dot_tile for Q4_K rows (k / 256 super-blocks each).
 template <int MR>
 inline void dot_tile_q4k(const uint8_t* const rows[kCombos], int64_t prefetch, int32_t blocks, const int8_t* xq,
                          int64_t x_stride, const float* xp, float* out, int out_stride) {
   LaneSums acc[MR];
-  const __m256i mask = _mm256_set1_epi8(15);
   for (int32_t b0 = 0; b0 < blocks; b0 += 8) {
     const int64_t super = static_cast<int64_t>(b0 / 8) * kQ4KBytes;
     __m256 d_row[kCombos], m_row[kCombos], d_pair[4], m_pair[4];
@@ -399,10 +407,7 @@ inline void dot_tile_q4k(const uint8_t* const rows[kCombos], int64_t prefetch, i
       for (int r = 0; r < kCombos; ++r) {
         const uint8_t* qs = rows[r] + super + 16 + 32 * g;
         _mm_prefetch(reinterpret_cast<const char*>(qs + prefetch), _MM_HINT_T0);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-        w[r].lo = _mm256_permute2x128_si256(lo, hi, 0x20);  // [sub 2g values 0-15 | sub 2g+1 values 0-15]
-        w[r].hi = _mm256_permute2x128_si256(lo, hi, 0x31);  // values 16-31 of both
+        w[r] = q4k_pair_bytes(qs);
       }
       const float* gx = xp + (b / 2) * kXPairFloats;
 #pragma GCC unroll 4

@@ -80,7 +80,6 @@ inline void unpack_weight_rows(const uint8_t* w, int64_t row_bytes, int32_t rows
 inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, int32_t blocks,
                             WeightPair<QuantType::kQ4_1>* tile) {
   const int32_t pairs = blocks / 2;
-  const __m256i mask = _mm256_set1_epi8(15);
   for (int32_t r = 0; r < rows; ++r) {
     WeightPair<QuantType::kQ4_1>* out = tile + static_cast<int64_t>(r) * pairs;
     for (int32_t b0 = 0; b0 < blocks; b0 += 8) {
@@ -89,11 +88,8 @@ inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, i
       q4k_scales(blk, d_w, m_w);
       for (int g = 0; g < 4; ++g) {
         const __m256i lanes = _mm256_setr_epi32(2 * g, 2 * g, 2 * g, 2 * g, 2 * g + 1, 2 * g + 1, 2 * g + 1, 2 * g + 1);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
-        const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
         WeightPair<QuantType::kQ4_1>& pair = out[b0 / 2 + g];
-        pair.bytes.lo = _mm256_permute2x128_si256(lo, hi, 0x20);
-        pair.bytes.hi = _mm256_permute2x128_si256(lo, hi, 0x31);
+        pair.bytes = q4k_pair_bytes(blk + 16 + 32 * g);
         pair.d_w = _mm256_permutevar8x32_ps(d_w, lanes);
         pair.m_w = _mm256_permutevar8x32_ps(m_w, lanes);
       }
