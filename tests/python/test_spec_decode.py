@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bounded_loops import bounded
+from bounded_loops import run_requests
 from model_fixtures import save_tiny_model
 from vpage import LLM, SamplingParams
 from vpage.engine.arg_utils import EngineArgs
@@ -51,17 +51,10 @@ def make_engine(folder, spec=None, **kwargs) -> LLMEngine:
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list:
     """Each request's final output, checking the scheduler's invariants after every step."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    for _ in bounded(engine.has_unfinished_requests, 10_000, "requests still unfinished"):
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out
-        engine.scheduler.check_invariants()
+    outputs = run_requests(engine, requests)
     usage = engine.scheduler.usage()
     assert usage.free_gpu_blocks == usage.num_gpu_blocks  # rejected drafts' blocks all came back
-    return [done[i] for i in range(len(requests))]
+    return outputs
 
 
 def compare(folder, requests, spec=NGRAM, **kwargs):

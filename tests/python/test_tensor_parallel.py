@@ -18,7 +18,7 @@ import time
 import psutil
 import pytest
 
-from bounded_loops import bounded
+from bounded_loops import run_requests
 from model_fixtures import save_tiny_model
 from vpage import EngineArgs, LLMEngine, SamplingParams
 from vpage.distributed import parallel_state as ps
@@ -77,15 +77,7 @@ def make_engine(folder, tp: int = 1, **kwargs) -> LLMEngine:
 
 def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[list[int]]]:
     """Token ids of every sample of every request, in request order."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
-    done = {}
-    for _ in bounded(engine.has_unfinished_requests, 10_000, "requests still unfinished"):
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = [c.token_ids for c in out.outputs]
-        engine.scheduler.check_invariants()
-    return [done[i] for i in range(len(requests))]
+    return [[c.token_ids for c in out.outputs] for out in run_requests(engine, requests)]
 
 
 def greedy(max_tokens: int = 10) -> SamplingParams:
