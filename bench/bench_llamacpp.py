@@ -183,7 +183,8 @@ def percentiles(report: dict, key: str, scale: float) -> str:
     return f"{m['median'] * scale:.2f} / {m['p99'] * scale:.2f}"
 
 
-def markdown(args, header: str, rows: list[dict], single: dict) -> str:
+def markdown(args, header: str, rows: list[dict], single: dict, limit: Optional[tuple[int, float]]) -> str:
+    """limit: (weight bytes per token, read bandwidth GB/s) of the single-stream part."""
     lines = [header, "", "| system | concurrency | completed | output tok/s | ratio | TTFT p50 / p99 s | "
              "TPOT p50 / p99 ms | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     llama = {r["concurrency"]: r["output_throughput"] for r in rows if r["system"] == "llama-server"}
@@ -192,14 +193,17 @@ def markdown(args, header: str, rows: list[dict], single: dict) -> str:
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['completed']}/{r['requests']} | {r['output_throughput']:.1f} | "
                      f"{ratio:.2f}x | {percentiles(r, 'ttft_ms', 1e-3)} | {percentiles(r, 'tpot_ms', 1.0)} | "
                      f"{r['peak_rss_mb']:.0f} |")
-    limit = args.read_bandwidth * 1e9 / args.weight_bytes
-    lines += ["", f"| single stream, 128 tokens | tok/s | ratio | of the limit ({limit:.1f} tok/s) |", "|---|---:|---:|---:|"]
-    base = single.get("llama-bench")
-    for name, rate in single.items():
-        lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x | {rate / limit:.0%} |")
-    lines += ["", f"The limit: {args.weight_bytes / 1e9:.3f} GB of weights per token (bench/memory_bandwidth.py) "
-              f"read at {args.read_bandwidth:.1f} GB/s, this machine's read bandwidth on {args.threads} threads "
-              "measured in the same run."]
+    if limit is not None:
+        weight_bytes, bandwidth = limit
+        rate_limit = bandwidth * 1e9 / weight_bytes
+        lines += ["", f"| single stream, 128 tokens | tok/s | ratio | of the limit ({rate_limit:.1f} tok/s) |",
+                  "|---|---:|---:|---:|"]
+        base = single.get("llama-bench")
+        for name, rate in single.items():
+            lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x | {rate / rate_limit:.0%} |")
+        lines += ["", f"The limit: {weight_bytes / 1e9:.3f} GB of weights per token (bench/memory_bandwidth.py) "
+                  f"read at {bandwidth:.1f} GB/s, this machine's read bandwidth on {args.threads} threads "
+                  "measured in the same run."]
     return "\n".join(lines) + "\n"
 
 
@@ -237,23 +241,22 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     from vpage import _core
 
-    from memory_bandwidth import decode_weight_bytes, read_bandwidth_gbs
-
-    args.weight_bytes = decode_weight_bytes(args.model)
-    args.read_bandwidth = read_bandwidth_gbs(args.threads)
     header = (f"machine: {cpu_name()}, {os.cpu_count()} logical CPUs, vpage ISA {_core.cpu_isa()}, "
               f"{args.threads} threads each; model {os.path.basename(args.model)}; vpage float32 activations, "
               f"{args.kv_cache_dtype} KV cache, GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
               f"-c {max(args.concurrency) * _PER_SLOT_CONTEXT}")
     print(header, flush=True)
-    rows, single = [], {}
+    rows, single, limit = [], {}, None
     if "single" not in skip:
+        from memory_bandwidth import decode_weight_bytes, read_bandwidth_gbs
+
+        limit = (decode_weight_bytes(args.model), read_bandwidth_gbs(args.threads))
         single["llama-bench"] = llama_bench_single(args)
         single["vpage"] = vpage_single(args)
         print(f"single stream: {single}", flush=True)
     if "serving" not in skip:
         rows += serve_rows(args)
-    text = markdown(args, header, rows, single)
+    text = markdown(args, header, rows, single, limit)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
