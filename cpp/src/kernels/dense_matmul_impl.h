@@ -31,14 +31,21 @@ constexpr int kSubVecs = 2;
 constexpr int kSub = kSubVecs * kLanes;  // columns per micro-kernel call: 32 (AVX-512) or 16
 static_assert(kDensePanelRows % kSub == 0, "a panel is whole sub-panels");
 constexpr int32_t kKChunk = 256;         // panel chunk: 256 x 32 floats = 32 KiB
+constexpr int64_t kPrefetchRows = 24;    // ~ DRAM latency / the first rows' time per k
+// Below this many x rows the hardware prefetchers keep up (and software prefetches slowed one
+// row down by ~20%).
+constexpr int64_t kPrefetchFromRows = 2;
 // From this many x rows a 16-bit panel chunk is widened once into a float32 tile that every
 // row then reads, instead of in registers for every kRows rows (the same values and FMAs, so
 // the same bits either way).
 constexpr int64_t kWidenRows = 4 * kRows;
 
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
-// `first`: the accumulators start at zero instead of acc.
-template <int MR, typename W>
+// `first`: the accumulators start at zero instead of acc. kPrefetch: also fetch the panel's
+// row k + kPrefetchRows (all 32 columns) into L1, for the first pass over a chunk, whose
+// weights come from DRAM: with few rows the hardware prefetchers fall behind (measured: one
+// thread at 16 rows streamed the model's weights at ~1.3 GB/s).
+template <int MR, bool kPrefetch, typename W>
 inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
   Vec c[MR][kSubVecs];
   for (int i = 0; i < MR; ++i) {
@@ -46,6 +53,10 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
   }
   for (int32_t k = 0; k < kc; ++k) {
     const W* wk = w + static_cast<int64_t>(k) * kDensePanelRows;
+    if constexpr (kPrefetch) {
+      const char* ahead = reinterpret_cast<const char*>(wk + kPrefetchRows * kDensePanelRows);
+      for (size_t line = 0; line < kDensePanelRows * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 3);
+    }
     Vec b[kSubVecs];
     for (int v = 0; v < kSubVecs; ++v) b[v] = load(wk + v * kLanes);
     for (int i = 0; i < MR; ++i) {
@@ -58,18 +69,27 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
   }
 }
 
-// MR rows of x against a whole panel chunk (every sub-panel).
+// MR rows of x against a whole panel chunk (every sub-panel); the first sub-panel of the
+// chunk's first rows prefetches the rows ahead (past the chunk's end: the next chunk's).
 template <int MR, typename W>
-inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
-  for (int s = 0; s < kDensePanelRows; s += kSub) sub_panel<MR>(x, x_stride, w + s, kc, acc + s, first);
+inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+                       bool first_rows) {
+  if (first_rows) {
+    sub_panel<MR, true>(x, x_stride, w, kc, acc, first);
+  } else {
+    sub_panel<MR, false>(x, x_stride, w, kc, acc, first);
+  }
+  for (int s = kSub; s < kDensePanelRows; s += kSub) sub_panel<MR, false>(x, x_stride, w + s, kc, acc + s, first);
 }
 
 // Rows [0, mc) of x against a panel chunk; the last mc % kRows rows take a smaller kernel.
 template <typename W>
 inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
                         bool first) {
+  const bool prefetch = mc >= kPrefetchFromRows;
   for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
-    panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first);
+    panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
+                                      prefetch && i == 0);
   });
 }
 
