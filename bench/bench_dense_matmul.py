@@ -8,6 +8,12 @@ bfloat16 weights and activations, and vpage's dense_matmul on packed float32 and
 weights (float32 activations, and bfloat16 ones), alternating the candidates each repeat, and
 prints the median time, GFLOP/s (2 m n k per call) and weight GB/s (the packed weight's bytes
 per call: what decode streams), with each vpage column's ratio to torch float32.
+
+    python bench/bench_dense_matmul.py --model-sequence --rows 1,16,64,256,2048
+
+times instead one forward's matmuls of the default model in float32 (30 layers of qkv, o,
+gate_up and down, each layer its own weights, then the logits), so the weights come from DRAM
+as in the engine rather than from a cache that one repeated matmul keeps warm.
 """
 
 from __future__ import annotations
@@ -46,6 +52,46 @@ def time_calls(fn, seconds: float) -> float:
             return elapsed / calls
 
 
+MODEL_LAYERS = 30
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+MODEL_LOGITS = (49152, 576)
+
+
+def model_sequence(args) -> None:
+    """One forward's float32 matmuls of the default model per call, vpage against torch."""
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k) / k ** 0.5 for n, k in MODEL_SHAPES] for _ in range(MODEL_LAYERS)]
+    logits = torch.randn(*MODEL_LOGITS) / MODEL_LOGITS[1] ** 0.5
+    packed = [[ops.pack_dense_weight(w) for w in layer] for layer in weights]
+    packed_logits = ops.pack_dense_weight(logits)
+    print("| m | torch f32 ms | vpage f32 ms | torch GFLOP/s | vpage GFLOP/s | vpage vs torch |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for m in (int(v) for v in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        outs = {n: torch.empty(m, n) for n, _ in MODEL_SHAPES + [MODEL_LOGITS]}
+
+        def run_torch():
+            for layer in weights:
+                for w in layer:
+                    torch.mm(xs[w.shape[1]], w.t(), out=outs[w.shape[0]])
+            torch.mm(xs[576], logits.t(), out=outs[MODEL_LOGITS[0]])
+
+        def run_vpage():
+            for layer in packed:
+                for (n, k), w in zip(MODEL_SHAPES, layer):
+                    ops.dense_matmul(xs[k], w, n, out=outs[n])
+            ops.dense_matmul(xs[576], packed_logits, MODEL_LOGITS[0], out=outs[MODEL_LOGITS[0]])
+
+        flops = 2 * m * (MODEL_LAYERS * sum(n * k for n, k in MODEL_SHAPES) + MODEL_LOGITS[0] * MODEL_LOGITS[1])
+        times = {"torch": [], "vpage": []}
+        for _ in range(args.repeats):
+            times["torch"].append(time_calls(run_torch, args.seconds))
+            times["vpage"].append(time_calls(run_vpage, args.seconds))
+        t, v = statistics.median(times["torch"]), statistics.median(times["vpage"])
+        print(f"| {m} | {1e3 * t:.1f} | {1e3 * v:.1f} | {flops / t / 1e9:.1f} | {flops / v / 1e9:.1f} | "
+              f"{t / v:.2f}x |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8,64,256,2048")
@@ -54,11 +100,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seconds", type=float, default=0.05, help="per timing")
+    p.add_argument("--model-sequence", action="store_true",
+                   help="time one forward's matmuls of the default model (weights from DRAM) instead")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
     print(f"{cpu_name()}, {args.threads} threads, dense_matmul ISA {_core.dense_matmul_isa()}, "
           f"torch {torch.__version__}\n")
+    if args.model_sequence:
+        model_sequence(args)
+        return
     print("| m | n x k | torch f32 ms | torch bf16 ms | vpage f32 ms | vpage bf16-w ms | vpage bf16 ms | "
           "vpage f32 GFLOP/s | vpage f32 vs torch | bf16-w vs torch f32 | bf16 vs torch bf16 | bf16-w GB/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

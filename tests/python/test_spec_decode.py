@@ -242,6 +242,41 @@ def test_verifier_keeps_the_target_distribution():
     assert abs(accepted.mean() - 0.4) < 4 * (0.4 * 0.6 / n) ** 0.5
 
 
+def _chi_square_critical(df: int, z: float = 3.090) -> float:
+    """The chi-square value exceeded with probability 0.001 (z: the normal's 0.999 quantile), by
+    Wilson and Hilferty's cube-root approximation (within 1% from 5 degrees of freedom on)."""
+    h = 2.0 / (9.0 * df)
+    return df * (1.0 - h + z * h ** 0.5) ** 3
+
+
+def test_unseeded_sampling_through_the_engine_keeps_the_distribution(tiny):
+    # The same sampled request many times, unseeded (engine seeds make the runs repeatable),
+    # with and without n-gram drafts: the generated tokens must follow one distribution (a
+    # chi-square test of homogeneity over the outputs, rare ones pooled), while drafts were both
+    # accepted and rejected, so both branches of the verifier ran. The prompt quotes the model's
+    # own greedy continuation of its end, so the lookup's drafts are often likely tokens.
+    start = PROMPTS[0]
+    continuation = run(make_engine(tiny), [(start, greedy(12))])[0].outputs[0].token_ids
+    prompt = start + list(continuation) + start
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True)
+    requests = [(prompt, params)] * 1500
+    plain = run(make_engine(tiny, seed=7, max_num_seqs=256), requests)
+    engine = make_engine(tiny, NGRAM, seed=8, max_num_seqs=256)  # independent draws, not coupled ones
+    fast, stats = run(engine, requests), engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    a = [tuple(o.outputs[0].token_ids) for o in plain]
+    b = [tuple(o.outputs[0].token_ids) for o in fast]
+    categories = sorted(set(a) | set(b))
+    counts = np.array([[a.count(c) for c in categories], [b.count(c) for c in categories]], dtype=np.float64)
+    rare = counts.sum(axis=0) < 20
+    table = np.concatenate([counts[:, ~rare], counts[:, rare].sum(axis=1, keepdims=True)], axis=1)
+    table = table[:, table.sum(axis=0) > 0]
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
+    statistic = float(((table - expected) ** 2 / expected).sum())
+    assert table.shape[1] >= 4, f"too few distinct outputs to test: {table.shape[1]}"
+    assert statistic < _chi_square_critical(table.shape[1] - 1)
+
+
 @pytest.mark.parametrize("spec,message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),

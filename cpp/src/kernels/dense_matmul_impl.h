@@ -32,8 +32,7 @@ constexpr int kSub = kSubVecs * kLanes;  // columns per micro-kernel call: 32 (A
 static_assert(kDensePanelRows % kSub == 0, "a panel is whole sub-panels");
 constexpr int32_t kKChunk = 256;         // panel chunk: 256 x 32 floats = 32 KiB
 constexpr int64_t kPrefetchRows = 24;    // ~ DRAM latency / the first rows' time per k
-// Below this many x rows the hardware prefetchers keep up (and software prefetches slowed one
-// row down by ~20%).
+// With one x row the hardware prefetchers keep up alone (software prefetches slowed it ~20%).
 constexpr int64_t kPrefetchFromRows = 2;
 // From this many x rows a 16-bit panel chunk is widened once into a float32 tile that every
 // row then reads, instead of in registers for every kRows rows (the same values and FMAs, so
@@ -43,8 +42,8 @@ constexpr int64_t kWidenRows = 4 * kRows;
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
 // `first`: the accumulators start at zero instead of acc. kPrefetch: also fetch the panel's
 // row k + kPrefetchRows (all 32 columns) into L1, for the first pass over a chunk, whose
-// weights come from DRAM: with few rows the hardware prefetchers fall behind (measured: one
-// thread at 16 rows streamed the model's weights at ~1.3 GB/s).
+// weights come from DRAM: with a few rows the hardware prefetchers fall behind (measured on a
+// Zen 1 EPYC, one thread: the default model's matmuls took 2x as long at 6 rows as at 4).
 template <int MR, bool kPrefetch, typename W>
 inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
   Vec c[MR][kSubVecs];
