@@ -3,8 +3,8 @@ on bench_vllm_cpu.py's offline trace:
 
 - ``fma_peak_gflops(threads)``: float32 multiply-adds per second on this machine's cores,
   measured here (fma_peak.c, compiled with the system's C compiler for this CPU);
-- ``trace_matmul_flops(n)``: the matmul FLOPs of the default model (SmolLM2-135M) on the first
-  n requests of bench_vllm_cpu.py's trace: every prompt and output position through the layers'
+- ``trace_matmul_flops(trace)``: the matmul FLOPs of the default model (SmolLM2-135M, the
+  shapes of bench_dense_matmul.py's --model-sequence) on bench_vllm_cpu.py's trace: every prompt and output position through the layers'
   projections (except the last output token, which is never fed back), and the logits once
   per output token. Attention adds ~5% and is not counted.
 
@@ -24,11 +24,10 @@ from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_dense_matmul import MODEL_LAYERS, MODEL_LOGITS, MODEL_SHAPES  # noqa: E402
 from bench_throughput import make_trace  # noqa: E402
 
 _SOURCE = Path(__file__).with_name("fma_peak.c")
-# SmolLM2-135M: 30 layers of q/o (576 x 576), k/v (192 x 576), gate/up (1536 x 576), down.
-LAYERS, HIDDEN, KV, INTERMEDIATE, VOCAB = 30, 576, 192, 1536, 49152
 
 
 def fma_peak_gflops(threads: int, passes: int = 3) -> float:
@@ -42,12 +41,12 @@ def fma_peak_gflops(threads: int, passes: int = 3) -> float:
     return float(out.split()[0])
 
 
-def trace_matmul_flops(num_requests: int, seed: int = 0) -> float:
-    layer_params = 2 * HIDDEN * HIDDEN + 2 * KV * HIDDEN + 3 * INTERMEDIATE * HIDDEN
-    flops = 0.0
-    for prompt, output_len in make_trace(num_requests, seed, VOCAB):
-        flops += 2 * LAYERS * layer_params * (len(prompt) + output_len - 1) + 2 * VOCAB * HIDDEN * output_len
-    return flops
+def trace_matmul_flops(trace: list[tuple[list[int], int]]) -> float:
+    """``trace``: (prompt, output length) pairs, as make_trace gives them."""
+    layer_params = sum(n * k for n, k in MODEL_SHAPES)
+    logits_params = MODEL_LOGITS[0] * MODEL_LOGITS[1]
+    return sum(2 * MODEL_LAYERS * layer_params * (len(prompt) + output_len - 1) + 2 * logits_params * output_len
+               for prompt, output_len in trace)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -56,8 +55,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--num-requests", type=int, default=128)
     args = p.parse_args(argv)
     peak = fma_peak_gflops(args.threads)
-    flops = trace_matmul_flops(args.num_requests)
-    outputs = sum(n for _, n in make_trace(args.num_requests, 0, VOCAB))
+    trace = make_trace(args.num_requests, 0, MODEL_LOGITS[0])
+    flops = trace_matmul_flops(trace)
+    outputs = sum(n for _, n in trace)
     seconds = flops / (peak * 1e9)
     print(f"float32 FMA peak, {args.threads} threads: {peak:.1f} GFLOP/s")
     print(f"bench_vllm_cpu trace, {args.num_requests} requests: {flops / 1e12:.2f} TFLOP of matmuls, "
