@@ -287,7 +287,6 @@ void BlockManager::free(Sequence& seq) {
 }
 
 void BlockManager::free_lookahead(Sequence& seq) {
-  VPAGE_CHECK(!windowed(), "lookahead blocks with a sliding window");
   auto& table = seq.block_table_;
   const size_t keep = static_cast<size_t>(blocks_for(seq.num_tokens()));
   BlockPool& p = pool(seq.block_device_);

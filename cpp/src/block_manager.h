@@ -72,7 +72,8 @@ class BlockManager {
   void append_slots(SequenceGroup& group, std::vector<BlockPair>& copies);
 
   /// Frees the blocks at the end of `seq`'s table that none of its tokens reaches (lookahead
-  /// blocks of rejected draft tokens). Without a window only (a window is never speculated).
+  /// blocks of rejected draft tokens). A window's released entries are at the front, never
+  /// among these.
   void free_lookahead(Sequence& seq);
 
   /// `child` gets `parent`'s table (no allocation; refcounts up). Precondition: child has none.

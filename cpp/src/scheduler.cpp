@@ -368,7 +368,7 @@ std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   StepBudget budget;
   budget.tokens = config_.max_num_batched_tokens;
   for (const SequenceGroup* g : running_) budget.num_seqs += g->num_unfinished();
-  budget.speculate = config_.num_speculative_tokens > 0 && !blocks_.windowed() &&
+  budget.speculate = config_.num_speculative_tokens > 0 &&
                      (config_.speculative_disable_by_batch_size == 0 ||
                       budget.num_seqs <= config_.speculative_disable_by_batch_size);
 

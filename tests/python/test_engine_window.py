@@ -1,7 +1,8 @@
 """The engine on a tiny Mistral whose every layer has a sliding window of 16 (blocks of 8): the
 block manager frees the blocks before each sequence's window, the context is no longer capped
 at the window, and greedy generation past the window equals transformers' (which masks the
-same window), under chunked prefill, prefix caching, parallel samples and preemption.
+same window), under chunked prefill, prefix caching, parallel samples, preemption and n-gram
+speculation.
 
 The checks run on the attention kernels (when they have the window: ``sliding_window`` in
 ``vpage.ops.paged_attention``), and again with a float64 windowed reference attention put in
@@ -169,3 +170,26 @@ def test_prefix_cache_samples_and_preemption_keep_the_tokens(tiny_mistral, atten
         assert [t[0] for t in tokens] == refs(SHORT), mode
         stats = tight.engine.get_stats()
         assert stats.num_preempted_recompute + stats.num_preempted_swap > 0, mode
+
+
+def test_ngram_speculation_past_the_window(tiny_mistral, attention):
+    """Drafts on a windowed model: verified tokens alone move the window (release its blocks),
+    rejected drafts' lookahead blocks come back, and the tokens stay transformers' greedy ones,
+    also when growth preempts. A draft model is refused here (its KV lives in released blocks)."""
+    folder, refs = tiny_mistral
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    budget = 16
+    llm = _llm(folder, attention, speculative_config=spec, max_num_batched_tokens=budget)
+    tokens, peak = _generate(llm, PROMPTS[:2])
+    assert [t[0] for t in tokens] == refs(PROMPTS[:2])
+    stats = llm.engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert peak <= 2 * (math.ceil((WINDOW - 1 + budget) / BLOCK) + 1)
+    tight = _llm(folder, attention, speculative_config=spec, max_num_batched_tokens=16, preemption_mode="recompute",
+                 max_model_len=128, kv_cache_memory=10 * 4096 / 2**30)
+    tokens, _ = _generate(tight, SHORT)
+    assert [t[0] for t in tokens] == refs(SHORT)
+    stats = tight.engine.get_stats()
+    assert stats.num_preempted_recompute > 0 and stats.spec_decode_num_accepted_tokens > 0
+    drafted = _llm(folder, attention, speculative_config={"model": str(folder), "num_speculative_tokens": 2})
+    assert drafted.engine.config.speculative is None

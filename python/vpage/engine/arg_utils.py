@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -106,8 +107,6 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         self._speculative = (None if self.speculative_config is None
                              else SpeculativeConfig.from_dict(self.speculative_config))
-        check(self._speculative is None or self._speculative.model is None or self.tensor_parallel_size == 1,
-              "a draft model runs with tensor_parallel_size 1 only (n-gram speculation works with any)")
         if not self.enable_chunked_prefill and self.max_model_len is not None:
             check(self.max_num_batched_tokens >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
@@ -157,4 +156,15 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend,
                                                        reasoning_parser=self.reasoning_parser),
-            speculative=self._speculative)
+            speculative=self._speculative_for(facts.sliding_window))
+
+    def _speculative_for(self, sliding_window: Optional[int]) -> Optional[SpeculativeConfig]:
+        """The speculative config, without a draft model when the target's window frees KV blocks
+        (the draft's KV lives in those blocks and may reach further back)."""
+        spec = self._speculative
+        if spec is not None and spec.model is not None and sliding_window:
+            logging.getLogger("vpage").warning(
+                "vpage: speculative decoding is off: this model's sliding window frees KV blocks that a "
+                "draft model's attention would read (n-gram speculation works with it)")
+            return None
+        return spec

@@ -73,9 +73,6 @@ class LLMEngine:
                 f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'} or lower max_model_len")
         self.num_gpu_blocks = num_gpu_blocks
         spec = self.config.speculative
-        if spec is not None and cache.sliding_window:
-            logger.warning("vpage: speculative decoding is off: this model's sliding window frees KV blocks, "
-                           "which lookahead slots do not support yet")
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
                                   max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,

@@ -64,7 +64,7 @@ class Executor:
         raise NotImplementedError
 
     def propose_drafts(self, plan, inputs) -> np.ndarray:
-        """Speculative decoding's draft model (one rank only): the plan's block operations, then
+        """Speculative decoding's draft model (whole, on the driver): the plan's block operations, then
         greedy drafts for ``inputs`` (a ``DraftInputs``); ``execute`` of the plan follows."""
         return self.driver_worker.propose_drafts(plan, inputs)
 

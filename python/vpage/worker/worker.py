@@ -50,10 +50,12 @@ class Worker:
         self.loaded: LoadedModel = load_model(m.model, m.dtype, m.device, m.quantization)
         self.device = self.loaded.device
         spec = config.speculative
-        # Speculative decoding's draft model: its own dtype (a GGUF draft stays quantized).
+        # Speculative decoding's draft model: its own dtype (a GGUF draft stays quantized), whole
+        # on the driver rank only (drafting is the driver's alone; the other ranks verify).
         self.draft: Optional[LoadedModel] = None
-        if spec is not None and spec.model is not None:
-            self.draft = load_model(spec.model, "auto", m.device, "auto")
+        if spec is not None and spec.model is not None and ps.tp_rank() == 0:
+            with ps.single_rank():
+                self.draft = load_model(spec.model, "auto", m.device, "auto")
             check_same_vocabulary(self.loaded, self.draft)
         if self.device.type == "cpu":
             for loaded in (self.loaded, self.draft):
@@ -88,8 +90,8 @@ class Worker:
         return dataclasses.replace(self.draft.config, kv_cache_dtype=self.draft.config.dtype)
 
     def block_bytes(self) -> int:
-        """Bytes of one KV block of this rank (all layers, keys and values; the draft model's
-        too)."""
+        """Bytes of one KV block of this rank (all layers, keys and values; on the driver the
+        draft model's too)."""
         bs = self.config.cache.block_size
         draft = self.draft_cache_config
         return bytes_per_block(self.cache_config, bs) + (bytes_per_block(draft, bs) if draft is not None else 0)
@@ -219,7 +221,8 @@ class Worker:
         draft model's greedy drafts ([plan.num_draft_tokens] int32 in sample order)."""
         self._move_blocks(plan)
         self._moved_step = plan.step_id
-        return self.draft_runner.propose(inputs)
+        with ps.single_rank():  # the unsharded draft's collectives are no-ops
+            return self.draft_runner.propose(inputs)
 
     def serve_steps(self) -> None:
         """A non-driver rank: runs the driver's steps until it sends shutdown."""
