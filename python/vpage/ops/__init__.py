@@ -1,0 +1,50 @@
+"""Paged-attention kernels with vLLM-like names and shapes, for CPU and CUDA tensors.
+
+KV cache layout per layer (``x = 16 // element_size``)::
+
+    key_cache   [num_blocks, num_kv_heads, head_size // x, block_size, x]
+    value_cache [num_blocks, num_kv_heads, head_size, block_size]
+    slot = block_id * block_size + offset_in_block
+
+Every function checks dtype, device, shape and contiguity (raising ``TypeError`` or
+``ValueError``) before any kernel runs, then dispatches on the device: CPU tensors go to
+``vpage._ops_cpu``, CUDA tensors to ``vpage._ops_cuda`` (imported on first use).
+
+Inside ``with trusted_arguments():`` the layer ops skip those checks (on this thread): for a
+caller that has just validated the same kind of arguments, such as a model whose first layer
+of a step ran checked and whose other layers repeat its shapes, dtypes and devices.
+
+One module per concept, every public name re-exported here; callers reach the ops through this
+package (``ops.paged_attention(...)``), so patching ``vpage.ops.<name>`` reaches them too:
+``_common`` (the argument-check switch, backend dispatch, shared checks), ``threads`` (the CPU
+kernels' threads), ``kv_cache`` (cache shapes, writes, block copies), ``attention`` (paged decode
+and prefill attention), ``layer`` (rotary embedding, RMS norms, gated activations), ``sampler``
+(log-normaliser and argmax, token bitmasks), ``matmul`` (GGUF block and packed dense weights),
+``moe`` (the fused mixture-of-experts block).
+"""
+
+from __future__ import annotations
+
+from vpage.ops._common import _checking, trusted_arguments
+from vpage.ops.attention import paged_attention, paged_prefill_attention
+from vpage.ops.kv_cache import (copy_blocks, key_cache_shape, kv_dtypes_supported, reshape_and_cache, swap_blocks,
+                                value_cache_shape)
+from vpage.ops.layer import (fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rms_norm_heads_, rotary_embedding,
+                             sigmoid_gated_add_, silu_and_mul)
+from vpage.ops.matmul import (DENSE_PANEL_ROWS, QUANT_TYPES, dense_matmul, dense_rows, dequantize_rows,
+                              pack_dense_weight, quant_matmul, quant_row_bytes)
+from vpage.ops.moe import fused_moe, pack_expert_weights
+from vpage.ops.sampler import apply_token_bitmask_, logsumexp_argmax, token_bitmask_words
+from vpage.ops.threads import get_num_threads, set_num_threads, set_thread_source
+
+# Also here, outside __all__: kv_dtypes_supported (the cache engine), DENSE_PANEL_ROWS (packed panels), _checking.
+
+__all__ = [
+    "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
+    "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
+    "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
+    "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "quant_row_bytes", "quant_matmul",
+    "dequantize_rows", "pack_dense_weight", "dense_matmul", "dense_rows", "pack_expert_weights", "fused_moe",
+    "logsumexp_argmax",
+    "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
+]

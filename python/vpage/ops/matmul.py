@@ -1,0 +1,167 @@
+"""CPU matmuls on weights laid out at load time: GGUF block formats kept quantized
+(``QUANT_TYPES``; also dequantizing picked rows) and float weights packed in panels of
+``DENSE_PANEL_ROWS`` rows."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from vpage import _ops_cpu
+from vpage.ops._common import _SUPPORTED_DTYPES, _check_tensor, _checking
+
+
+# GGUF block formats the CPU keeps quantized: name -> (ggml type id, values per block, bytes per block).
+QUANT_TYPES = {
+    "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
+}
+_QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in QUANT_TYPES.items()}
+
+
+def _quant_format(qtype: object) -> Tuple[int, int, int]:
+    """(ggml type id, values per block, bytes per block) of a type name or id (or a gguf enum)."""
+    if isinstance(qtype, str) and qtype in QUANT_TYPES:
+        return QUANT_TYPES[qtype]
+    key = getattr(qtype, "name", qtype)
+    if isinstance(key, str) and key in QUANT_TYPES:
+        return QUANT_TYPES[key]
+    if isinstance(qtype, int) and qtype in _QUANT_BY_ID:
+        return (int(qtype),) + _QUANT_BY_ID[int(qtype)][1:]
+    raise ValueError(f"unsupported quantization type {qtype!r}; supported: {sorted(QUANT_TYPES)}")
+
+
+def quant_row_bytes(qtype: object, k: int) -> int:
+    """Bytes of one weight row of ``k`` values in block format ``qtype`` (a name such as
+    ``"Q4_K"`` or its ggml type id); ValueError unless ``k`` is a positive multiple of the
+    block size (32, or 256 for the K types)."""
+    _, values, size = _quant_format(qtype)
+    if not isinstance(k, int) or k <= 0 or k % values:
+        raise ValueError(f"k = {k!r} must be a positive multiple of {values} for {qtype}")
+    return k // values * size
+
+
+def _check_qweight(qweight: object, qtype: object, n: int, k: int) -> Tuple[int, int]:
+    """qweight: contiguous CPU uint8 holding n rows of k values; returns (type id, row bytes)."""
+    type_id = _quant_format(qtype)[0]
+    row_bytes = quant_row_bytes(qtype, k)
+    _check_tensor("qweight", qweight, dtype=torch.uint8, device=torch.device("cpu"))
+    if not isinstance(n, int) or n < 0 or qweight.numel() != n * row_bytes:
+        raise ValueError(f"qweight has {qweight.numel()} bytes; {n!r} rows of {k} values in {qtype} need "
+                         f"{n} x {row_bytes}")
+    return type_id, row_bytes
+
+
+def _checked_matmul_rows(x: torch.Tensor, k: int, n: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Checks a CPU matmul's 2-D x as ``[m, k]`` (float, contiguous columns, rows at least k
+    apart) and ``out`` as ``[m, n]`` of x's dtype and device (None: a new one); returns out."""
+    if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
+            k > 1 and x.stride(1) != 1):
+        raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    m = x.shape[0]
+    if out is None:
+        return torch.empty(m, n, dtype=x.dtype)
+    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
+    if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
+        raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    return out
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, k: int,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = x @ W.T`` with ``W`` ``[n, k]`` kept in a GGUF block format (CPU only).
+
+    x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous);
+    qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
+    qtype a name of ``QUANT_TYPES`` or its ggml id. Returns out ``[m, n]`` in x's dtype
+    (float32 accumulation). The weights are dequantized inside the kernel, never copied.
+    With Q4_0, Q4_1, Q8_0 or Q4_K, x is rounded to 8 bits per 32 values and multiplied in
+    integers, as llama.cpp does (the decode path up to ``_core.QUANT_INTEGER_PATH_ROWS`` rows,
+    the integer GEMM beyond)."""
+    if not _checking():
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        _ops_cpu.quant_matmul(out, x, qweight, _quant_format(qtype)[0], n, k)
+        return out
+    type_id, _ = _check_qweight(qweight, qtype, n, k)
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    if x.device.type != "cpu":
+        raise ValueError(f"quant_matmul runs on the CPU, x is on {x.device} (on CUDA, GGUF weights are "
+                         "dequantized at load)")
+    out = _checked_matmul_rows(x, k, n, out)
+    _ops_cpu.quant_matmul(out, x, qweight, type_id, n, k)
+    return out
+
+
+def dequantize_rows(qweight: torch.Tensor, qtype: object, k: int) -> torch.Tensor:
+    """float32 ``[rows, k]`` from ``rows`` weight rows of ``k`` values in block format ``qtype``
+    (qweight: contiguous CPU uint8 ``[rows, quant_row_bytes(qtype, k)]``), e.g. the rows of an
+    embedding table picked by token id."""
+    row_bytes = quant_row_bytes(qtype, k)
+    _check_tensor("qweight", qweight, dtype=torch.uint8, device=torch.device("cpu"))
+    if qweight.numel() % row_bytes:
+        raise ValueError(f"qweight has {qweight.numel()} bytes, not a whole number of {row_bytes}-byte rows")
+    rows = qweight.numel() // row_bytes
+    out = torch.empty(rows, k, dtype=torch.float32)
+    _ops_cpu.dequantize_rows(out, qweight, _quant_format(qtype)[0], rows, k)
+    return out
+
+
+DENSE_PANEL_ROWS = 32  # weight rows per packed panel (_core.DENSE_PANEL_ROWS)
+
+
+def pack_dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float weight ``[n, k]`` (float32, bfloat16 or float16, CPU, contiguous columns)
+    packed for :func:`dense_matmul`: ``[ceil(n / 32), k, 32]`` of its dtype, panel p holding
+    rows ``[32 p, 32 p + 32)`` column by column (zeros past row n). Packed once at load time,
+    so no matmul repacks it."""
+    _check_tensor("weight", weight, ndim=2, device=torch.device("cpu"), contiguous=False)
+    n, k = weight.shape
+    if weight.dtype not in _SUPPORTED_DTYPES or k == 0 or (k > 1 and weight.stride(1) != 1) or (
+            n > 1 and weight.stride(0) < k):
+        raise ValueError(f"weight must be a float [n, k > 0] tensor with contiguous columns, got {weight.dtype} "
+                         f"{tuple(weight.shape)} strides {weight.stride()}")
+    packed = torch.empty(-(-n // DENSE_PANEL_ROWS), k, DENSE_PANEL_ROWS, dtype=weight.dtype)
+    if n:
+        _ops_cpu.dense_pack(packed, weight)
+    return packed
+
+
+def dense_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[r]``) of the weight that ``packed`` holds, ``[r, k]`` (embedding
+    lookups in a table packed for its tied output projection)."""
+    return packed[rows // DENSE_PANEL_ROWS, :, rows % DENSE_PANEL_ROWS]
+
+
+def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = x @ W.T (+ bias)`` with ``W`` ``[n, k]`` packed by :func:`pack_dense_weight` (CPU only).
+
+    x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous); bias
+    float32 ``[n]`` or None. Returns out ``[m, n]`` in x's dtype. float32 accumulation, each
+    output summed in k order (a row's result does not depend on its batch); 16-bit weights are
+    widened in registers, so no 16-bit arithmetic is needed."""
+    if not _checking():
+        if out is None:
+            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        _ops_cpu.dense_matmul(out, x, packed, bias, n)
+        return out
+    _check_tensor("packed", packed, ndim=3, device=torch.device("cpu"))
+    if packed.dtype not in _SUPPORTED_DTYPES or packed.shape[2] != DENSE_PANEL_ROWS or not isinstance(n, int) or not (
+            0 <= n <= packed.shape[0] * DENSE_PANEL_ROWS and packed.shape[0] == -(-n // DENSE_PANEL_ROWS)):
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} does not hold {n!r} rows packed by "
+                         "pack_dense_weight")
+    k = packed.shape[1]
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    if x.device.type != "cpu":
+        raise ValueError(f"dense_matmul runs on the CPU, x is on {x.device}")
+    if bias is not None:
+        _check_tensor("bias", bias, dtype=torch.float32, ndim=1, device=torch.device("cpu"))
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    out = _checked_matmul_rows(x, k, n, out)
+    _ops_cpu.dense_matmul(out, x, packed, bias, n)
+    return out
