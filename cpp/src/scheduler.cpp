@@ -217,6 +217,10 @@ void SchedulerImpl::propose_drafts(SequenceGroup& group, const StepBudget& budge
   int32_t spare = budget.tokens - group.num_unfinished();  // tokens left once each seq has its one
   for (auto& s : group.seqs_) {
     if (is_finished(s->status_)) continue;
+    if (s->draft_skip_ > 0) {  // backing off after drafts that were all rejected
+      --s->draft_skip_;
+      continue;
+    }
     // Every token a draft run appends must stay within max_tokens and max_model_len.
     const int32_t room = std::min(stop.max_tokens - s->num_output_tokens(), config_.max_model_len - s->num_tokens());
     const int32_t k = std::min({config_.num_speculative_tokens, room - 1, spare});

@@ -67,6 +67,18 @@ void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids,
   }
 }
 
+void SchedulerImpl::note_draft_outcome(Sequence& seq, int32_t num_accepted) {
+  // A draft step costs several plain steps' compute when the weights are not the bound, so a
+  // sequence whose drafts keep failing (sampling at a high temperature, text that does not
+  // repeat) drafts again only after 1, 3, 7, ... kMaxDraftSkip decode steps.
+  if (num_accepted > 0) {
+    seq.draft_misses_ = 0;
+    return;
+  }
+  seq.draft_misses_ = std::min(seq.draft_misses_ + 1, 30);
+  seq.draft_skip_ = std::min((1 << seq.draft_misses_) - 1, kMaxDraftSkip);
+}
+
 CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
   check_commit(seq_ids, token_ids, count);
   // Draft tokens accepted per speculating sequence: all its entries but the last.
@@ -88,6 +100,7 @@ CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_id
       computed = n - static_cast<int32_t>(seq.draft_tokens_.size()) + num_accepted;
       seq.tokens_.insert(seq.tokens_.end(), seq.draft_tokens_.begin(), seq.draft_tokens_.begin() + num_accepted);
       stats_.num_accepted_tokens += num_accepted;
+      note_draft_outcome(seq, num_accepted);
     }
     seq.num_computed_ += computed;
     blocks_.register_computed_blocks(*it->second.group, seq);

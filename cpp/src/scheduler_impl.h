@@ -76,8 +76,11 @@ class SchedulerImpl {
   void schedule_prefills(StepBudget& budget, StepBuilder& step);
   void schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
   // Gives each sequence of a decoding group the n-gram draft tokens that fit its limits and
-  // the budget (none when nothing matches).
+  // the budget (none when nothing matches, or while it backs off after rejected drafts).
   void propose_drafts(SequenceGroup& group, const StepBudget& budget);
+  // After a draft step of `seq`: a step that kept none of its drafts sets the back-off.
+  void note_draft_outcome(Sequence& seq, int32_t num_accepted);
+  static constexpr int32_t kMaxDraftSkip = 32;  // decode steps between drafts at most
   // Schedules as many of the group's uncomputed tokens (and drafts) as the budget allows.
   void schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step);
   // Moves a group into the running queue (arrival order) and counts its sequences.

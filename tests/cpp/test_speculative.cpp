@@ -1,5 +1,6 @@
 // Speculative decoding in the scheduler: n-gram drafts, lookahead slots, commit of accepted
-// runs, rollback of rejected drafts, stops inside a run, the batch-size switch-off.
+// runs, rollback of rejected drafts, stops inside a run, the batch-size switch-off, the
+// back-off after rejected drafts.
 #include <vector>
 
 #include "check.h"
@@ -157,6 +158,37 @@ TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then
   commit(s, {0, 0}, {7, 9});
   EXPECT(s.find_sequence(0)->tokens == (std::vector<TokenId>{1, 2, 3, 4, 7, 9}));
   EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
+}
+
+TEST_CASE("drafts all rejected back off 1, 3, then 7 decode steps; a kept draft resets that") {
+  SchedulerConfig cfg = speculating(2);
+  cfg.external_drafts = true;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
+  s.schedule();
+  commit(s, {0}, {4});
+  // One decode step: its number of drafts (all 7), committed with none kept or the first kept.
+  const auto step = [&s](bool keep_first) {
+    auto plan = s.schedule();
+    const int32_t d = plan->sample_num_drafts[0];
+    if (d > 0) {
+      const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
+      s.fill_drafts(drafts.data(), d);
+    }
+    if (d > 0 && keep_first) {
+      commit(s, {0, 0}, {7, 5});
+    } else {
+      commit(s, {0}, {5});
+    }
+    return d;
+  };
+  std::vector<int32_t> seen;
+  for (int i = 0; i < 14; ++i) seen.push_back(step(false));
+  EXPECT(seen == (std::vector<int32_t>{2, 0, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT(step(true) == 2);  // drafts again and keeps one: no back-off
+  EXPECT(step(false) == 2);
+  EXPECT(step(false) == 0);  // a miss after a kept draft backs off one step again
+  EXPECT(step(false) == 2);
 }
 
 TEST_MAIN()
