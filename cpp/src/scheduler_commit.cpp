@@ -70,7 +70,8 @@ void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids,
 void SchedulerImpl::note_draft_outcome(Sequence& seq, int32_t num_accepted) {
   // A draft step costs several plain steps' compute when the weights are not the bound, so a
   // sequence whose drafts keep failing (sampling at a high temperature, text that does not
-  // repeat) drafts again only after 1, 3, 7, ... kMaxDraftSkip decode steps.
+  // repeat) drafts again only after 1, 3, 7, ... kMaxDraftSkip decode steps, one token at a
+  // time until one is kept.
   if (num_accepted > 0) {
     seq.draft_misses_ = 0;
     return;

@@ -73,7 +73,9 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens (in the C++ scheduler); "draft_model": greedy drafts of a
     smaller ``model`` with the same vocabulary (a folder or GGUF file; a ``model`` key alone
     means this method). No drafts in a step that starts with more than
-    ``disable_by_batch_size`` running sequences (0: never off)."""
+    ``disable_by_batch_size`` running sequences (0: never off). A sequence whose draft step
+    keeps none of its drafts drafts again only after 1, 3, 7, ... 32 decode steps, one draft
+    at a time until one is kept."""
 
     method: str
     num_speculative_tokens: int

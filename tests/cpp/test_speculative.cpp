@@ -160,7 +160,7 @@ TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then
   EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
 }
 
-TEST_CASE("drafts all rejected back off 1, 3, then 7 decode steps; a kept draft resets that") {
+TEST_CASE("drafts all rejected back off 1, 3, 7 steps, then probe one at a time; a kept one resets") {
   SchedulerConfig cfg = speculating(2);
   cfg.external_drafts = true;
   Scheduler s(cfg, pools(64, 0));
@@ -184,11 +184,12 @@ TEST_CASE("drafts all rejected back off 1, 3, then 7 decode steps; a kept draft 
   };
   std::vector<int32_t> seen;
   for (int i = 0; i < 14; ++i) seen.push_back(step(false));
-  EXPECT(seen == (std::vector<int32_t>{2, 0, 2, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0}));
-  EXPECT(step(true) == 2);  // drafts again and keeps one: no back-off
+  // After a miss, one draft probes at a time.
+  EXPECT(seen == (std::vector<int32_t>{2, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT(step(true) == 1);   // the probe is kept: no back-off, all k again
   EXPECT(step(false) == 2);
   EXPECT(step(false) == 0);  // a miss after a kept draft backs off one step again
-  EXPECT(step(false) == 2);
+  EXPECT(step(false) == 1);
 }
 
 TEST_MAIN()
