@@ -10,18 +10,36 @@ from typing import Any, Callable, Sequence
 _CONTEXT_TOKENS = 6
 
 
-def get_tokenizer(folder: str | Path, gguf_file: str | None = None) -> Any:
+def get_tokenizer(folder: str | Path, gguf_file: str | None = None, config: Any = None) -> Any:
     """A transformers tokenizer from a local model folder, or from a GGUF file inside it.
 
-    Never downloads. Raises ValueError naming the path when it cannot be loaded.
+    ``config``: the model's transformers config, which picks a GGUF file's tokenizer class
+    as AutoTokenizer would (AutoTokenizer itself rebuilds the config from the file with
+    gguf-py's reader, seconds for a large vocabulary). Never downloads. Raises ValueError
+    naming the path when it cannot be loaded.
     """
     from transformers import AutoTokenizer
 
     where = Path(folder) / gguf_file if gguf_file else Path(folder)
     try:
+        if gguf_file and config is not None and not (Path(folder) / "tokenizer_config.json").is_file():
+            return _gguf_tokenizer_class(config).from_pretrained(str(folder), gguf_file=gguf_file,
+                                                                 local_files_only=True)
         return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
     except Exception as e:  # transformers raises many types for bad or missing files
         raise ValueError(f"{where}: cannot load tokenizer ({type(e).__name__}: {e})") from e
+
+
+def _gguf_tokenizer_class(config: Any) -> type:
+    """AutoTokenizer's choice for a GGUF file of this config's model type (a file carries
+    no tokenizer class name): the class registered for the config, else TokenizersBackend."""
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+
+    registered = TOKENIZER_MAPPING[type(config)] if type(config) in TOKENIZER_MAPPING else None
+    if registered is None or registered.__name__ == "MistralCommonBackend":  # needs Mistral's own files
+        return TokenizersBackend
+    return registered
 
 
 def _backend_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vpage.model_executor.loader.gguf_weights import open_gguf
+from vpage.model_executor.loader.gguf_file import GgufFile
 from vpage.model_executor.loader.model_loader import resolve_model_source
 from vpage.sampling_params import SamplingParams
 
@@ -54,8 +54,8 @@ def _from_json(path: Path) -> dict[str, Any]:
 
 
 def _from_gguf(path: Path) -> dict[str, Any]:
-    fields = open_gguf(path).fields
-    return {param: fields[key].contents() for key, param in _GGUF_KEYS.items() if key in fields}
+    metadata = GgufFile(path).metadata
+    return {param: metadata[key] for key, param in _GGUF_KEYS.items() if key in metadata}
 
 
 def _checked(defaults: dict[str, Any], path: Path) -> dict[str, Any]:

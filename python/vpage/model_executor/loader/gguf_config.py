@@ -3,32 +3,30 @@ through the architecture's description (``GgufArch.config_fields``)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from vpage.model_executor.loader.gguf_weights import gguf_architecture
+from vpage.model_executor.loader.gguf_file import GgufFile
 from vpage.model_executor.models import gguf_model_class
 
 _MISSING = object()
 
 
 class GgufMetadata:
-    """The metadata of an open ``gguf.GGUFReader`` as the config mappings read it."""
+    """The metadata of a ``GgufFile`` as the config mappings read it."""
 
-    def __init__(self, reader: Any, arch: str):
-        self.reader, self.arch = reader, arch
-        self._tensors = {t.name: t for t in reader.tensors}
+    def __init__(self, file: GgufFile):
+        self.metadata, self.arch = file.metadata, file.architecture
+        self._tensors = {t.name: t for t in file.tensors}
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         return self.get_global(f"{self.arch}.{key}", default)
 
     def get_global(self, key: str, default: Any = _MISSING) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            if default is _MISSING:
-                raise ValueError(f"GGUF metadata lacks {key}")
-            return default
-        return field.contents()
+        if key in self.metadata:
+            return self.metadata[key]
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata lacks {key}")
+        return default
 
     def has_tensor(self, name: str) -> bool:
         return name in self._tensors
@@ -42,21 +40,20 @@ class GgufMetadata:
         return [float(v) for v in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
 
 
-def hf_config_from_gguf(reader: Any, path: Path) -> Any:
-    """The transformers config (e.g. ``LlamaConfig``) for an open ``gguf.GGUFReader``, with
+def hf_config_from_gguf(file: GgufFile) -> Any:
+    """The transformers config (e.g. ``LlamaConfig``) for a ``GgufFile``, with
     ``architectures`` naming the model class.
 
-    Raises ValueError naming ``path`` for unsupported architectures or missing metadata.
+    Raises ValueError naming the file for unsupported architectures or missing metadata.
     """
     import transformers
 
     try:
-        name = gguf_architecture(reader)
-        meta = GgufMetadata(reader, name)
-        model_class = gguf_model_class(name, meta)
+        meta = GgufMetadata(file)
+        model_class = gguf_model_class(meta.arch, meta)
         kwargs = model_class.arch.gguf.config_fields(meta)
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise ValueError(f"{file.path}: {e}") from e
     # freq_factors is vpage's key (GGUF rope_freqs): set after transformers validated the others.
     freq_factors = (kwargs.get("rope_scaling") or {}).pop("freq_factors", None)
     config_class = getattr(transformers, model_class.arch.gguf.config_class)

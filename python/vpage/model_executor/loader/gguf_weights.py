@@ -8,35 +8,18 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
 from vpage import ops
 from vpage.model_executor.layers.weight_utils import QuantizedTensor
+from vpage.model_executor.loader.gguf_file import GgufFile, GgufTensor
 from vpage.model_executor.models.arch import GgufArch
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _RAW_TYPE_IDS = {type_id for type_id, _, _ in ops.QUANT_TYPES.values()}
-
-
-def open_gguf(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` for ``path``; ValueError naming the file when it is corrupt."""
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises assorted errors on bad bytes
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-
-
-def gguf_architecture(reader: Any) -> str:
-    """The ``general.architecture`` string of a GGUF file (e.g. "llama", "qwen2")."""
-    field = reader.fields.get("general.architecture")
-    if field is None:
-        raise ValueError("GGUF file has no general.architecture")
-    return bytes(field.parts[field.data[0]]).decode()
 
 
 def hf_tensor_name(gguf_name: str, arch: GgufArch) -> str | None:
@@ -62,26 +45,26 @@ def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensor_types(reader: Any, arch: GgufArch) -> dict[str, int]:
+def gguf_tensor_types(reader: GgufFile, arch: GgufArch) -> dict[str, int]:
     """Hugging Face name -> ggml type id of every used tensor of the GGUF file."""
-    names = ((hf_tensor_name(t.name, arch), int(t.tensor_type)) for t in reader.tensors)
+    names = ((hf_tensor_name(t.name, arch), t.tensor_type) for t in reader.tensors)
     return {name: type_id for name, type_id in names if name is not None}
 
 
-def _raw_rows(tensor: Any, permuted_heads: int | None) -> QuantizedTensor:
+def _raw_rows(tensor: GgufTensor, permuted_heads: int | None) -> QuantizedTensor:
     """A GGUF tensor's block rows as a QuantizedTensor (a view of the file mapping, or a copy
     with the Q/K rows un-permuted)."""
     cols = int(tensor.shape[0])  # GGUF lists dimensions innermost first
     if permuted_heads is not None:
         rows = np.ascontiguousarray(unpermute_rotary_rows(tensor.data, permuted_heads))
-        return QuantizedTensor(torch.from_numpy(rows), int(tensor.tensor_type), cols)
+        return QuantizedTensor(torch.from_numpy(rows), tensor.tensor_type, cols)
     with warnings.catch_warnings():  # a read-only file mapping, only ever copied from
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(tensor.data)
-    return QuantizedTensor(data, int(tensor.tensor_type), cols)
+    return QuantizedTensor(data, tensor.tensor_type, cols)
 
 
-def iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
+def iterate_gguf(reader: GgufFile, path: Path, arch: GgufArch, num_heads: int,
                  num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (Hugging Face name, tensor) for each used tensor of the GGUF file: raw rows for
     the block formats of ``ops.QUANT_TYPES``, float32 for the others. Q/K rows permuted by
@@ -92,7 +75,7 @@ def iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
         yield name, tensor if transform is None else transform(name, tensor)
 
 
-def _iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
+def _iterate_gguf(reader: GgufFile, path: Path, arch: GgufArch, num_heads: int,
                   num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     from gguf.quants import dequantize
 
@@ -105,7 +88,7 @@ def _iterate_gguf(reader: Any, path: Path, arch: GgufArch, num_heads: int,
             heads = num_heads
         elif arch.permuted_qk and ".k_proj." in name:
             heads = num_kv_heads
-        if int(tensor.tensor_type) in _RAW_TYPE_IDS:
+        if tensor.tensor_type in _RAW_TYPE_IDS:
             yield name, _raw_rows(tensor, heads)
             continue
         try:

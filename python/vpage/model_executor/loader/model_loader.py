@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from dataclasses import dataclass
@@ -15,7 +14,8 @@ from vpage.distributed.parallel_state import tp_rank
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
-from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf, open_gguf
+from vpage.model_executor.loader.gguf_file import GgufFile
+from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf
 from vpage.model_executor.layers.quantization import GgufQuantConfig, QuantConfig
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
 from vpage.model_executor.models import architecture_of, get_model_class
@@ -78,7 +78,7 @@ def _load_hf_config(source: _Source, reader: Any) -> Any:
     from transformers import AutoConfig
 
     if reader is not None:
-        return hf_config_from_gguf(reader, source.path)
+        return hf_config_from_gguf(reader)
     try:
         return AutoConfig.from_pretrained(str(source.folder), local_files_only=True)
     except Exception as e:  # transformers raises many types for bad or missing files
@@ -153,16 +153,16 @@ def _weights(source: _Source, hf_config: Any, reader: Any,
     return iterate_safetensors(safetensors_files(source.folder))
 
 
-def _load_tokenizer(source: _Source) -> Any:
+def _load_tokenizer(source: _Source, hf_config: Any) -> Any:
     if source.gguf_file or any((source.folder / f).is_file() for f in _TOKENIZER_FILES):
-        return get_tokenizer(source.folder, source.gguf_file)
+        return get_tokenizer(source.folder, source.gguf_file, hf_config)
     return None
 
 
 def load_hf_config(model: str | None = None) -> Any:
     """The transformers config of ``model`` without loading its weights (to validate options)."""
     source = resolve_model_source(model)
-    reader = open_gguf(source.path) if source.gguf_file else None
+    reader = GgufFile(source.path) if source.gguf_file else None
     return _load_hf_config(source, reader)
 
 
@@ -186,7 +186,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
         raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
     source = resolve_model_source(model)
     torch_device = resolve_device(device)
-    reader = open_gguf(source.path) if source.gguf_file else None
+    reader = GgufFile(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
     architecture = architecture_of(hf_config)
     model_class = get_model_class(architecture)
@@ -204,9 +204,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
             raise
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
-    del reader  # the GGUF metadata objects and file mapping (hundreds of MB) go before the tokenizer's
-    gc.collect()
-    tokenizer = _load_tokenizer(source)
+    tokenizer = _load_tokenizer(source, hf_config)
     config = ModelConfig(
         architecture=architecture,
         num_layers=hf_config.num_hidden_layers,
