@@ -68,16 +68,20 @@ void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids,
 }
 
 void SchedulerImpl::note_draft_outcome(Sequence& seq, int32_t num_accepted) {
-  // A draft step costs several plain steps' compute when the weights are not the bound, so a
-  // sequence whose drafts keep failing (sampling at a high temperature, text that does not
-  // repeat) drafts again only after 1, 3, 7, ... kMaxDraftSkip decode steps, one token at a
-  // time until one is kept.
+  // A draft step costs several plain steps' compute when the weights are not the bound (each
+  // draft adds a row to every matmul), so a sequence whose drafts keep failing (sampling at a
+  // high temperature, text that does not repeat) drafts again only after 1, 3, 7, ...
+  // kMaxDraftSkip decode steps, one token at a time until one is kept; from there its drafts
+  // double (twice the run just kept) back up to num_speculative_tokens, so that one lucky
+  // probe does not buy a full-width step that is likely rejected.
   if (num_accepted > 0) {
     seq.draft_misses_ = 0;
+    seq.draft_limit_ = 2 * num_accepted;
     return;
   }
   seq.draft_misses_ = std::min(seq.draft_misses_ + 1, 30);
   seq.draft_skip_ = std::min((1 << seq.draft_misses_) - 1, kMaxDraftSkip);
+  seq.draft_limit_ = 1;
 }
 
 CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {

@@ -52,10 +52,12 @@ class Sequence {
   // Draft tokens the planned step computes after tokens_ (speculative decoding); they hold
   // slots in block_table_ until commit() accepts or drops them.
   std::vector<TokenId> draft_tokens_;
-  // Draft back-off: consecutive draft steps that kept no draft, and the decode steps left
-  // before this sequence drafts again (see SchedulerImpl::note_draft_outcome).
+  // Draft back-off: consecutive draft steps that kept no draft, the decode steps left before
+  // this sequence drafts again, and the drafts it may propose then (0: num_speculative_tokens;
+  // see SchedulerImpl::note_draft_outcome).
   int32_t draft_misses_ = 0;
   int32_t draft_skip_ = 0;
+  int32_t draft_limit_ = 0;
   std::vector<BlockId> block_table_;
   Device block_device_ = Device::kGpu;
   std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_

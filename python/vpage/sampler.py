@@ -143,6 +143,23 @@ def apply_token_controls(logits: torch.Tensor, rows: list[SamplingRow], which: l
         logits.put_(at, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
 
+def draw_uniform(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The one uniform number [0, 1) a sampled position draws (float64, shape [1]); a seeded
+    request's generator advances by exactly this draw per position (spec_decode rewinds it)."""
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [m, vocab] by inverting its CDF (float64 running sums)
+    at a uniform number: exact sampling with one random number per row, where a race of
+    exponentials drew one per vocabulary entry (1.6 ms a row of 49k on a CPU core, a fifth of
+    a small model's decode step). A token of probability 0 is never picked."""
+    cdf = probs.double().cumsum_(dim=-1)
+    u = torch.cat([draw_uniform(g, probs.device) for g in generators])
+    picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[1] - 1)
+
+
 class Sampler:
     """Samples one token per row, batched over the rows of a step."""
 
@@ -217,12 +234,7 @@ class Sampler:
             apply_top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
         if any(r.params.min_p > 0.0 for r in rows):
             apply_min_p(logits, torch.tensor([r.params.min_p for r in rows], device=dev))
-        probs = logits.softmax(dim=-1)
-        race = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                race[i].exponential_(generator=r.generator)
-        return probs.div_(race).argmax(dim=-1)
+        return sample_from_probs(logits.softmax(dim=-1), [r.generator for r in rows])
 
     def _top_logprobs(self, raw: torch.Tensor, log_norm: torch.Tensor,
                       rows: list[SamplingRow]) -> list[list[tuple[int, float]] | None]:

@@ -160,36 +160,38 @@ TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then
   EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
 }
 
-TEST_CASE("drafts all rejected back off 1, 3, 7 steps, then probe one at a time; a kept one resets") {
-  SchedulerConfig cfg = speculating(2);
+TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then double") {
+  SchedulerConfig cfg = speculating(4);
   cfg.external_drafts = true;
   Scheduler s(cfg, pools(64, 0));
   s.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
   s.schedule();
   commit(s, {0}, {4});
-  // One decode step: its number of drafts (all 7), committed with none kept or the first kept.
-  const auto step = [&s](bool keep_first) {
+  // One decode step: its number of drafts (all 7), committed with the first `kept` of them kept.
+  const auto step = [&s](int32_t kept) {
     auto plan = s.schedule();
     const int32_t d = plan->sample_num_drafts[0];
     if (d > 0) {
       const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
       s.fill_drafts(drafts.data(), d);
     }
-    if (d > 0 && keep_first) {
-      commit(s, {0, 0}, {7, 5});
-    } else {
-      commit(s, {0}, {5});
-    }
+    kept = std::min(kept, d);
+    std::vector<SeqId> ids(static_cast<size_t>(kept) + 1, 0);
+    std::vector<TokenId> tokens(static_cast<size_t>(kept), 7);
+    tokens.push_back(5);
+    commit(s, ids, tokens);
     return d;
   };
   std::vector<int32_t> seen;
-  for (int i = 0; i < 14; ++i) seen.push_back(step(false));
+  for (int i = 0; i < 14; ++i) seen.push_back(step(0));
   // After a miss, one draft probes at a time.
-  EXPECT(seen == (std::vector<int32_t>{2, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}));
-  EXPECT(step(true) == 1);   // the probe is kept: no back-off, all k again
-  EXPECT(step(false) == 2);
-  EXPECT(step(false) == 0);  // a miss after a kept draft backs off one step again
-  EXPECT(step(false) == 1);
+  EXPECT(seen == (std::vector<int32_t>{4, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}));
+  EXPECT(step(1) == 1);  // the probe is kept: no back-off, twice as many drafts next
+  EXPECT(step(2) == 2);
+  EXPECT(step(1) == 4);  // all k again; one of them kept: two next
+  EXPECT(step(0) == 2);
+  EXPECT(step(0) == 0);  // a miss after a kept draft backs off one step again
+  EXPECT(step(0) == 1);
 }
 
 TEST_MAIN()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from vpage.sampler import Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator
+from vpage.sampler import (Sampler, SamplingRow, apply_min_p, apply_penalties, apply_top_k_top_p, make_generator,
+                           sample_from_probs)
 from vpage.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -105,6 +106,38 @@ def test_random_sampling_respects_masks_and_distribution():
         counts[sampler.sample(logits, rows).token_ids[0]] += 1
     assert counts[2] == 0 and counts[3] == 0
     assert counts[0] / 2000 == pytest.approx(2 / 3, abs=0.04)
+
+
+def test_inverse_cdf_sampling_matches_the_distribution():
+    # Rows with zeros (never picked), one certain token, a near-uniform large vocabulary, and
+    # probabilities summing a little below 1 (the last token stays reachable, nothing past it).
+    probs = torch.zeros(4, 1000)
+    probs[0, [3, 500, 999]] = torch.tensor([0.5, 0.3, 0.2])
+    probs[1, 7] = 1.0
+    probs[2] = torch.softmax(torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 0.1, -1)
+    probs[3, [0, 999]] = torch.tensor([0.2, 0.7999])
+    draws = 20000
+    counts = torch.zeros(4, 1000)
+    for chunk in range(draws // 500):
+        generators = [make_generator(chunk), None, make_generator(10_000 + chunk), None]
+        for _ in range(500):
+            picked = sample_from_probs(probs, generators)
+            counts[torch.arange(4), picked] += 1
+    assert set(counts[0].nonzero()[:, 0].tolist()) == {3, 500, 999} and counts[1, 7] == draws
+    assert set(counts[3].nonzero()[:, 0].tolist()) == {0, 999}
+    for row in (0, 2, 3):  # chi-square against the normalised row, 0.999 quantile
+        expected = probs[row] / probs[row].sum() * draws
+        keep = expected > 0
+        chi2 = float(((counts[row, keep] - expected[keep]) ** 2 / expected[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 3.1 * math.sqrt(2 * dof) + 10, (row, chi2, dof)
+
+
+def test_seeded_inverse_cdf_sampling_repeats():
+    probs = torch.softmax(random_logits(3), -1)
+    first = [sample_from_probs(probs, [make_generator(7), None, make_generator(8)]) for _ in range(3)]
+    again = [sample_from_probs(probs, [make_generator(7), None, make_generator(8)]) for _ in range(3)]
+    assert all(a[0] == b[0] and a[2] == b[2] for a, b in zip(first, again))
 
 
 def test_seeded_rows_independent_of_batch():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vpage import _core
-from vpage.sampler import Sampler, SamplerOutput, SamplingRow, SamplingType
+from vpage.sampler import Sampler, SamplerOutput, SamplingRow, SamplingType, draw_uniform
 
 
 @dataclass
@@ -114,14 +114,13 @@ class DraftRows:
             if drafts:
                 stats.add(len(drafts), accepted)
             if i in saved:
-                _rewind(rows[i].generator, saved[i], accepted + 1, logits.shape[1], logits.device)
+                _rewind(rows[i].generator, saved[i], accepted + 1, logits.device)
         return Verified(sampled, runs)
 
 
-def _rewind(generator: torch.Generator, state: torch.Tensor, draws: int, vocab: int, device) -> None:
-    """Leaves ``generator`` as if only ``draws`` positions had been sampled (one exponential
-    vector of the vocabulary's size each, as the sampler draws them)."""
+def _rewind(generator: torch.Generator, state: torch.Tensor, draws: int, device) -> None:
+    """Leaves ``generator`` as if only ``draws`` positions had been sampled (one uniform number
+    each, as the sampler draws them)."""
     generator.set_state(state)
-    scratch = torch.empty(vocab, dtype=torch.float32, device=device)
     for _ in range(draws):
-        scratch.exponential_(generator=generator)
+        draw_uniform(generator, device)
