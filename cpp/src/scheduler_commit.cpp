@@ -73,9 +73,11 @@ void SchedulerImpl::note_draft_outcome(Sequence& seq, int32_t num_accepted) {
   // high temperature, text that does not repeat) drafts again only after 1, 3, 7, ...
   // kMaxDraftSkip decode steps, one token at a time until one is kept; from there its drafts
   // double (twice the run just kept) back up to num_speculative_tokens, so that one lucky
-  // probe does not buy a full-width step that is likely rejected.
+  // probe does not buy a full-width step that is likely rejected. A kept draft lowers the
+  // back-off one level rather than clearing it: drafts kept less than half the time (sampling
+  // that sometimes repeats) drift to the longest skip.
   if (num_accepted > 0) {
-    seq.draft_misses_ = 0;
+    seq.draft_misses_ = std::max(seq.draft_misses_ - 1, 0);
     seq.draft_limit_ = 2 * num_accepted;
     return;
   }

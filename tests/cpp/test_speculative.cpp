@@ -160,7 +160,7 @@ TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then
   EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
 }
 
-TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then double") {
+TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then double; kept ones step back") {
   SchedulerConfig cfg = speculating(4);
   cfg.external_drafts = true;
   Scheduler s(cfg, pools(64, 0));
@@ -186,11 +186,17 @@ TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then
   for (int i = 0; i < 14; ++i) seen.push_back(step(0));
   // After a miss, one draft probes at a time.
   EXPECT(seen == (std::vector<int32_t>{4, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}));
-  EXPECT(step(1) == 1);  // the probe is kept: no back-off, twice as many drafts next
-  EXPECT(step(2) == 2);
-  EXPECT(step(1) == 4);  // all k again; one of them kept: two next
-  EXPECT(step(0) == 2);
-  EXPECT(step(0) == 0);  // a miss after a kept draft backs off one step again
+  // Back-off level 3 here; each kept draft lowers it by one, each miss raises it.
+  EXPECT(step(1) == 1);  // the probe is kept (level 2): twice as many drafts next
+  EXPECT(step(2) == 2);  // level 1
+  EXPECT(step(1) == 4);  // all k again (level 0); one of them kept: two next
+  EXPECT(step(0) == 2);  // a miss: level 1, one step skipped
+  EXPECT(step(0) == 0);
+  EXPECT(step(0) == 1);  // the probe misses: level 2, three steps
+  for (int i = 0; i < 3; ++i) EXPECT(step(0) == 0);
+  EXPECT(step(1) == 1);  // kept: back-off 1, two drafts next
+  EXPECT(step(0) == 2);  // a miss: back-off 2 again (a cleared back-off would skip one step)
+  for (int i = 0; i < 3; ++i) EXPECT(step(0) == 0);
   EXPECT(step(0) == 1);
 }
 
