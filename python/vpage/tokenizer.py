@@ -22,19 +22,23 @@ def get_tokenizer(folder: str | Path, gguf_file: str | None = None, config: Any 
 
     where = Path(folder) / gguf_file if gguf_file else Path(folder)
     try:
+        cls = AutoTokenizer
         if gguf_file and config is not None and not (Path(folder) / "tokenizer_config.json").is_file():
-            return _gguf_tokenizer_class(config).from_pretrained(str(folder), gguf_file=gguf_file,
-                                                                 local_files_only=True)
-        return AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
+            cls = _gguf_tokenizer_class(config) or AutoTokenizer
+        return cls.from_pretrained(str(folder), gguf_file=gguf_file, local_files_only=True)
     except Exception as e:  # transformers raises many types for bad or missing files
         raise ValueError(f"{where}: cannot load tokenizer ({type(e).__name__}: {e})") from e
 
 
-def _gguf_tokenizer_class(config: Any) -> type:
+def _gguf_tokenizer_class(config: Any) -> type | None:
     """AutoTokenizer's choice for a GGUF file of this config's model type (a file carries
-    no tokenizer class name): the class registered for the config, else TokenizersBackend."""
-    from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    no tokenizer class name): the class registered for the config, else TokenizersBackend.
+    None with transformers 4, which has no TokenizersBackend (AutoTokenizer then decides)."""
+    try:
+        from transformers import TokenizersBackend
+        from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    except ImportError:
+        return None
 
     registered = TOKENIZER_MAPPING[type(config)] if type(config) in TOKENIZER_MAPPING else None
     if registered is None or registered.__name__ == "MistralCommonBackend":  # needs Mistral's own files
