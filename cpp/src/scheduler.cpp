@@ -224,9 +224,7 @@ void SchedulerImpl::propose_drafts(SequenceGroup& group, const StepBudget& budge
     // Every token a draft run appends must stay within max_tokens and max_model_len, and within
     // the sequence's back-off limit.
     const int32_t room = std::min(stop.max_tokens - s->num_output_tokens(), config_.max_model_len - s->num_tokens());
-    const int32_t most = s->draft_limit_ > 0 ? std::min(s->draft_limit_, config_.num_speculative_tokens)
-                                             : config_.num_speculative_tokens;
-    const int32_t k = std::min({most, room - 1, spare});
+    const int32_t k = std::min({config_.num_speculative_tokens, s->draft_limit_, room - 1, spare});
     if (config_.external_drafts) {
       s->draft_tokens_.assign(static_cast<size_t>(std::max(k, 0)), 0);  // fill_drafts() writes them
     } else {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,11 +54,11 @@ class Sequence {
   // slots in block_table_ until commit() accepts or drops them.
   std::vector<TokenId> draft_tokens_;
   // Draft back-off: consecutive draft steps that kept no draft, the decode steps left before
-  // this sequence drafts again, and the drafts it may propose then (0: num_speculative_tokens;
-  // see SchedulerImpl::note_draft_outcome).
+  // this sequence drafts again, and the drafts it may propose then (capped by
+  // num_speculative_tokens; see SchedulerImpl::note_draft_outcome).
   int32_t draft_misses_ = 0;
   int32_t draft_skip_ = 0;
-  int32_t draft_limit_ = 0;
+  int32_t draft_limit_ = std::numeric_limits<int32_t>::max();
   std::vector<BlockId> block_table_;
   Device block_device_ = Device::kGpu;
   std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_

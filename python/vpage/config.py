@@ -75,7 +75,8 @@ class SpeculativeConfig:
     means this method). No drafts in a step that starts with more than
     ``disable_by_batch_size`` running sequences (0: never off). A sequence whose draft step
     keeps none of its drafts drafts again only after 1, 3, 7, ... 32 decode steps, one draft
-    at a time until one is kept."""
+    at a time until one is kept, then twice the run kept (up to k); each kept run lowers the
+    back-off one level."""
 
     method: str
     num_speculative_tokens: int
