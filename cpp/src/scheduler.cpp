@@ -215,24 +215,41 @@ void SchedulerImpl::preempt_running(size_t index, StepBudget& budget, SchedulePl
 void SchedulerImpl::propose_drafts(SequenceGroup& group, const StepBudget& budget) {
   const StopConditions& stop = group.stop_;
   int32_t spare = budget.tokens - group.num_unfinished();  // tokens left once each seq has its one
+  const double seq_share = step_costs_.seq_share_in_drafts(budget.num_seqs);
   for (auto& s : group.seqs_) {
     if (is_finished(s->status_)) continue;
-    if (s->draft_skip_ > 0) {  // backing off after drafts that were all rejected
-      --s->draft_skip_;
-      continue;
-    }
-    // Every token a draft run appends must stay within max_tokens and max_model_len, and within
-    // the sequence's back-off limit.
+    // Every token a draft run appends must stay within max_tokens and max_model_len.
     const int32_t room = std::min(stop.max_tokens - s->num_output_tokens(), config_.max_model_len - s->num_tokens());
-    const int32_t k = std::min({config_.num_speculative_tokens, s->draft_limit_, room - 1, spare});
+    const int32_t most = std::min({config_.num_speculative_tokens, room - 1, spare});
+    if (most <= 0) continue;
+    int32_t k = best_num_drafts(s->draft_acceptance_.rate(), seq_share, most);
+    if (k > 0) {
+      s->probe_gap_ = s->draft_skip_ = 0;
+    } else {
+      // Drafting does not pay at this sequence's rate; one draft after 1, 3, 7 ..
+      // kMaxProbeGap decode steps keeps the rate current (a kept probe is followed by another
+      // at once), so drafting resumes when the text starts to repeat.
+      if (s->draft_skip_ > 0) {
+        --s->draft_skip_;
+        continue;
+      }
+      s->probe_gap_ = std::min(2 * s->probe_gap_ + 1, kMaxProbeGap);
+      s->draft_skip_ = s->probe_gap_;
+      k = 1;
+    }
     if (config_.external_drafts) {
-      s->draft_tokens_.assign(static_cast<size_t>(std::max(k, 0)), 0);  // fill_drafts() writes them
+      s->draft_tokens_.assign(static_cast<size_t>(k), 0);  // fill_drafts() writes them
     } else {
       propose_ngram(s->tokens_.data(), s->num_tokens(), config_.prompt_lookup_min, config_.prompt_lookup_max, k,
                     s->draft_tokens_);
     }
     spare -= static_cast<int32_t>(s->draft_tokens_.size());
   }
+}
+
+void SchedulerImpl::observe_step_time(double seconds) {
+  if (last_decode_seqs_ > 0) step_costs_.observe(last_decode_seqs_, last_decode_drafts_, seconds);
+  last_decode_seqs_ = 0;
 }
 
 void SchedulerImpl::schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
@@ -388,6 +405,8 @@ std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   schedule_waiting(budget, step, plan);
 
   step.finish();
+  last_decode_seqs_ = plan.num_prefill_tokens == 0 ? static_cast<int32_t>(plan.sample_seq_ids.size()) : 0;
+  last_decode_drafts_ = plan.num_draft_tokens;
   ++stats_.num_steps;
   stats_.num_prefill_tokens += plan.num_prefill_tokens;
   stats_.num_decode_tokens += plan.num_decode_tokens;
@@ -418,6 +437,7 @@ SeqId SchedulerImpl::fork_sequence(SeqId parent_id) {
   child->num_computed_ = parent.num_computed_;
   child->status_ = parent.status_;
   child->draft_tokens_ = parent.draft_tokens_;  // with the pending step, its drafts and their slots
+  child->draft_acceptance_ = parent.draft_acceptance_;
   blocks_.fork(parent, *child);
   const SeqId child_id = child->seq_id();
   for (size_t i = 0, n = pending_.size(); i < n; ++i) {
@@ -500,6 +520,7 @@ CommitResult Scheduler::commit(const SeqId* seq_ids, const TokenId* token_ids, i
   return impl_->commit(seq_ids, token_ids, count);
 }
 void Scheduler::fill_drafts(const TokenId* tokens, int64_t count) { impl_->fill_drafts(tokens, count); }
+void Scheduler::observe_step_time(double seconds) { impl_->observe_step_time(seconds); }
 SeqId Scheduler::fork_sequence(SeqId parent) { return impl_->fork_sequence(parent); }
 bool Scheduler::finish_sequence(SeqId seq_id, SequenceStatus status) {
   return impl_->finish_sequence(seq_id, status);

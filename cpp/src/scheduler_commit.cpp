@@ -67,25 +67,6 @@ void SchedulerImpl::check_commit(const SeqId* seq_ids, const TokenId* token_ids,
   }
 }
 
-void SchedulerImpl::note_draft_outcome(Sequence& seq, int32_t num_accepted) {
-  // A draft step costs several plain steps' compute when the weights are not the bound (each
-  // draft adds a row to every matmul), so a sequence whose drafts keep failing (sampling at a
-  // high temperature, text that does not repeat) drafts again only after 1, 3, 7, ...
-  // kMaxDraftSkip decode steps, one token at a time until one is kept; from there its drafts
-  // double (twice the run just kept) back up to num_speculative_tokens, so that one lucky
-  // probe does not buy a full-width step that is likely rejected. A kept draft lowers the
-  // back-off one level rather than clearing it: drafts kept less than half the time (sampling
-  // that sometimes repeats) drift to the longest skip.
-  if (num_accepted > 0) {
-    seq.draft_misses_ = std::max(seq.draft_misses_ - 1, 0);
-    seq.draft_limit_ = 2 * num_accepted;
-    return;
-  }
-  seq.draft_misses_ = std::min(seq.draft_misses_ + 1, 30);
-  seq.draft_skip_ = std::min((1 << seq.draft_misses_) - 1, kMaxDraftSkip);
-  seq.draft_limit_ = 1;
-}
-
 CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count) {
   check_commit(seq_ids, token_ids, count);
   // Draft tokens accepted per speculating sequence: all its entries but the last.
@@ -107,7 +88,8 @@ CommitResult SchedulerImpl::commit(const SeqId* seq_ids, const TokenId* token_id
       computed = n - static_cast<int32_t>(seq.draft_tokens_.size()) + num_accepted;
       seq.tokens_.insert(seq.tokens_.end(), seq.draft_tokens_.begin(), seq.draft_tokens_.begin() + num_accepted);
       stats_.num_accepted_tokens += num_accepted;
-      note_draft_outcome(seq, num_accepted);
+      seq.draft_acceptance_.observe(static_cast<int32_t>(seq.draft_tokens_.size()), num_accepted);
+      if (num_accepted > 0) seq.probe_gap_ = seq.draft_skip_ = 0;  // a kept probe: probe again next step
     }
     seq.num_computed_ += computed;
     blocks_.register_computed_blocks(*it->second.group, seq);

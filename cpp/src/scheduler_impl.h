@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "block_manager.h"
+#include "draft_policy.h"
 #include "sequence_group.h"
 #include "vpage/scheduler.h"
 
@@ -38,6 +39,7 @@ class SchedulerImpl {
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
   int32_t num_swapped() const { return static_cast<int32_t>(swapped_.size()); }
   bool has_unfinished() const { return !groups_.empty(); }
+  void observe_step_time(double seconds);
   int64_t num_kv_tokens() const;
   std::optional<SequenceGroupSnapshot> find_group(const std::string& request_id) const;
   std::optional<SequenceSnapshot> find_sequence(SeqId seq_id) const;
@@ -75,12 +77,10 @@ class SchedulerImpl {
   void schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
   void schedule_prefills(StepBudget& budget, StepBuilder& step);
   void schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
-  // Gives each sequence of a decoding group the n-gram draft tokens that fit its limits and
-  // the budget (none when nothing matches, or while it backs off after rejected drafts).
+  // Gives each sequence of a decoding group the draft tokens that pay at its acceptance rate
+  // and fit its limits and the budget (none when nothing matches).
   void propose_drafts(SequenceGroup& group, const StepBudget& budget);
-  // After a draft step of `seq`: a step that kept none of its drafts sets the back-off.
-  void note_draft_outcome(Sequence& seq, int32_t num_accepted);
-  static constexpr int32_t kMaxDraftSkip = 32;  // decode steps between drafts at most
+  static constexpr int32_t kMaxProbeGap = 32;  // decode steps between probes at most
   // Schedules as many of the group's uncomputed tokens (and drafts) as the budget allows.
   void schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step);
   // Moves a group into the running queue (arrival order) and counts its sequences.
@@ -106,6 +106,11 @@ class SchedulerImpl {
   SeqId next_seq_id_ = 0;
   int64_t next_step_id_ = 0;
   SchedulerStats stats_;
+  // What a decode step's rows cost here; the sequences and drafts of the last plan when it
+  // was a decode step (no sequences otherwise, or once observed).
+  StepCostModel step_costs_;
+  int32_t last_decode_seqs_ = 0;
+  int32_t last_decode_drafts_ = 0;
 };
 
 }  // namespace vpage

@@ -3,11 +3,11 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "draft_policy.h"
 #include "prefix_hash.h"
 #include "vpage/common.h"
 #include "vpage/sequence.h"
@@ -53,12 +53,12 @@ class Sequence {
   // Draft tokens the planned step computes after tokens_ (speculative decoding); they hold
   // slots in block_table_ until commit() accepts or drops them.
   std::vector<TokenId> draft_tokens_;
-  // Draft back-off: consecutive draft steps that kept no draft, the decode steps left before
-  // this sequence drafts again, and the drafts it may propose then (capped by
-  // num_speculative_tokens; see SchedulerImpl::note_draft_outcome).
-  int32_t draft_misses_ = 0;
+  // How often this sequence's drafts are kept, and while drafting does not pay at that rate,
+  // the decode steps left before the next one-token probe and the gap after it (see
+  // SchedulerImpl::propose_drafts).
+  DraftAcceptance draft_acceptance_;
   int32_t draft_skip_ = 0;
-  int32_t draft_limit_ = std::numeric_limits<int32_t>::max();
+  int32_t probe_gap_ = 0;
   std::vector<BlockId> block_table_;
   Device block_device_ = Device::kGpu;
   std::vector<BlockHash> block_hashes_;  // chained hashes of full blocks of tokens_

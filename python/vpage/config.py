@@ -73,10 +73,10 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` tokens (in the C++ scheduler); "draft_model": greedy drafts of a
     smaller ``model`` with the same vocabulary (a folder or GGUF file; a ``model`` key alone
     means this method). No drafts in a step that starts with more than
-    ``disable_by_batch_size`` running sequences (0: never off). A sequence whose draft step
-    keeps none of its drafts drafts again only after 1, 3, 7, ... 32 decode steps, one draft
-    at a time until one is kept, then twice the run kept (up to k); each kept run lowers the
-    back-off one level."""
+    ``disable_by_batch_size`` running sequences (0: never off). Within k, each sequence drafts
+    as many tokens as pay at its recent acceptance rate against what a draft row costs on this
+    machine (measured from the engine's step times); where none pay it probes with one draft
+    after 1, 3, 7, ... 32 decode steps."""
 
     method: str
     num_speculative_tokens: int

@@ -1,9 +1,12 @@
 // Speculative decoding in the scheduler: n-gram drafts, lookahead slots, commit of accepted
 // runs, rollback of rejected drafts, stops inside a run, the batch-size switch-off, the
-// back-off after rejected drafts.
+// draft policy (acceptance rate against the measured cost of a row).
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "check.h"
+#include "draft_policy.h"
 #include "scheduler_fixtures.h"
 #include "vpage/scheduler.h"
 
@@ -11,6 +14,8 @@ using namespace vpage;
 using namespace vpage_test;
 
 namespace {
+
+bool near(double a, double b) { return std::abs(a - b) <= 1e-6 * std::max(1.0, std::abs(b)); }
 
 SchedulerConfig speculating(int k, int lookup_min = 1, int lookup_max = 3) {
   SchedulerConfig cfg;
@@ -160,14 +165,65 @@ TEST_CASE("external drafts: placeholders in the plan, filled by the caller, then
   EXPECT(s.find_sequence(0)->num_computed_tokens == 5);
 }
 
-TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then double; kept ones step back") {
+TEST_CASE("the number of drafts weighs the acceptance rate against what a draft row costs") {
+  // A sequence's share of a step, in draft rows: ~2 where a row is half a single-stream step.
+  EXPECT(best_num_drafts(0.97, 2.1, 4) == 4);
+  EXPECT(best_num_drafts(0.88, 2.1, 4) == 3);
+  EXPECT(best_num_drafts(0.6, 2.1, 4) == 1);
+  EXPECT(best_num_drafts(0.4, 2.1, 4) == 0);
+  // Where rows are cheap (~5), drafts kept a third of the time still pay.
+  EXPECT(best_num_drafts(0.88, 5.3, 4) == 4);
+  EXPECT(best_num_drafts(0.3, 5.3, 4) == 1);
+  // A step that is all rows: nothing short of certainty pays; free rows: everything does.
+  EXPECT(best_num_drafts(0.97, 1.0, 4) == 0);
+  EXPECT(best_num_drafts(0.01, std::numeric_limits<double>::infinity(), 4) == 4);
+  EXPECT(best_num_drafts(0.97, 2.1, 0) == 0);
+}
+
+TEST_CASE("the acceptance rate counts kept positions and the rejected one, recent steps first") {
+  DraftAcceptance a;
+  EXPECT(near(a.rate(), 0.8));  // the prior
+  a.observe(4, 0);              // one position tried, rejected
+  EXPECT(near(a.rate(), 0.8 / 2.0));
+  a.observe(4, 4);  // four kept, none rejected
+  EXPECT(near(a.rate(), (4.0 + 0.8) / (0.9 + 4.0 + 1.0)));
+  a.observe(0, 0);  // no drafts: no news
+  EXPECT(near(a.rate(), (4.0 + 0.8) / (0.9 + 4.0 + 1.0)));
+}
+
+TEST_CASE("the step cost model separates the fixed cost, the sequences and the drafts") {
+  StepCostModel same_batch;
+  EXPECT(near(same_batch.seq_share_in_drafts(1), 3.0) && near(same_batch.seq_share_in_drafts(2), 2.0));  // prior
+  // One sequence, 0 or 4 drafts: 4 ms + 2 ms per sequence + 1 ms per draft.
+  for (int i = 0; i < 10; ++i) same_batch.observe(1, 4 * (i % 2), 0.004 + 0.002 + 0.001 * 4 * (i % 2));
+  EXPECT(near(same_batch.seq_share_in_drafts(1), 6.0));
+  for (int i = 0; i < 50; ++i) same_batch.observe(1, 4, 0.010);  // drafts stop varying: the fit stays
+  EXPECT(near(same_batch.seq_share_in_drafts(1), 6.0));
+
+  StepCostModel batches;
+  const int seqs[] = {1, 2, 4, 3}, drafts[] = {0, 3, 1, 4, 2};
+  for (int i = 0; i < 40; ++i) {
+    const int n = seqs[i % 4], d = drafts[i % 5];
+    batches.observe(n, d, 0.004 + 0.002 * n + 0.001 * d);
+  }
+  EXPECT(near(batches.seq_share_in_drafts(1), 6.0));
+  EXPECT(near(batches.seq_share_in_drafts(2), 4.0));
+  EXPECT(near(batches.seq_share_in_drafts(8), 2.5));
+
+  StepCostModel free_drafts;
+  for (int i = 0; i < 10; ++i) free_drafts.observe(1, 4 * (i % 2), 0.005 - 0.0001 * (i % 2));
+  EXPECT(std::isinf(free_drafts.seq_share_in_drafts(1)));
+}
+
+TEST_CASE("drafts stop where they do not pay, probe after 1, 3, 7 steps and resume when kept") {
   SchedulerConfig cfg = speculating(4);
   cfg.external_drafts = true;
   Scheduler s(cfg, pools(64, 0));
   s.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
   s.schedule();
   commit(s, {0}, {4});
-  // One decode step: its number of drafts (all 7), committed with the first `kept` of them kept.
+  // One decode step: its number of drafts, committed with the first `kept` of them kept; the
+  // step takes 5 ms + 5 ms per row (a draft row costs half a plain step).
   const auto step = [&s](int32_t kept) {
     auto plan = s.schedule();
     const int32_t d = plan->sample_num_drafts[0];
@@ -180,24 +236,35 @@ TEST_CASE("drafts all rejected back off 1, 3, 7 steps, probe one at a time, then
     std::vector<TokenId> tokens(static_cast<size_t>(kept), 7);
     tokens.push_back(5);
     commit(s, ids, tokens);
+    s.observe_step_time(0.005 + 0.005 * (1 + d));
     return d;
   };
   std::vector<int32_t> seen;
-  for (int i = 0; i < 14; ++i) seen.push_back(step(0));
-  // After a miss, one draft probes at a time.
-  EXPECT(seen == (std::vector<int32_t>{4, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0}));
-  // Back-off level 3 here; each kept draft lowers it by one, each miss raises it.
-  EXPECT(step(1) == 1);  // the probe is kept (level 2): twice as many drafts next
-  EXPECT(step(2) == 2);  // level 1
-  EXPECT(step(1) == 4);  // all k again (level 0); one of them kept: two next
-  EXPECT(step(0) == 2);  // a miss: level 1, one step skipped
-  EXPECT(step(0) == 0);
-  EXPECT(step(0) == 1);  // the probe misses: level 2, three steps
-  for (int i = 0; i < 3; ++i) EXPECT(step(0) == 0);
-  EXPECT(step(1) == 1);  // kept: back-off 1, two drafts next
-  EXPECT(step(0) == 2);  // a miss: back-off 2 again (a cleared back-off would skip one step)
-  for (int i = 0; i < 3; ++i) EXPECT(step(0) == 0);
-  EXPECT(step(0) == 1);
+  for (int i = 0; i < 20; ++i) seen.push_back(step(0));
+  // Before any timing the prior (a step's fixed cost = two rows) lets the 0.8 prior rate
+  // draft 3; after misses and four timed steps drafting stops, and single drafts probe.
+  EXPECT(seen == (std::vector<int32_t>{3, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0}));
+  seen.clear();
+  for (int i = 0; i < 24; ++i) seen.push_back(step(4));
+  // The next probe, 16 steps after the last, is kept: drafting resumes and widens.
+  const std::vector<int32_t> resumed{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2};
+  EXPECT(seen == resumed);
+  // Where rows are nearly free, the same misses keep a sequence drafting once that is measured.
+  Scheduler cheap(cfg, pools(64, 0));
+  cheap.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
+  cheap.schedule();
+  commit(cheap, {0}, {4});
+  int32_t drafted = 0;
+  for (int i = 0; i < 20; ++i) {
+    auto plan = cheap.schedule();
+    const int32_t d = plan->sample_num_drafts[0];
+    const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
+    if (d > 0) cheap.fill_drafts(drafts.data(), d);
+    commit(cheap, {0}, {5});
+    cheap.observe_step_time(0.010 + 0.0001 * (1 + d));
+    drafted += i >= 5 && d > 0;
+  }
+  EXPECT(drafted == 15);
 }
 
 TEST_MAIN()

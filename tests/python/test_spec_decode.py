@@ -13,7 +13,7 @@ import torch
 
 from bounded_loops import run_requests
 from model_fixtures import save_tiny_model
-from vpage import LLM, SamplingParams
+from vpage import LLM, SamplingParams, _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine
 from vpage.engine.spec_decode import DraftRows, SpecDecodeStats
@@ -164,6 +164,46 @@ def test_switches_off_above_the_batch_size_and_for_beams(tiny):
     beams = [(PROMPTS[1], SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=8, ignore_eos=True))]
     plain, fast, stats = compare(tiny, beams)
     assert tokens(fast) == tokens(plain) and stats.spec_decode_num_drafts == 0
+
+
+class _TimedScheduler(_core.Scheduler):
+    """The engine's scheduler, recording the (sequences, drafts) of each step it is told the time
+    of, and telling it a cost of 5 ms + ``per_row`` per row instead of the measured one."""
+
+    def __init__(self, config, blocks, per_row: float):
+        super().__init__(config, blocks)
+        self.per_row, self.steps, self.plan = per_row, [], None
+
+    def schedule(self):
+        self.plan = super().schedule()
+        return self.plan
+
+    def observe_step_time(self, seconds: float) -> None:
+        assert seconds > 0
+        plan = self.plan
+        if plan.num_prefill_tokens == 0:
+            self.steps.append((len(plan.sample_seq_ids), plan.num_draft_tokens))
+        super().observe_step_time(0.005 + self.per_row * plan.num_tokens)
+
+
+@pytest.mark.parametrize("per_row, drafts_pay", [(0.005, False), (0.00001, True)])
+def test_drafts_follow_the_cost_of_a_row(tiny, other_draft, per_row, drafts_pay):
+    """Another model's drafts, sampled at temperature 1, are seldom kept: they stop where a row
+    costs half a step and go on where rows are nearly free; the output is unchanged."""
+    requests = [([3] * 20, SamplingParams(temperature=1.0, seed=5, max_tokens=48, ignore_eos=True))]
+    plain = run(make_engine(tiny), requests)
+    engine = make_engine(tiny, {"model": str(other_draft), "num_speculative_tokens": 3})
+    timed = _TimedScheduler(engine.scheduler.config, engine.scheduler.block_config, per_row)
+    engine.scheduler = engine.outputs.scheduler = timed
+    fast = run(engine, requests)
+    assert tokens(fast) == tokens(plain)
+    late = timed.steps[16:-1]  # after the first misses and a fit; the last has no room for drafts
+    assert len(late) >= 20
+    drafting = sum(1 for _, d in late if d > 0)
+    if drafts_pay:
+        assert drafting == len(late)
+    else:
+        assert drafting <= len(late) // 3 and all(d <= 1 for _, d in late)
 
 
 def test_default_model_copies_with_drafts():

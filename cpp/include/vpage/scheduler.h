@@ -113,6 +113,11 @@ class Scheduler {
   /// sample i), written into the sequences and into the plan's input_ids. Throws CheckError
   /// (nothing changed) on a wrong count or a negative token.
   void fill_drafts(const TokenId* tokens, int64_t count);
+  /// The wall time of the step last planned (from schedule() to its commit, forward
+  /// included). Decode steps of different row counts tell the draft policy what a row
+  /// costs against the rest of a step; other steps are ignored. Optional: without it a
+  /// step's fixed cost is taken as two rows'.
+  void observe_step_time(double seconds);
 
   /// New sequence in `parent`'s group sharing its tokens and blocks (beam search). Called
   /// between schedule() and commit(), the child also takes the parent's pending step.

@@ -136,6 +136,8 @@ void bind_scheduler(py::module_& m) {
            },
            py::arg("tokens"),
            "With external_drafts: the last plan's draft tokens in sample order (into the plan's input_ids too).")
+      .def("observe_step_time", &Scheduler::observe_step_time, py::arg("seconds"),
+           "Wall time of the step last planned; decode steps teach the draft policy what a row costs.")
       .def("fork_sequence", &Scheduler::fork_sequence, py::arg("parent"),
            "New sequence sharing the parent's tokens and blocks; returns its id.")
       .def("finish_sequence", &Scheduler::finish_sequence, py::arg("seq_id"), py::arg("status"),

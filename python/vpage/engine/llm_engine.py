@@ -256,7 +256,9 @@ class LLMEngine:
                                              bitmask, self.metrics.spec)
                 sampled, runs = verified.sampled, verified.runs
         outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at, runs)
-        self.metrics.on_step(time.perf_counter() - start, plan.num_tokens)
+        elapsed = time.perf_counter() - start
+        self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
+        self.metrics.on_step(elapsed, plan.num_tokens)
         return outputs
 
     def _tokens_of(self, seq_id: int) -> list[int]:
