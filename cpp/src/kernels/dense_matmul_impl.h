@@ -44,11 +44,12 @@ constexpr int64_t kWidenRows = 4 * kRows;
 // row k + kPrefetchRows (all 32 columns) into L1, for the first pass over a chunk, whose
 // weights come from DRAM: with a few rows the hardware prefetchers fall behind (measured on a
 // Zen 1 EPYC, one thread: the default model's matmuls took 2x as long at 6 rows as at 4).
-template <int MR, bool kPrefetch, typename W>
+// NV: weight vectors per k (kSubVecs, or a whole panel row for one x row).
+template <int MR, bool kPrefetch, int NV = kSubVecs, typename W>
 inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
-  Vec c[MR][kSubVecs];
+  Vec c[MR][NV];
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < kSubVecs; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
+    for (int v = 0; v < NV; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
   }
   for (int32_t k = 0; k < kc; ++k) {
     const W* wk = w + static_cast<int64_t>(k) * kDensePanelRows;
@@ -56,15 +57,15 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
       const char* ahead = reinterpret_cast<const char*>(wk + kPrefetchRows * kDensePanelRows);
       for (size_t line = 0; line < kDensePanelRows * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 3);
     }
-    Vec b[kSubVecs];
-    for (int v = 0; v < kSubVecs; ++v) b[v] = load(wk + v * kLanes);
+    Vec b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(wk + v * kLanes);
     for (int i = 0; i < MR; ++i) {
       const Vec a = set1(x[i * x_stride + k]);
-      for (int v = 0; v < kSubVecs; ++v) c[i][v] = fma(a, b[v], c[i][v]);
+      for (int v = 0; v < NV; ++v) c[i][v] = fma(a, b[v], c[i][v]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < kSubVecs; ++v) store(acc + i * kDensePanelRows + v * kLanes, c[i][v]);
+    for (int v = 0; v < NV; ++v) store(acc + i * kDensePanelRows + v * kLanes, c[i][v]);
   }
 }
 
@@ -73,6 +74,13 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
 template <int MR, typename W>
 inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
                        bool first_rows) {
+  if constexpr (MR <= 2) {
+    // One or two x rows: the whole panel row per k (its accumulators and weights fit the
+    // registers), so that the weights are read in one ordered pass.
+    constexpr int kPanelVecs = kDensePanelRows / kLanes;
+    if (first_rows) return sub_panel<MR, true, kPanelVecs>(x, x_stride, w, kc, acc, first);
+    return sub_panel<MR, false, kPanelVecs>(x, x_stride, w, kc, acc, first);
+  }
   if (first_rows) {
     sub_panel<MR, true>(x, x_stride, w, kc, acc, first);
   } else {
