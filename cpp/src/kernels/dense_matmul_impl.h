@@ -94,6 +94,15 @@ template <typename W>
 inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
                         bool first) {
   const bool prefetch = mc >= kPrefetchFromRows;
+  if (kSub < kDensePanelRows && mc <= kRows) {
+    // A few rows (decode batches, speculative steps) go two at a time over whole panel rows:
+    // each pass reads the chunk in order (the first from memory, the others from L1).
+    for_row_blocks<2>(mc, [&](auto rows, int64_t i) {
+      panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
+                                        prefetch && i == 0);
+    });
+    return;
+  }
   for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
     panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
                                       prefetch && i == 0);
