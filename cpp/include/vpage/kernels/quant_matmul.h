@@ -64,7 +64,7 @@ constexpr int64_t kQuantIntegerPathRows = 16;
 /// row's output is bitwise the same on either integer path, whatever the batch.
 /// Zen 3, one thread, the default model's shapes, against the float path: Q4_1 1.22-1.52x at
 /// 17-64 rows, 1.5-1.65x at 128, 1.17-1.31x at 512-2048; Q8_0 0.98-1.37x at 17-64, 1.17-1.26x
-/// at 128, 0.99-1.09x at 512-2048 (bench/RESULTS-quant.md); the default model's prefill 1.11x
+/// at 128, 0.99-1.09x at 512-2048 (bench/RESULTS-quant-gemm.md); the default model's prefill 1.11x
 /// and batch-64 decode 1.16x. The price is accuracy: test_quant_engine's greedy outputs equal
 /// the float32 model's for 3 of 8 prompts (4-6 with prefill on the float path), every other
 /// divergence at a near-tie. set_quant_integer_gemm_rows(n) limits the path to n rows (0: off).
