@@ -215,55 +215,57 @@ TEST_CASE("the step cost model separates the fixed cost, the sequences and the d
   EXPECT(std::isinf(free_drafts.seq_share_in_drafts(1)));
 }
 
-TEST_CASE("drafts stop where they do not pay, probe after 1, 3, 7 steps and resume when kept") {
+namespace {
+
+// One decode step of the one-request scheduler `s` (external drafts, a request started by
+// decoding_request): its number of drafts, committed with the first `kept` of them kept, and
+// reported to take `fixed` + `per_row` seconds per row.
+int32_t timed_draft_step(Scheduler& s, int32_t kept, double fixed, double per_row) {
+  auto plan = s.schedule();
+  const int32_t d = plan->sample_num_drafts[0];
+  if (d > 0) {
+    const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
+    s.fill_drafts(drafts.data(), d);
+  }
+  kept = std::min(kept, d);
+  std::vector<SeqId> ids(static_cast<size_t>(kept) + 1, 0);
+  std::vector<TokenId> tokens(static_cast<size_t>(kept), 7);
+  tokens.push_back(5);
+  commit(s, ids, tokens);
+  s.observe_step_time(fixed + per_row * (1 + d));
+  return d;
+}
+
+// A scheduler with external drafts (k = 4) and one request whose prompt is computed.
+Scheduler decoding_request() {
   SchedulerConfig cfg = speculating(4);
   cfg.external_drafts = true;
   Scheduler s(cfg, pools(64, 0));
   s.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
   s.schedule();
   commit(s, {0}, {4});
-  // One decode step: its number of drafts, committed with the first `kept` of them kept; the
-  // step takes 5 ms + 5 ms per row (a draft row costs half a plain step).
-  const auto step = [&s](int32_t kept) {
-    auto plan = s.schedule();
-    const int32_t d = plan->sample_num_drafts[0];
-    if (d > 0) {
-      const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
-      s.fill_drafts(drafts.data(), d);
-    }
-    kept = std::min(kept, d);
-    std::vector<SeqId> ids(static_cast<size_t>(kept) + 1, 0);
-    std::vector<TokenId> tokens(static_cast<size_t>(kept), 7);
-    tokens.push_back(5);
-    commit(s, ids, tokens);
-    s.observe_step_time(0.005 + 0.005 * (1 + d));
-    return d;
-  };
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("drafts stop where they do not pay, probe after 1, 3, 7 steps and resume when kept") {
+  Scheduler s = decoding_request();
+  // A step takes 5 ms + 5 ms per row: a draft row costs half a plain step.
   std::vector<int32_t> seen;
-  for (int i = 0; i < 20; ++i) seen.push_back(step(0));
+  for (int i = 0; i < 20; ++i) seen.push_back(timed_draft_step(s, 0, 0.005, 0.005));
   // Before any timing the prior (a step's fixed cost = two rows) lets the 0.8 prior rate
   // draft 3; after misses and four timed steps drafting stops, and single drafts probe.
   EXPECT(seen == (std::vector<int32_t>{3, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0}));
   seen.clear();
-  for (int i = 0; i < 24; ++i) seen.push_back(step(4));
+  for (int i = 0; i < 24; ++i) seen.push_back(timed_draft_step(s, 4, 0.005, 0.005));
   // The next probe, 16 steps after the last, is kept: drafting resumes and widens.
   const std::vector<int32_t> resumed{0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2};
   EXPECT(seen == resumed);
   // Where rows are nearly free, the same misses keep a sequence drafting once that is measured.
-  Scheduler cheap(cfg, pools(64, 0));
-  cheap.add_sequence_group("r", {1, 2, 3}, 1, stop(200), 0.0);
-  cheap.schedule();
-  commit(cheap, {0}, {4});
+  Scheduler cheap = decoding_request();
   int32_t drafted = 0;
-  for (int i = 0; i < 20; ++i) {
-    auto plan = cheap.schedule();
-    const int32_t d = plan->sample_num_drafts[0];
-    const std::vector<TokenId> drafts(static_cast<size_t>(d), 7);
-    if (d > 0) cheap.fill_drafts(drafts.data(), d);
-    commit(cheap, {0}, {5});
-    cheap.observe_step_time(0.010 + 0.0001 * (1 + d));
-    drafted += i >= 5 && d > 0;
-  }
+  for (int i = 0; i < 20; ++i) drafted += timed_draft_step(cheap, 0, 0.010, 0.0001) > 0 && i >= 5;
   EXPECT(drafted == 15);
 }
 

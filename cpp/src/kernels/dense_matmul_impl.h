@@ -44,7 +44,7 @@ constexpr int64_t kWidenRows = 4 * kRows;
 // row k + kPrefetchRows (all 32 columns) into L1, for the first pass over a chunk, whose
 // weights come from DRAM: with a few rows the hardware prefetchers fall behind (measured on a
 // Zen 1 EPYC, one thread: the default model's matmuls took 2x as long at 6 rows as at 4).
-// NV: weight vectors per k (kSubVecs, or a whole panel row for one x row).
+// NV: weight vectors per k (kSubVecs, or a whole panel row for one or two x rows).
 template <int MR, bool kPrefetch, int NV = kSubVecs, typename W>
 inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
   Vec c[MR][NV];
