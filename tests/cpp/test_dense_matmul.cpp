@@ -165,10 +165,11 @@ TEST_CASE("dense_matmul: every weight and activation dtype, every ISA, awkward s
         check_case(dtype, weight_dtype, 1, 33, 257, true, rng);
         check_case(dtype, weight_dtype, 9, 64, 300, false, rng);
       }
-      for (int64_t m : {2, 3, 5, 6, 7, 8, 13, 260}) {
+      for (int64_t m : {2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 260}) {
         check_case(DType::kFloat32, weight_dtype, m, 45, 129, m % 2 == 0, rng);
       }
       check_case(DType::kFloat32, weight_dtype, 5, 1, 1, true, rng);
+      check_case(DType::kFloat32, weight_dtype, 11, 70, 520, true, rng);  // three k chunks
       check_case(DType::kBFloat16, weight_dtype, 260, 45, 129, true, rng);  // odd k: a last pair of one
       check_case(DType::kFloat16, weight_dtype, 3, 96, 600, true, rng);
     }
