@@ -1,0 +1,164 @@
+// vpage-bench-quant-tile: the AVX2 integer micro-kernels of the quantized matmul alone, one
+// thread, no thread pool, no x quantization: where their cycles go on the CPU at hand.
+//
+//   vpage-bench-quant-tile --k 2048 --rows 16,256,4096 --repeats 7
+//
+// Prints, in cycles of the time-stamp counter (TSC; its rate is the CPU's nominal clock, not
+// the core clock, which differs by the hour on a VM):
+//  - dot:  the decode tile (quant_dot_impl.h, Q4_1, one x row) per 32-value block and weight
+//          row, on --rows weight rows of k values (20 KiB at 16 rows: L1; 320 KiB: L2; 5 MiB:
+//          L3 or memory);
+//  - gemm: the GEMM tile (quant_gemm_impl.h, Q4_1) per pair iteration (2 unpacked weight rows
+//          x 4 x rows x 2 blocks: 512 products), on a k = 576 tile of 64 rows (L2);
+//  - products: the same iteration's 16 vpmaddubsw and their int16 adds alone (the floor that
+//          the lane reductions and the scale step sit on).
+// Built from the kernels' own headers with their AVX2 flags (bench/CMakeLists.txt), x86 only;
+// exits with a message on a CPU without AVX2.
+#define VPAGE_ISA_NAMESPACE avx2
+#include "kernels/quant_gemm_impl.h"
+
+#include <x86intrin.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "bench_common.h"
+
+namespace {
+
+using vpage::QuantType;
+using namespace vpage::cpu;
+using namespace vpage::cpu::avx2::qmm;
+
+// Best of `repeats` runs of fn() (which does `units` units of work), in TSC cycles per unit.
+template <typename Fn>
+double best_tsc_per_unit(int repeats, double units, Fn&& fn) {
+  double best = 1e30;
+  for (int r = 0; r < repeats; ++r) {
+    const uint64_t start = __rdtsc();
+    fn();
+    best = std::min(best, static_cast<double>(__rdtsc() - start) / units);
+  }
+  return best;
+}
+
+// Q4_1 rows of random nibbles with finite f16 scales and offsets.
+std::vector<uint8_t> q4_1_rows(int rows, int k, std::mt19937& rng) {
+  const int blocks = k / 32;
+  std::vector<uint8_t> w(static_cast<size_t>(rows) * blocks * 20 + 4096);
+  for (uint8_t& v : w) v = static_cast<uint8_t>(rng());
+  for (int b = 0; b < rows * blocks; ++b) {
+    const uint16_t d = 0x2000 + (rng() & 0x3ff), m = 0x1800 + (rng() & 0x3ff);  // ~0.008, ~0.0005
+    std::memcpy(&w[static_cast<size_t>(b) * 20], &d, 2);
+    std::memcpy(&w[static_cast<size_t>(b) * 20 + 2], &m, 2);
+  }
+  return w;
+}
+
+double dot_cycles(int k, int rows, int repeats, std::mt19937& rng) {
+  const int blocks = k / 32;
+  const int64_t row_bytes = static_cast<int64_t>(blocks) * 20;
+  const std::vector<uint8_t> w = q4_1_rows(rows, k, rng);
+  std::vector<int8_t> xq(quant_x_row_bytes(k));
+  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+  std::vector<float> pairs(quant_x_group_floats(blocks));
+  for (float& v : pairs) v = 0.01f * static_cast<float>(rng() % 100 + 1);
+  QuantizedX x;
+  x.pairs = pairs.data();
+  const float* spread = spread_pair_scales(x, 1, blocks);
+  std::vector<float> out(rows);
+  const int passes = std::max(1, (1 << 21) / rows);
+  return best_tsc_per_unit(repeats, static_cast<double>(passes) * rows * blocks, [&] {
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int r = 0; r + 4 <= rows; r += 4) {
+        const uint8_t* tile[kCombos] = {&w[r * row_bytes], &w[(r + 1) * row_bytes], &w[(r + 2) * row_bytes],
+                                        &w[(r + 3) * row_bytes]};
+        dot_tile<QuantType::kQ4_1, 1>(tile, kPrefetchRows * row_bytes, blocks, xq.data(), 0, spread, 0,
+                                      out.data() + r, 1);
+      }
+    }
+  });
+}
+
+double gemm_cycles(int repeats, std::mt19937& rng) {
+  constexpr int kPairs = 9, kTileRows = 64;  // k = 576
+  std::vector<WeightPair<QuantType::kQ4_1>> tile(kPairs * kTileRows);
+  const std::vector<uint8_t> w = q4_1_rows(kTileRows, 64 * kPairs, rng);
+  unpack_weight_rows<QuantType::kQ4_1>(w.data(), kPairs * 40, kTileRows, 2 * kPairs, tile.data());
+  std::vector<int8_t> xq(4 * 64 * kPairs);
+  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+  std::vector<float> xp(kPairs * kXPairFloats);
+  for (float& v : xp) v = 0.01f * static_cast<float>(rng() % 100 + 1);
+  const int8_t* x[kCombos] = {xq.data(), xq.data() + 64 * kPairs, xq.data() + 128 * kPairs, xq.data() + 192 * kPairs};
+  std::vector<float> out(4 * kTileRows);
+  const int passes = 20000;
+  return best_tsc_per_unit(repeats, static_cast<double>(passes) * (kTileRows / 2) * kPairs, [&] {
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int r = 0; r < kTileRows; r += 2) {
+        gemm_tile<QuantType::kQ4_1, 2>(tile.data() + r * kPairs, kPairs, x, xp.data(), 4, out.data() + r, kTileRows);
+      }
+    }
+  });
+}
+
+// gemm_cycles' 16 vpmaddubsw per iteration with an int16 add each, nothing else.
+double product_cycles(int repeats, std::mt19937& rng) {
+  alignas(32) static uint8_t w[64 * 18];
+  alignas(32) static int8_t xq[4 * 64 * 9];
+  for (uint8_t& v : w) v = rng() & 15;
+  for (int8_t& v : xq) v = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+  __m256i acc[8];
+  for (__m256i& a : acc) a = _mm256_setzero_si256();
+  const int passes = 100000;
+  const double cycles = best_tsc_per_unit(repeats, passes * 9.0, [&] {
+    for (int pass = 0; pass < passes; ++pass) {
+      for (int p = 0; p < 9; ++p) {
+        const __m256i* w0 = reinterpret_cast<const __m256i*>(w + 128 * (p % 9));
+        const __m256i w0l = _mm256_load_si256(w0), w0h = _mm256_load_si256(w0 + 1);
+        const __m256i w1l = _mm256_load_si256(w0 + 2), w1h = _mm256_load_si256(w0 + 3);
+        for (int i = 0; i < 4; ++i) {
+          const __m256i* xi = reinterpret_cast<const __m256i*>(xq + i * 64 * 9 + 64 * p);
+          const __m256i xl = _mm256_loadu_si256(xi), xh = _mm256_loadu_si256(xi + 1);
+          acc[2 * i] = _mm256_add_epi16(acc[2 * i], _mm256_add_epi16(_mm256_maddubs_epi16(w0l, xl),
+                                                                     _mm256_maddubs_epi16(w0h, xh)));
+          acc[2 * i + 1] = _mm256_add_epi16(acc[2 * i + 1], _mm256_add_epi16(_mm256_maddubs_epi16(w1l, xl),
+                                                                             _mm256_maddubs_epi16(w1h, xh)));
+        }
+      }
+    }
+  });
+  __m256i sum = acc[0];
+  for (int i = 1; i < 8; ++i) sum = _mm256_add_epi16(sum, acc[i]);
+  if (_mm256_extract_epi16(sum, 0) == 12345) std::printf(" ");  // keep the sums alive
+  return cycles;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int k = 2048, repeats = 7;
+  std::vector<int> rows = {16, 256, 4096};
+  vpage_bench::parse_flags(argc, argv, "[--k 2048] [--rows 16,256,4096] [--repeats 7]",
+                           {{"--k", [&](const std::string& v) { k = std::stoi(v); }},
+                            {"--rows", [&](const std::string& v) { rows = vpage_bench::int_list(v); }},
+                            {"--repeats", [&](const std::string& v) { repeats = std::stoi(v); }}});
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || k % 64 != 0) {
+    std::printf("needs a CPU with AVX2 and FMA, and k a multiple of 64\n");
+    return 2;
+  }
+  std::printf("# %s, one thread, TSC cycles\n", vpage_bench::machine_description().c_str());
+  std::mt19937 rng(7);
+  std::printf("| kernel | size | TSC cycles | per |\n|---|---|---:|---|\n");
+  for (int r : rows) {
+    const double kib = static_cast<double>(r) * (k / 32) * 20 / 1024;
+    std::printf("| dot Q4_1, 1 x row | %d rows x %d (%.0f KiB) | %.2f | block and weight row |\n", r, k, kib,
+                dot_cycles(k, r, repeats, rng));
+  }
+  std::printf("| gemm Q4_1 | 64 rows x 576 | %.1f | pair iteration (512 products) |\n", gemm_cycles(repeats, rng));
+  std::printf("| 16 vpmaddubsw + adds | - | %.1f | the same iteration's products alone |\n",
+              product_cycles(repeats, rng));
+  return 0;
+}
