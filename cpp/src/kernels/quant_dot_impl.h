@@ -295,7 +295,7 @@ inline __m128 lane_results(const LaneSums& acc) {
 // (i * pairs + p) * kXPairFloats, [d_2p x4 | d_2p+1 x4] and [o_2p x4 | o_2p+1 x4]: row i's
 // values of QuantizedX::pairs spread over a block's 4 lanes, as scale_add takes them. Built
 // once per task, so that each tile loads them instead of permuting the group's vectors (on
-// Zen 1 ~6% of a decode tile's time).
+// Zen 1 ~5% of a decode tile's time: vpage-bench-quant-tile).
 inline const float* spread_pair_scales(const QuantizedX& x, int64_t m, int32_t blocks) {
   thread_local std::vector<float> spread;
   const int32_t pairs = (blocks + 1) / 2;
