@@ -16,6 +16,7 @@ Timing is round-robin (bench_attention.interleaved). Prints the CPU model and in
 --decode-model times the integer decode path on the default model's matrices instead (SmolLM2-135M:
 per layer Q4_1 qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; Q8_0 output 49152x576),
 each shape cycled over enough copies (at least --decode-bytes) that its weights come from memory,
+the Q4_1 shapes both as in the file and repacked as the engine runs them (Q4_1x4),
 at each m and thread count: us per call, GB/s of weight bytes, cycles per 32-value block per
 thread at --ghz (an assumed core clock: the machine has no cycle counter to read), and a token's
 total (30 layers plus the output). Calls go straight to the binding (vpage._ops_cpu, as the
@@ -40,7 +41,8 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
-INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")  # the integer GEMM's types
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q4_1x4")  # the integer GEMM's types
+FORMATS = {**ops.QUANT_TYPES, **ops.REPACKED_TYPES}
 
 
 def shapes(text):
@@ -49,6 +51,8 @@ def shapes(text):
 
 def random_blocks(qtype, n, k, rng):
     """uint8 [n, row bytes]: random blocks with finite f16 scales (timing only)."""
+    if qtype == "Q4_1x4":  # Q4_1 rows as the worker repacks them (n a multiple of 4, k of 64)
+        return ops.repack_q4_1x4(random_blocks("Q4_1", n, k, rng), n, k)
     _, values, size = ops.QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, size=(n, k // values, 2)).astype(np.float16).view(np.uint8)
@@ -60,7 +64,7 @@ def random_blocks(qtype, n, k, rng):
 
 
 def bench_shape(qtype, n, k, ms, args, rng):
-    k -= k % ops.QUANT_TYPES[qtype][1]  # K types: whole 256-value blocks (576 -> 512)
+    k -= k % FORMATS[qtype][1]  # K types: whole 256-value blocks (576 -> 512)
     qweight = random_blocks(qtype, n, k, rng)
     dense = ops.dequantize_rows(qweight, qtype, k)
     rows = []
@@ -143,36 +147,45 @@ def bench_decode_model(args, rng):
                     _ops_cpu.quant_matmul(tiny_out, x576, tiny, 3, 64, 576)
 
             fixed_s = interleaved([tiny_run], args.repeats, args.clock)[0][0] / 100
-            total_ms = fixed_ms = 0.0
+            total_ms = {"GGUF": 0.0, "Q4_1x4": 0.0}  # Q4_1 rows as in the file, and as the engine repacks them
+            fixed_ms = 0.0
             for qtype, n, k, calls in MODEL_SHAPES:
                 one = random_blocks(qtype, n, k, rng)
                 copies = max(1, min(64, -(-args.decode_bytes // one.numel())))
-                qs = [one.clone() for _ in range(copies)]
+                layouts = [(qtype, ops.QUANT_TYPES[qtype][0], [one.clone() for _ in range(copies)])]
+                if qtype == "Q4_1":
+                    layouts.append(("Q4_1x4", ops.REPACKED_TYPES["Q4_1x4"][0],
+                                    [ops.repack_q4_1x4(q, n, k) for q in layouts[0][2]]))
                 xk, outn = x[:, :k], out[:, :n]
-                type_id = ops.QUANT_TYPES[qtype][0]
 
-                def run():
-                    for q in qs:
-                        _ops_cpu.quant_matmul(outn, xk, q, type_id, n, k)
+                def runner(type_id, qs):
+                    def run():
+                        for q in qs:
+                            _ops_cpu.quant_matmul(outn, xk, q, type_id, n, k)
+                    return run
 
-                t = interleaved([run], args.repeats, args.clock)[0][0] / copies
-                blocks = n * k // 32
-                cycles = t * args.ghz * 1e9 * threads / blocks
-                block_cost = max(t - fixed_s, 0.0) * args.ghz * 1e9 * threads / blocks
-                total_ms += calls * t * 1e3
+                times = interleaved([runner(type_id, qs) for _, type_id, qs in layouts], args.repeats, args.clock)
+                ts = [median / copies for median, *_ in times]
+                for layout, t in zip(total_ms, ts * 2 if len(ts) == 1 else ts):
+                    total_ms[layout] += calls * t * 1e3
+                for (name, _, _), t in zip(layouts, ts):
+                    blocks = n * k // 32
+                    cycles = t * args.ghz * 1e9 * threads / blocks
+                    block_cost = max(t - fixed_s, 0.0) * args.ghz * 1e9 * threads / blocks
+                    print(f"| {threads} | {m} | {name} | {n}x{k} | {t * 1e6:.1f} | {one.numel() / t / 1e9:.2f} | "
+                          f"{cycles:.2f} | {block_cost:.2f} | {calls} | {calls * t * 1e3:.2f} |", flush=True)
                 fixed_ms += calls * fixed_s * 1e3
-                print(f"| {threads} | {m} | {qtype} | {n}x{k} | {t * 1e6:.1f} | {one.numel() / t / 1e9:.2f} | "
-                      f"{cycles:.2f} | {block_cost:.2f} | {calls} | {calls * t * 1e3:.2f} |", flush=True)
-                del qs
+                del layouts
             print(f"| {threads} | {m} | fixed | tiny 64x576 | {fixed_s * 1e6:.1f} | | | | | |")
-            print(f"| {threads} | {m} | **token** | all | | | | | {4 * MODEL_LAYERS + 1} | **{total_ms:.2f}** "
-                  f"(fixed {fixed_ms:.2f}) |", flush=True)
+            for layout, ms in total_ms.items():
+                print(f"| {threads} | {m} | **token, Q4_1 {layout}** | all | | | | | {4 * MODEL_LAYERS + 1} | "
+                      f"**{ms:.2f}** (fixed {fixed_ms:.2f}) |", flush=True)
     ops.set_num_threads(None)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--types", default=",".join(ops.QUANT_TYPES))
+    parser.add_argument("--types", default=",".join(FORMATS))
     parser.add_argument("--shapes", type=shapes, default=[(1536, 576), (576, 1536)], help="n x k weights")
     parser.add_argument("--m", type=ints, default=[1, 8, 64, 512])
     parser.add_argument("--copies", type=int, default=64, help="weight matrices cycled for m <= 16")

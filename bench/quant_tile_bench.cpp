@@ -12,10 +12,9 @@
 //          x 4 x rows x 2 blocks: 512 products), on a k = 576 tile of 64 rows (L2);
 //  - products: the same iteration's 16 vpmaddubsw and their int16 adds alone (the floor that
 //          the lane reductions and the scale step sit on);
-//  - dot repacked: a layout the engine does not have (yet), measured to size it: the decode
-//          tile on rows repacked in groups of four (per block pair, the four rows' f16 scales
-//          side by side, then each row's two blocks of nibbles), the same arithmetic (the
-//          same bits), without the per-row header conversion, lane shuffles and inserts.
+//  - dot Q4_1x4: the decode tile on the same rows as the worker repacks them (QuantType's
+//          kQ4_1x4: per block pair the four rows' f16 scales side by side, then each row's two
+//          blocks of nibbles), checked to give the same results.
 // Built from the kernels' own headers with their AVX2 flags (bench/CMakeLists.txt), x86 only;
 // exits with a message on a CPU without AVX2.
 #define VPAGE_ISA_NAMESPACE avx2
@@ -63,56 +62,6 @@ std::vector<uint8_t> q4_1_rows(int rows, int k, std::mt19937& rng) {
   return w;
 }
 
-// Per block pair of a group of four rows: d [8] f16 (block b rows 0-3, b + 1 rows 0-3), m [8]
-// f16 the same way, then rows 0-3, 32 bytes each (the nibbles of b, then of b + 1).
-constexpr int kRepackedPairBytes = 32 + 4 * 32;
-
-std::vector<uint8_t> repack_q4_1(const std::vector<uint8_t>& w, int rows, int blocks) {
-  std::vector<uint8_t> out(static_cast<size_t>(rows / 4 + kPrefetchRows) * (blocks / 2) * kRepackedPairBytes);
-  for (int g = 0; g < rows / 4; ++g) {
-    for (int p = 0; p < blocks / 2; ++p) {
-      uint8_t* o = &out[(static_cast<size_t>(g) * (blocks / 2) + p) * kRepackedPairBytes];
-      for (int r = 0; r < 4; ++r) {
-        for (int h = 0; h < 2; ++h) {
-          const uint8_t* blk = &w[(static_cast<size_t>(4 * g + r) * blocks + 2 * p + h) * 20];
-          std::memcpy(o + 2 * (4 * h + r), blk, 2);
-          std::memcpy(o + 16 + 2 * (4 * h + r), blk + 2, 2);
-          std::memcpy(o + 32 + 32 * r + 16 * h, blk + 4, 16);
-        }
-      }
-    }
-  }
-  return out;
-}
-
-// dot_tile<Q4_1, 1> on one repacked group (blocks even).
-void repacked_tile(const uint8_t* group, int64_t prefetch, int32_t blocks, const int8_t* xq, const float* xs,
-                   float* out) {
-  LaneSums acc;
-  const __m256i mask = _mm256_set1_epi8(15);
-  for (int32_t b = 0; b < blocks; b += 2) {
-    const uint8_t* p = group + (b / 2) * kRepackedPairBytes;
-    for (int line = 0; line < kRepackedPairBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(p + prefetch + line), _MM_HINT_T0);
-    }
-    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-    PairBytes<QuantType::kQ4_1> w[kCombos];
-    for (int r = 0; r < kCombos; ++r) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 + 32 * r));
-      w[r].lo = _mm256_and_si256(raw, mask);
-      w[r].hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-    }
-    const int8_t* x = xq + 32 * static_cast<int64_t>(b);
-    const float* scales = xs + (b / 2) * kXPairFloats;
-    const __m256i sums = reduce_lanes<QuantType::kQ4_1>(
-        pair_products<QuantType::kQ4_1>(w[0], x), pair_products<QuantType::kQ4_1>(w[1], x),
-        pair_products<QuantType::kQ4_1>(w[2], x), pair_products<QuantType::kQ4_1>(w[3], x));
-    scale_add<QuantType::kQ4_1>(sums, d_w, _mm256_loadu_ps(scales), o_w, _mm256_loadu_ps(scales + 8), acc);
-  }
-  _mm_storeu_ps(out, lane_results(acc));
-}
-
 // {GGUF layout, repacked}: TSC cycles per block and weight row; exits if their results differ.
 std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937& rng) {
   const int blocks = k / 32;
@@ -125,8 +74,9 @@ std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937&
   QuantizedX x;
   x.pairs = pairs.data();
   const float* spread = spread_pair_scales(x, 1, blocks);
-  const std::vector<uint8_t> repacked = repack_q4_1(w, rows, blocks);
-  const int64_t group_bytes = static_cast<int64_t>(blocks / 2) * kRepackedPairBytes;
+  std::vector<uint8_t> repacked(static_cast<size_t>(rows + kCombos * kPrefetchRows) * row_bytes);  // + prefetch room
+  quant_repack_q4_1x4(w.data(), rows, k, repacked.data());
+  const int64_t group_bytes = static_cast<int64_t>(blocks / 2) * kQ4_1x4PairBytes;
   std::vector<float> out(rows), out_repacked(rows);
   const int passes = std::max(1, (1 << 21) / rows);
   const double units = static_cast<double>(passes) * rows * blocks;
@@ -143,8 +93,8 @@ std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937&
   const double packed = best_tsc_per_unit(repeats, units, [&] {
     for (int pass = 0; pass < passes; ++pass) {
       for (int r = 0; r + 4 <= rows; r += 4) {
-        repacked_tile(&repacked[r / 4 * group_bytes], kPrefetchRows * group_bytes, blocks, xq.data(), spread,
-                      out_repacked.data() + r);
+        dot_tile_x4<1>(&repacked[r / 4 * group_bytes], kPrefetchRows * group_bytes, blocks, xq.data(), 0, spread, 0,
+                       out_repacked.data() + r, 1);
       }
     }
   });
@@ -229,7 +179,7 @@ int main(int argc, char** argv) {
     const double kib = static_cast<double>(r) * (k / 32) * 20 / 1024;
     const auto [gguf, packed] = dot_cycles(k, r, repeats, rng);
     std::printf("| dot Q4_1, 1 x row | %d rows x %d (%.0f KiB) | %.2f | block and weight row |\n", r, k, kib, gguf);
-    std::printf("| dot Q4_1 repacked, 1 x row | the same | %.2f | block and weight row |\n", packed);
+    std::printf("| dot Q4_1x4, 1 x row | the same | %.2f | block and weight row |\n", packed);
   }
   std::printf("| gemm Q4_1 | 64 rows x 576 | %.1f | pair iteration (512 products) |\n", gemm_cycles(repeats, rng));
   std::printf("| 16 vpmaddubsw + adds | - | %.1f | the same iteration's products alone |\n",

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -176,6 +177,61 @@ TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
   }
 }
 
+// Q4_1 rows repacked to Q4_1x4 give bitwise the Q4_1 results on every path: the x4 decode
+// kernel (x86), and the other paths, which unpack a task's rows first.
+void check_q4_1x4(int n, int k, std::mt19937& rng) {
+  const std::vector<uint8_t> w = random_rows(QuantType::kQ4_1, n, k, rng);
+  std::vector<uint8_t> packed(w.size(), 0xAB), unpacked(w.size(), 0xCD);
+  vpage::cpu::quant_repack_q4_1x4(w.data(), n, k, packed.data());
+  EXPECT(packed != w);
+  vpage::cpu::quant_unpack_q4_1x4(packed.data(), n, k, unpacked.data());
+  EXPECT(unpacked == w);
+  std::vector<float> dense(static_cast<size_t>(n) * k), dense_x4(dense.size(), -1.0f);
+  vpage::cpu::quant_dequantize_rows(QuantType::kQ4_1, w.data(), n, k, dense.data());
+  vpage::cpu::quant_dequantize_rows(QuantType::kQ4_1x4, packed.data(), n, k, dense_x4.data());
+  EXPECT(dense == dense_x4);
+  std::normal_distribution<float> normal;
+  for (int64_t gemm_rows : {vpage::cpu::kQuantIntegerGemmMaxRows, int64_t{0}}) {  // 0: float path beyond 16 rows
+    vpage::cpu::set_quant_integer_gemm_rows(gemm_rows);
+    for (int64_t m : {1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 64, 131}) {
+      std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
+      std::vector<float> out_x4(out.size(), -2.0f);
+      for (auto& v : x) v = normal(rng);
+      vpage::QuantMatmulArgs a;
+      a.out = out.data();
+      a.x = x.data();
+      a.weight = w.data();
+      a.m = m;
+      a.n = n;
+      a.k = k;
+      a.x_stride = k;
+      a.out_stride = n;
+      a.type = QuantType::kQ4_1;
+      vpage::cpu::quant_matmul(a, 2);
+      a.weight = packed.data();
+      a.type = QuantType::kQ4_1x4;
+      for (int threads : {1, 2, 3}) {
+        a.out = out_x4.data();
+        vpage::cpu::quant_matmul(a, threads);
+        EXPECT(std::memcmp(out_x4.data(), out.data(), sizeof(float) * out.size()) == 0);
+      }
+    }
+  }
+  vpage::cpu::set_quant_integer_gemm_rows(vpage::cpu::kQuantIntegerGemmMaxRows);
+}
+
+TEST_CASE("quant_matmul: Q4_1x4 rows equal their Q4_1 rows bitwise, every ISA and path") {
+  const vpage_test::AutoIsaOnExit restore_isa;
+  std::mt19937 rng(11);
+  for (const std::string& isa : vpage_test::supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    // One group; groups past a chunk of four; several tasks with a short last one.
+    for (const auto& [n, k] : {std::pair{4, 64}, std::pair{36, 576}, std::pair{260, 128}, std::pair{20, 1536}}) {
+      check_q4_1x4(n, k, rng);
+    }
+  }
+}
+
 TEST_CASE("quant_matmul: bad arguments throw") {
   std::vector<uint8_t> w(34 * 4);
   std::vector<float> x(64), out(4);
@@ -196,6 +252,18 @@ TEST_CASE("quant_matmul: bad arguments throw") {
   a.type = static_cast<QuantType>(6);  // Q5_0: not kept quantized
   EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "unsupported quantization type");
   EXPECT(!vpage::quant_type_supported(6) && vpage::quant_type_supported(14));
+  std::vector<uint8_t> q4(20 * 2 * 6), packed(q4.size());
+  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_q4_1x4(q4.data(), 6, 64, packed.data()), vpage::CheckError,
+                     "multiple of 4 rows");
+  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_q4_1x4(q4.data(), 4, 96, packed.data()), vpage::CheckError,
+                     "64 values per row");
+  a.weight = q4.data();
+  a.n = 6;
+  a.out_stride = 6;
+  std::vector<float> out6(6);
+  a.out = out6.data();
+  a.type = QuantType::kQ4_1x4;
+  EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "n a multiple of 4");
 }
 
 }  // namespace

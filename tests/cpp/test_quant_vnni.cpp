@@ -1,7 +1,7 @@
 // The VNNI form of the quantized matmul's integer paths (vpdpbusd: int32 products and
 // reductions) against the AVX2 form (maddubs: int16 pair sums): both compute the same exact
-// integer block sums, so every output must be bitwise equal, for Q4_0, Q4_1 and Q8_0, the
-// decode and GEMM paths, awkward shapes. Checked on any AVX2 CPU through the emulated VNNI
+// integer block sums, so every output must be bitwise equal, for Q4_0, Q4_1 (as in the file
+// and repacked as Q4_1x4) and Q8_0, the decode and GEMM paths, awkward shapes. Checked on any AVX2 CPU through the emulated VNNI
 // build (quant_vnni_emulated.cpp, whose add_dot4 is first checked against vpdpbusd's
 // definition), and on a CPU with VNNI through the real avx512vnni / avx2vnni builds too.
 #include <cmath>
@@ -133,6 +133,29 @@ TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and 
                              std::to_string(n) + " k " + std::to_string(k) + ": not bitwise the avx2 result");
             }
           }
+        }
+      }
+    }
+  }
+  // Q4_1 rows repacked as Q4_1x4 (both paths read that layout directly): the file layout's bits.
+  std::vector<const QuantKernels*> x4_kernels = vnni;
+  x4_kernels.push_back(&vpage::cpu::avx2::kQuantKernels);
+  for (int32_t k : {576, 1536}) {
+    const int32_t n = 68;
+    const std::vector<uint8_t> w = random_rows(QuantType::kQ4_1, n, k, rng);
+    std::vector<uint8_t> packed(w.size());
+    vpage::cpu::quant_repack_q4_1x4(w.data(), n, k, packed.data());
+    for (int64_t m : {1, 5, 17}) {
+      std::vector<float> x(static_cast<size_t>(m) * k);
+      for (auto& v : x) v = normal(rng);
+      for (bool gemm : {false, true}) {
+        const std::vector<float> want =
+            integer_path(vpage::cpu::avx2::kQuantKernels, gemm, QuantType::kQ4_1, w, x, m, n, k);
+        for (const QuantKernels* kernels : x4_kernels) {
+          const std::vector<float> got = integer_path(*kernels, gemm, QuantType::kQ4_1x4, packed, x, m, n, k);
+          EXPECT_MSG(std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) == 0,
+                     std::string(kernels->name) + (gemm ? " gemm" : " decode") + " Q4_1x4 m " + std::to_string(m) +
+                         " k " + std::to_string(k) + ": not bitwise the Q4_1 result");
         }
       }
     }

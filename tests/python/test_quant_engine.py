@@ -39,7 +39,8 @@ def quantized():
 def test_default_model_is_kept_quantized(quantized):
     net = quantized.engine.executor.driver_worker.loaded.model
     layer = net.model.layers[0]
-    assert layer.self_attn.qkv_proj.qtype == "Q4_1" and isinstance(layer.mlp.down_proj, QuantizedLinear)
+    # The file's Q4_1 rows, regrouped by the worker for the decode kernel.
+    assert layer.self_attn.qkv_proj.qtype == "Q4_1x4" and isinstance(layer.mlp.down_proj, QuantizedLinear)
     assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0"
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     assert weight_bytes < 100 * 2**20  # float32 would be ~540 MB
@@ -77,6 +78,23 @@ def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, 
         assert max(lp.logprob for lp in top.values()) - top[a[i]].logprob < NEAR_TIE[one_at_a_time], (prompt, i)
     assert equal >= MIN_EQUAL
     assert sorted(drift)[len(drift) // 2] < MEDIAN_DRIFT[one_at_a_time] and max(drift) < NEAR_TIE[one_at_a_time]
+
+
+def test_repacked_rows_give_the_file_layouts_outputs(quantized, monkeypatch):
+    # The worker's Q4_1x4 repacking changes no bit: the same tokens and logprobs as the rows
+    # as they lie in the file, batched (decode and prefill on the integer paths).
+    import vpage.worker.worker as worker
+
+    monkeypatch.setattr(worker, "repack_quantized_weights", lambda model: None)
+    as_in_file = LLM(**_ENGINE)
+    layer = as_in_file.engine.executor.driver_worker.loaded.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.qtype == "Q4_1"
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    for a, b in zip(quantized.generate(PROMPTS, params, use_tqdm=False),
+                    as_in_file.generate(PROMPTS, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [{t: lp.logprob for t, lp in step.items()} for step in a.outputs[0].logprobs] == \
+            [{t: lp.logprob for t, lp in step.items()} for step in b.outputs[0].logprobs]
 
 
 _MEASURE = """

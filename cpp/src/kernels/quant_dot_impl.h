@@ -313,6 +313,32 @@ inline const float* spread_pair_scales(const QuantizedX& x, int64_t m, int32_t b
   return spread.data();
 }
 
+// One block pair (b, b + 1) of a decode tile: its four weight rows' bytes `w` and scales
+// (d_w, o_w in scale_add's lanes) against x rows [0, MR) (xq, xs as dot_tile takes them).
+template <QuantType T, int MR>
+inline void tile_pair(const PairBytes<T> w[kCombos], __m256 d_w, __m256 o_w, int32_t b, const int8_t* xq,
+                      int64_t x_stride, const float* xs, int64_t xs_stride, LaneSums acc[MR]) {
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
+    const float* scales = xs + i * xs_stride + (b / 2) * kXPairFloats;
+    const __m256i sums = reduce_lanes<T>(pair_products<T>(w[0], x), pair_products<T>(w[1], x),
+                                         pair_products<T>(w[2], x), pair_products<T>(w[3], x));
+    scale_add<T>(sums, d_w, _mm256_loadu_ps(scales), o_w, _mm256_loadu_ps(scales + 8), acc[i]);
+  }
+}
+
+// A decode tile's results: out[r * out_stride + i] for weight row r and x row i.
+template <int MR>
+inline void store_tile(const LaneSums acc[MR], float* out, int out_stride) {
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    alignas(16) float lanes[kCombos];
+    _mm_store_ps(lanes, lane_results(acc[i]));
+    for (int r = 0; r < kCombos; ++r) out[r * out_stride + i] = lanes[r];
+  }
+}
+
 // Decode tile: weight rows rows[0..4) (pointers to their first block; a row may repeat, its
 // results unused) against x rows [0, MR) of one x group (xq: the group's first
 // row, x_stride bytes apart; xs: its spread_pair_scales, xs_stride floats apart).
@@ -337,24 +363,12 @@ inline void dot_tile(const uint8_t* const rows[kCombos], int64_t prefetch, int32
     const __m256 h01 = _mm256_unpacklo_ps(head[0], head[1]), h23 = _mm256_unpacklo_ps(head[2], head[3]);
     const __m256 d_w = _mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(1, 0, 1, 0));
     const __m256 o_w = T == QuantType::kQ4_1 ? _mm256_shuffle_ps(h01, h23, _MM_SHUFFLE(3, 2, 3, 2)) : d_w;
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
-      const float* scales = xs + i * xs_stride + (b / 2) * kXPairFloats;
-      const __m256i sums = reduce_lanes<T>(pair_products<T>(w[0], x), pair_products<T>(w[1], x),
-                                           pair_products<T>(w[2], x), pair_products<T>(w[3], x));
-      scale_add<T>(sums, d_w, _mm256_loadu_ps(scales), o_w, _mm256_loadu_ps(scales + 8), acc[i]);
-    }
+    tile_pair<T, MR>(w, d_w, o_w, b, xq, x_stride, xs, xs_stride, acc);
   };
   int32_t b = 0;
   for (; b + 2 <= blocks; b += 2) step(std::true_type{}, b);
   if (b < blocks) step(std::false_type{}, b);
-#pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) {
-    alignas(16) float lanes[kCombos];
-    _mm_store_ps(lanes, lane_results(acc[i]));
-    for (int r = 0; r < kCombos; ++r) out[r * out_stride + i] = lanes[r];
-  }
+  store_tile<MR>(acc, out, out_stride);
 }
 
 // Q4_K on the same lane arithmetic: a 256-value super-block (d, dmin, twelve bytes of 6-bit
@@ -427,24 +441,10 @@ inline void dot_tile_q4k(const uint8_t* const rows[kCombos], int64_t prefetch, i
         _mm_prefetch(reinterpret_cast<const char*>(qs + prefetch), _MM_HINT_T0);
         w[r] = q4k_pair_bytes(qs);
       }
-#pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) {
-        const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
-        const float* scales = xs + i * xs_stride + (b / 2) * kXPairFloats;
-        const __m256i sums = reduce_lanes<QuantType::kQ4_1>(
-            pair_products<QuantType::kQ4_1>(w[0], x), pair_products<QuantType::kQ4_1>(w[1], x),
-            pair_products<QuantType::kQ4_1>(w[2], x), pair_products<QuantType::kQ4_1>(w[3], x));
-        scale_add<QuantType::kQ4_1>(sums, d_pair[g], _mm256_loadu_ps(scales), m_pair[g], _mm256_loadu_ps(scales + 8),
-                                    acc[i]);
-      }
+      tile_pair<QuantType::kQ4_1, MR>(w, d_pair[g], m_pair[g], b, xq, x_stride, xs, xs_stride, acc);
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) {
-    alignas(16) float lanes[kCombos];
-    _mm_store_ps(lanes, lane_results(acc[i]));
-    for (int r = 0; r < kCombos; ++r) out[r * out_stride + i] = lanes[r];
-  }
+  store_tile<MR>(acc, out, out_stride);
 }
 
 // values [tiles, kCombos, mr]: tile j's rows stream[s] + (t0 + j) * row_bytes (s < kCombos; a
@@ -581,13 +581,93 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
   for (int64_t i = 0; i < a.m; ++i) quant_store_out(a, i, n0, rows, out_rows + i * rows_per_task);
 }
 
+#if defined(__AVX2__)
+// The decode tile on one group of kQ4_1x4 rows (layout: QuantType): per block pair the four
+// rows' d and m are one f16 vector each and a row's two blocks of nibbles one 32-byte load,
+// so dot_tile's per-row header conversions, lane shuffles and 128-bit inserts are gone
+// (vpage-bench-quant-tile, Zen 1: 13-16% fewer cycles). The same arithmetic in the same order:
+// bitwise dot_tile<kQ4_1>'s results for the rows the group was repacked from.
+template <int MR>
+inline void dot_tile_x4(const uint8_t* group, int64_t prefetch, int32_t blocks, const int8_t* xq, int64_t x_stride,
+                        const float* xs, int64_t xs_stride, float* out, int out_stride) {
+  constexpr QuantType T = QuantType::kQ4_1;
+  const __m256i mask = _mm256_set1_epi8(15);
+  LaneSums acc[MR];
+  for (int32_t b = 0; b < blocks; b += 2) {
+    const uint8_t* pair = group + (b / 2) * kQ4_1x4PairBytes;
+    for (int64_t line = 0; line < kQ4_1x4PairBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(pair + prefetch + line), _MM_HINT_T0);
+    }
+    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+    const __m256 o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
+    PairBytes<T> w[kCombos];
+#pragma GCC unroll 4
+    for (int r = 0; r < kCombos; ++r) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32 + 32 * r));
+      w[r].lo = _mm256_and_si256(raw, mask);
+      w[r].hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    }
+    tile_pair<T, MR>(w, d_w, o_w, b, xq, x_stride, xs, xs_stride, acc);
+  }
+  store_tile<MR>(acc, out, out_stride);
+}
+
+// run_dot_task on kQ4_1x4 rows: a tile is a group, whose rows are one contiguous run, so the
+// tiles need no quarter streams.
+inline void run_dot_task_x4(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
+  const int32_t n0 = static_cast<int32_t>(task * rows_per_task);  // a multiple of 4, as rows_per_task
+  const int32_t groups = std::min(rows_per_task, a.n - n0) / kCombos;
+  const int32_t blocks = a.k / 32;  // even
+  const int64_t group_bytes = (blocks / 2) * kQ4_1x4PairBytes;
+  const uint8_t* first = a.weight + n0 / kCombos * group_bytes;
+  thread_local std::vector<float> out_buffer;  // [m, rows_per_task] for quant_store_out
+  out_buffer.resize(static_cast<size_t>(a.m) * rows_per_task);
+  float* out_rows = out_buffer.data();
+  float values[kDotChunkTiles * kCombos * kXRowsPerPass];
+  const float* spread = spread_pair_scales(x, a.m, blocks);
+  const int64_t xs_stride = quant_x_group_floats(blocks);
+  const int64_t prefetch = kPrefetchRows * group_bytes;
+  for (int32_t g0 = 0; g0 < groups; g0 += kDotChunkTiles) {
+    const int32_t tiles = std::min(kDotChunkTiles, groups - g0);
+    for (int64_t i0 = 0; i0 < a.m; i0 += kXRowsPerPass) {
+      const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
+      const int8_t* xq = x.q + i0 * x.q_stride;
+      const float* xs = spread + i0 * xs_stride;
+      for (int32_t j = 0; j < tiles; ++j) {
+        const uint8_t* group = first + (g0 + j) * group_bytes;
+        float* out = values + j * kCombos * mr;
+        switch (mr) {
+          case 1: dot_tile_x4<1>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 1); break;
+          case 2: dot_tile_x4<2>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 2); break;
+          case 3: dot_tile_x4<3>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 3); break;
+          default: dot_tile_x4<4>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 4); break;
+        }
+      }
+      for (int32_t j = 0; j < tiles; ++j) {
+        for (int r = 0; r < kCombos; ++r) {
+          const float* v = values + (j * kCombos + r) * mr;
+          for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + kCombos * (g0 + j) + r] = v[i];
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < a.m; ++i) quant_store_out(a, i, n0, groups * kCombos, out_rows + i * rows_per_task);
+}
+constexpr bool kIntegerQ4_1x4 = true;
+#else
+constexpr bool kIntegerQ4_1x4 = false;  // the scalar loops read GGUF rows: kQ4_1x4 is unpacked first
+#endif
+
 inline void run_dot_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   switch (a.type) {
     case QuantType::kQ4_0: return run_dot_task_typed<QuantType::kQ4_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_1: return run_dot_task_typed<QuantType::kQ4_1>(a, x, rows_per_task, task);
     case QuantType::kQ8_0: return run_dot_task_typed<QuantType::kQ8_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_K: return run_dot_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
-    default: return;  // the dispatcher sends only the 32-value formats and Q4_K here
+#if defined(__AVX2__)
+    case QuantType::kQ4_1x4: return run_dot_task_x4(a, x, rows_per_task, task);
+#endif
+    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and (SIMD) Q4_1x4 here
   }
 }
 

@@ -23,6 +23,7 @@ bool quant_type_supported(int32_t ggml_type) {
     case QuantType::kQ4_K:
     case QuantType::kQ5_K:
     case QuantType::kQ6_K:
+    case QuantType::kQ4_1x4:
       return true;
   }
   return false;
@@ -35,7 +36,8 @@ int32_t quant_block_values(QuantType type) {
 int32_t quant_block_bytes(QuantType type) {
   switch (type) {
     case QuantType::kQ4_0: return 18;
-    case QuantType::kQ4_1: return 20;
+    case QuantType::kQ4_1:
+    case QuantType::kQ4_1x4: return 20;
     case QuantType::kQ8_0: return 34;
     case QuantType::kQ4_K: return 144;
     case QuantType::kQ5_K: return 176;
@@ -76,7 +78,7 @@ int32_t dot_task_rows(int32_t n, int num_threads) {
 // The 32-value formats, and Q4_K, whose sub-blocks are Q4_1 blocks with 6-bit scales.
 bool integer_format(const QuantMatmulArgs& a) {
   return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0 ||
-         a.type == QuantType::kQ4_K;
+         a.type == QuantType::kQ4_K || a.type == QuantType::kQ4_1x4;
 }
 
 bool use_dot_path(const QuantMatmulArgs& a) { return integer_format(a) && a.m <= kQuantIntegerPathRows; }
@@ -95,8 +97,9 @@ constexpr int64_t kQuantizeRowsPerTask = 64;  // a multiple of the x group (4 ro
 
 void check_args(const QuantMatmulArgs& a) {
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
-              "quant_matmul: unsupported quantization type " << static_cast<int32_t>(a.type)
-                                                             << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13 or Q6_K=14)");
+              "quant_matmul: unsupported quantization type "
+                  << static_cast<int32_t>(a.type)
+                  << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14 or Q4_1x4=259)");
   VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
               "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
   const int32_t block = quant_block_values(a.type);
@@ -104,6 +107,8 @@ void check_args(const QuantMatmulArgs& a) {
               "quant_matmul: bad sizes (m " << a.m << ", n " << a.n << ", k " << a.k << " must be a positive multiple of "
                                             << block << ", x_stride " << a.x_stride << ", out_stride " << a.out_stride
                                             << ")");
+  VPAGE_CHECK(a.type != QuantType::kQ4_1x4 || quant_repack_q4_1x4_fits(QuantType::kQ4_1, a.n, a.k),
+              "quant_matmul: Q4_1x4 weights need n a multiple of 4 and k of 64 (n " << a.n << ", k " << a.k << ")");
   VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
               "quant_matmul: null pointer");
 }
@@ -167,7 +172,7 @@ void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, in
       float* out = pairs + (i / 4 * num_pairs + b / 2) * kXPairFloats + 4 * (b % 2) + lane;
       const int64_t xb = i * blocks + b;
       out[0] = d[xb];
-      if (type == QuantType::kQ4_1 || type == QuantType::kQ4_K) out[8] = s[xb];
+      if (type == QuantType::kQ4_1 || type == QuantType::kQ4_1x4 || type == QuantType::kQ4_K) out[8] = s[xb];
       if (type == QuantType::kQ4_0) out[8] = -8.0f * s[xb];
     }
   }
@@ -194,6 +199,7 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
     const bool dot = use_dot_path(args);
     tasks.integer_rows = dot ? dot_task_rows(args.n, num_threads) : kGemmTaskRows;
     tasks.integer_task = dot ? tasks.kernels->run_dot_task : tasks.kernels->run_gemm_task;
+    tasks.unpack_x4 = args.type == QuantType::kQ4_1x4 && !tasks.kernels->integer_q4_1x4;
     tasks.num_tasks = (args.n + tasks.integer_rows - 1) / tasks.integer_rows;
     return tasks;
   }
@@ -209,14 +215,40 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
     plan.k_major = true;
   }
   tasks.num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
+  tasks.unpack_x4 = args.type == QuantType::kQ4_1x4;
   return tasks;
 }
 
 void QuantMatmulTasks::run(int64_t task) const {
-  if (integer_task != nullptr) {
+  if (unpack_x4) {
+    run_unpacked(task);
+  } else if (integer_task != nullptr) {
     integer_task(args, qx, integer_rows, task);
   } else {
     kernels->run_task(args, x, x_stride, plan, task);
+  }
+}
+
+// The task's Q4_1x4 rows (every task covers a multiple of 4 rows from a multiple of 4) as
+// GGUF Q4_1 rows in this thread's buffer, then the Q4_1 kernel on them as task 0 of a matmul
+// of those rows alone: a row's result does not depend on its task.
+void QuantMatmulTasks::run_unpacked(int64_t task) const {
+  const int32_t rows_per_task = integer_task != nullptr ? integer_rows : plan.rows_per_task;
+  const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
+  const int32_t rows = std::min(rows_per_task, args.n - n0);
+  const int64_t row_bytes = static_cast<int64_t>(args.k / 32) * 20;
+  thread_local std::vector<uint8_t> unpacked;
+  unpacked.resize(static_cast<size_t>(rows) * row_bytes);
+  quant_unpack_q4_1x4(args.weight + n0 * row_bytes, rows, args.k, unpacked.data());
+  QuantMatmulArgs part = args;
+  part.type = QuantType::kQ4_1;
+  part.weight = unpacked.data();
+  part.n = rows;
+  part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
+  if (integer_task != nullptr) {
+    integer_task(part, qx, integer_rows, 0);
+  } else {
+    kernels->run_task(part, x, x_stride, plan, 0);
   }
 }
 
@@ -236,7 +268,57 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(type)) && rows >= 0 && k > 0 && k % quant_block_values(type) == 0,
               "quant_dequantize_rows: bad type " << static_cast<int32_t>(type) << " or sizes (rows " << rows << ", k "
                                                  << k << ")");
-  selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
+  if (type != QuantType::kQ4_1x4) {
+    selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
+    return;
+  }
+  std::vector<uint8_t> unpacked(static_cast<size_t>(rows) * (k / 32) * 20);
+  quant_unpack_q4_1x4(weight, rows, k, unpacked.data());
+  selected_quant_kernels().dequantize_rows(QuantType::kQ4_1, unpacked.data(), rows, k, out);
+}
+
+bool quant_repack_q4_1x4_fits(QuantType type, int64_t rows, int32_t k) {
+  return type == QuantType::kQ4_1 && rows >= 0 && rows % 4 == 0 && k > 0 && k % 64 == 0;
+}
+
+namespace {
+
+// Copies between the layouts: to_x4 true: Q4_1 rows `gguf` -> `x4`, else back.
+void copy_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool to_x4) {
+  VPAGE_CHECK(quant_repack_q4_1x4_fits(QuantType::kQ4_1, rows, k),
+              "Q4_1x4 repacking needs a multiple of 4 rows and of 64 values per row (rows " << rows << ", k " << k
+                                                                                           << ")");
+  const int32_t blocks = k / 32;
+  const int64_t row_bytes = static_cast<int64_t>(blocks) * 20;
+  for (int64_t g = 0; g < rows / 4; ++g) {
+    for (int32_t p = 0; p < blocks / 2; ++p) {
+      const int64_t pair = (g * (blocks / 2) + p) * kQ4_1x4PairBytes;
+      for (int r = 0; r < 4; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t block = (4 * g + r) * row_bytes + (2 * p + h) * 20;
+          const int64_t d = pair + 2 * (4 * h + r), m = d + 16, qs = pair + 32 + 32 * r + 16 * h;
+          const int64_t from[3] = {block, block + 2, block + 4}, to[3] = {d, m, qs}, bytes[3] = {2, 2, 16};
+          for (int f = 0; f < 3; ++f) {
+            if (to_x4) {
+              std::memcpy(dst + to[f], src + from[f], bytes[f]);
+            } else {
+              std::memcpy(dst + from[f], src + to[f], bytes[f]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void quant_repack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  copy_q4_1x4(src, rows, k, dst, true);
+}
+
+void quant_unpack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  copy_q4_1x4(src, rows, k, dst, false);
 }
 
 void set_quant_integer_gemm_rows(int64_t max_rows) { gemm_max_rows.store(max_rows, std::memory_order_relaxed); }

@@ -33,6 +33,9 @@ struct QuantizedX {
 /// Bytes per row of QuantizedX::q: k rounded up to whole block pairs (64 values).
 constexpr int64_t quant_x_row_bytes(int32_t k) { return (static_cast<int64_t>(k) + 63) / 64 * 64; }
 
+/// Bytes per block pair of a kQ4_1x4 group: 8 f16 d, 8 f16 m, 4 rows x 32 nibble bytes.
+constexpr int64_t kQ4_1x4PairBytes = 160;
+
 /// Floats per block pair and x group in QuantizedX::pairs.
 constexpr int32_t kXPairFloats = 16;
 
@@ -71,6 +74,7 @@ struct QuantKernels {
   QuantizeXFn quantize_x;
   QuantDotTaskFn run_dot_task;
   QuantDotTaskFn run_gemm_task;
+  bool integer_q4_1x4;     // whether the integer paths read kQ4_1x4 rows (else unpacked first)
   int32_t rows_multiple;   // weight rows per decode micro-kernel column group
   int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };
@@ -107,9 +111,13 @@ struct QuantMatmulTasks {
   QuantDotTaskFn integer_task = nullptr;  // the integer path's task, or nullptr (float paths)
   int32_t integer_rows = 0;               // weight rows per integer task
   int64_t num_tasks = 0;
+  bool unpack_x4 = false;  // kQ4_1x4 rows on a path without a kernel for them
 
   /// Runs task `task`.
   void run(int64_t task) const;
+
+ private:
+  void run_unpacked(int64_t task) const;
 };
 
 /// The tasks of `args` for `num_threads` threads, with x already float32 (and quantized on an

@@ -17,19 +17,23 @@ QUANT_TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
-_QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in QUANT_TYPES.items()}
+# Layouts the CPU repacks GGUF rows into at load (not in any file): Q4_1x4 is Q4_1 rows in
+# groups of four for the decode kernel (repack_q4_1x4).
+REPACKED_TYPES = {"Q4_1x4": (259, 32, 20)}
+_FORMATS = {**QUANT_TYPES, **REPACKED_TYPES}
+_QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in _FORMATS.items()}
 
 
 def _quant_format(qtype: object) -> Tuple[int, int, int]:
-    """(ggml type id, values per block, bytes per block) of a type name or id (or a gguf enum)."""
-    if isinstance(qtype, str) and qtype in QUANT_TYPES:
-        return QUANT_TYPES[qtype]
+    """(type id, values per block, bytes per block) of a type name or id (or a gguf enum)."""
+    if isinstance(qtype, str) and qtype in _FORMATS:
+        return _FORMATS[qtype]
     key = getattr(qtype, "name", qtype)
-    if isinstance(key, str) and key in QUANT_TYPES:
-        return QUANT_TYPES[key]
+    if isinstance(key, str) and key in _FORMATS:
+        return _FORMATS[key]
     if isinstance(qtype, int) and qtype in _QUANT_BY_ID:
         return (int(qtype),) + _QUANT_BY_ID[int(qtype)][1:]
-    raise ValueError(f"unsupported quantization type {qtype!r}; supported: {sorted(QUANT_TYPES)}")
+    raise ValueError(f"unsupported quantization type {qtype!r}; supported: {sorted(_FORMATS)}")
 
 
 def quant_row_bytes(qtype: object, k: int) -> int:
@@ -164,4 +168,18 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[t
             raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     out = _checked_matmul_rows(x, k, n, out)
     _ops_cpu.dense_matmul(out, x, packed, bias, n)
+    return out
+
+
+def repack_q4_1x4(qweight: torch.Tensor, rows: int, k: int) -> Optional[torch.Tensor]:
+    """``rows`` Q4_1 rows of ``k`` values (contiguous CPU uint8, ``[rows, quant_row_bytes("Q4_1",
+    k)]``) in the ``"Q4_1x4"`` layout of the CPU decode kernel: the same bytes regrouped, four
+    rows at a time, so that quant_matmul reads each block pair of four rows in three loads
+    (the same results, bitwise). None when the sizes do not allow it (rows not a multiple of 4,
+    k not of 64). A Q4_1x4 row cannot be picked alone (dequantize_rows takes whole groups)."""
+    _check_qweight(qweight, "Q4_1", rows, k)
+    if rows % 4 or k % 64:
+        return None
+    out = torch.empty_like(qweight)
+    _ops_cpu.repack_q4_1x4(out, qweight, rows, k)
     return out

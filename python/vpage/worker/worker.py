@@ -26,6 +26,7 @@ from vpage.distributed.step_message import StepReceiver
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.linear import pack_dense_weights
+from vpage.model_executor.layers.quant_linear import repack_quantized_weights
 from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
@@ -61,6 +62,7 @@ class Worker:
             for loaded in (self.loaded, self.draft):
                 if loaded is not None:
                     pack_dense_weights(loaded.model)
+                    repack_quantized_weights(loaded.model)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
                                                      self.device)
         self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading

@@ -22,7 +22,15 @@ namespace vpage {
 ///          is the high bit of value l of sub-block s) before the 128 nibble bytes.
 ///   kQ6_K: 256 values in 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8
 ///          scales (one per 16 values), f16 d; value = d * scale * (q - 32).
-enum class QuantType : int32_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+/// Not a ggml type: kQ4_1x4 is Q4_1 rows repacked for this CPU's decode kernel
+/// (quant_repack_q4_1x4), the same bytes per row: rows go in groups of four (4 * row bytes
+/// each), and per block pair p (blocks 2p, 2p + 1) a group holds 160 bytes: the eight d of
+/// blocks 2p (rows 0-3) then 2p + 1 (rows 0-3) as f16, the eight m the same way, then for
+/// rows 0-3 in turn the 16 nibble bytes of block 2p and of block 2p + 1. A row alone is not
+/// addressable: matrices of this type have a multiple of 4 rows and of 64 values per row.
+enum class QuantType : int32_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_1x4 = 259
+};
 
 /// True when `ggml_type` is one of QuantType's values.
 bool quant_type_supported(int32_t ggml_type);
@@ -80,8 +88,21 @@ constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 
 /// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
-/// (embedding lookups, tests). Single-threaded. Throws vpage::CheckError on bad sizes.
+/// (embedding lookups, tests); kQ4_1x4: `rows` a multiple of 4 from a group's start.
+/// Single-threaded. Throws vpage::CheckError on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
+
+/// Whether `rows` rows of `k` values of `type` can be repacked by quant_repack_q4_1x4
+/// (Q4_1, rows a multiple of 4, k of 64).
+bool quant_repack_q4_1x4_fits(QuantType type, int64_t rows, int32_t k);
+
+/// Writes the kQ4_1x4 layout of `rows` Q4_1 rows of `k` values from `src` into `dst` (the
+/// same number of bytes; not in place). Throws vpage::CheckError unless the sizes fit.
+void quant_repack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+
+/// The inverse: kQ4_1x4 rows back into GGUF Q4_1 rows (the paths without a kQ4_1x4 kernel
+/// unpack a task's rows, in L2, and run their Q4_1 kernel: the same results).
+void quant_unpack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
 
 /// Sets the most rows the integer GEMM path takes (default kQuantIntegerGemmMaxRows; up to
 /// kQuantIntegerPathRows: none, those rows take the float path): for benchmarks and tests.

@@ -5,7 +5,9 @@ row's raw GGUF blocks, exactly as in the file (rows of fused projections are the
 stacked, as :class:`~vpage.model_executor.layers.parallel_linear.OutputRows` lays them out).
 It loads only from :class:`QuantizedTensor` rows of the same type. Matmuls dequantize inside
 the kernel (:func:`vpage.ops.quant_matmul`); embedding lookups dequantize only the looked-up
-rows.
+rows (of a repacked table, their groups of four). Once loaded, Q4_1 rows are regrouped for the CPU decode kernel
+(:func:`repack_quantized_weights`, called by the worker: the ``"Q4_1x4"`` layout, the same
+bytes and results).
 
 Under tensor parallelism a block is never cut: a column-parallel layer keeps whole rows (its
 ``OutputRows``), the embedding whole vocabulary rows (``VocabShard``), and a row-parallel
@@ -61,6 +63,17 @@ class QuantizedWeight(nn.Module):
     def _load_rows(self, dest: torch.Tensor, raw: torch.Tensor, shard_id: ShardId) -> None:
         """This rank's rows of checkpoint block rows ``raw`` (part ``shard_id``) into ``dest``."""
         self.layout.load(dest, raw, shard_id)
+
+    def repack(self) -> None:
+        """After every part is loaded: Q4_1 rows -> ``"Q4_1x4"`` (:func:`vpage.ops.repack_q4_1x4`)
+        where the sizes allow, in place (the parameter keeps its storage)."""
+        if self.qtype != "Q4_1" or self.qweight.device.type != "cpu":
+            return
+        repacked = ops.repack_q4_1x4(self.qweight.data, self.rows, self.cols)
+        if repacked is not None:
+            self.qweight.data.copy_(repacked)
+            self.qtype = "Q4_1x4"
+            self.type_id = ops.REPACKED_TYPES[self.qtype][0]
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[num_tokens, cols]`` -> ``x @ W.T`` ``[num_tokens, rows]``, x's dtype (into ``out``
@@ -135,7 +148,13 @@ class QuantizedEmbedding(QuantizedWeight):
         return self.shard.embed(input_ids, self._lookup)
 
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        return ops.dequantize_rows(self.qweight.index_select(0, rows), self.qtype, self.cols).to(self.dtype)
+        if self.qtype != "Q4_1x4":
+            return ops.dequantize_rows(self.qweight.index_select(0, rows), self.qtype, self.cols).to(self.dtype)
+        # A repacked row is not whole on its own: each row's group of four, then the row.
+        row_bytes = self.qweight.shape[1]
+        groups = self.qweight.view(-1, 4 * row_bytes).index_select(0, rows // 4).view(-1, row_bytes)
+        dense = ops.dequantize_rows(groups, self.qtype, self.cols).view(-1, 4, self.cols)
+        return dense[torch.arange(rows.numel()), rows % 4].to(self.dtype)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None
@@ -143,3 +162,11 @@ class QuantizedEmbedding(QuantizedWeight):
         if self.shard.size == 1:
             return self.linear(hidden, out).float()
         return self.shard.gather_logits(self.linear(hidden).float())
+
+
+def repack_quantized_weights(model: nn.Module) -> None:
+    """Repacks the loaded quantized weights of ``model`` for the CPU decode kernel
+    (:meth:`QuantizedWeight.repack`)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedWeight):
+            module.repack()
