@@ -283,7 +283,7 @@ bool quant_repack_q4_1x4_fits(QuantType type, int64_t rows, int32_t k) {
 
 namespace {
 
-// Copies between the layouts: to_x4 true: Q4_1 rows `gguf` -> `x4`, else back.
+// src -> dst: Q4_1 rows to kQ4_1x4 (to_x4), or back.
 void copy_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool to_x4) {
   VPAGE_CHECK(quant_repack_q4_1x4_fits(QuantType::kQ4_1, rows, k),
               "Q4_1x4 repacking needs a multiple of 4 rows and of 64 values per row (rows " << rows << ", k " << k

@@ -80,7 +80,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
 
     x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous);
     qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
-    qtype a name of ``QUANT_TYPES`` or its ggml id. Returns out ``[m, n]`` in x's dtype
+    qtype a name of ``QUANT_TYPES`` or its ggml id, or ``"Q4_1x4"`` (rows as
+    :func:`repack_q4_1x4` regroups them). Returns out ``[m, n]`` in x's dtype
     (float32 accumulation). The weights are dequantized inside the kernel, never copied.
     With Q4_0, Q4_1, Q8_0 or Q4_K, x is rounded to 8 bits per 32 values and multiplied in
     integers, as llama.cpp does (the decode path up to ``_core.QUANT_INTEGER_PATH_ROWS`` rows,

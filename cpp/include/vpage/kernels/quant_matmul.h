@@ -45,7 +45,8 @@ int32_t quant_block_bytes(QuantType type);
 struct QuantMatmulArgs {
   void* out = nullptr;              // [m, n], row stride out_stride, dtype `dtype`
   const void* x = nullptr;          // [m, k], row stride x_stride, dtype `dtype`
-  const uint8_t* weight = nullptr;  // [n, k / block_values * block_bytes] raw GGUF blocks, contiguous
+  const uint8_t* weight = nullptr;  // [n, k / block_values * block_bytes] raw GGUF blocks or
+                                    // kQ4_1x4 groups, contiguous
   int64_t m = 0;                    // rows of x (tokens)
   int32_t n = 0;                    // rows of W (output features)
   int32_t k = 0;                    // a multiple of quant_block_values(type)
