@@ -18,6 +18,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine
 from vpage.engine.spec_decode import DraftRows, SpecDecodeStats
 from vpage.sampler import Sampler, SamplingRow
+from vpage.worker.draft_runner import DraftInputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -242,6 +243,40 @@ def test_draft_model_equals_plain_decoding(tiny, other_draft, variant):
     _, fast, stats = compare(tiny, requests, {"model": str(other_draft), "num_speculative_tokens": 2}, **variant)
     assert tokens(fast) == tokens(plain)
     assert stats.spec_decode_num_draft_tokens > 0
+
+
+def test_a_draft_of_the_targets_shape_reads_the_targets_kv_cache(tiny, other_draft):
+    # The target as its own draft shares the target's KV cache (no cache of its own, no prompt to
+    # catch up on): its drafts are the target's greedy tokens, every one accepted.
+    requests = [(p, greedy()) for p in PROMPTS]
+    engine = make_engine(tiny, {"model": str(tiny), "num_speculative_tokens": 3})
+    try:
+        worker = engine.executor.driver_worker
+        assert worker.draft_shares_kv and worker.draft_cache is None
+        assert tokens(run(engine, requests)) == tokens(run(make_engine(tiny), requests))
+        stats = engine.get_stats()
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    finally:
+        engine.shutdown()
+    engine = make_engine(tiny, {"model": str(other_draft), "num_speculative_tokens": 2})
+    try:
+        worker = engine.executor.driver_worker
+        assert not worker.draft_shares_kv and worker.draft_cache is not None
+    finally:
+        engine.shutdown()
+
+
+def test_draft_inputs_cut_to_the_rows_own_positions():
+    # Two samples: one catching up on positions 0-5 of a row that starts at 5, one on 7-8 of a
+    # row that starts at 7.
+    inputs = DraftInputs(input_ids=np.arange(100, 108), positions=np.array([0, 1, 2, 3, 4, 5, 7, 8]),
+                         slot_mapping=np.arange(200, 208), query_start_loc=np.array([0, 6, 8], dtype=np.int32),
+                         block_tables=np.zeros((2, 2), dtype=np.int32), num_drafts=np.array([3, 1], dtype=np.int32),
+                         row_starts=np.array([5, 7]))
+    cut = inputs.from_row_starts()
+    assert cut.input_ids.tolist() == [105, 106, 107] and cut.positions.tolist() == [5, 7, 8]
+    assert cut.slot_mapping.tolist() == [205, 206, 207] and cut.query_start_loc.tolist() == [0, 1, 3]
+    assert cut.last_position.tolist() == [5, 8] and cut.num_drafts.tolist() == [3, 1]
 
 
 def test_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):

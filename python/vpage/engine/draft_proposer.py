@@ -7,7 +7,8 @@ cache hit) it may lack a whole prefix. The engine, which holds every sequence's 
 how far the draft's K/V reaches per sequence and hands the worker exactly the tokens to catch
 up on. Every row of every step bounds that reach by where the row starts (a recompute starts
 again at 0, in blocks that may now hold anything); rejected drafts' slots lie past the next
-row's start, so they need nothing more.
+row's start, so they need nothing more. Each sample's row start goes along too: a draft that
+reads the target's KV cache catches up only from there (draft_runner.py).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class DraftModelProposer:
         bs = self.block_size
         row_of = {seq_id: r for r, seq_id in enumerate(plan.seq_ids.tolist())}
         qsl, positions, tables = plan.query_start_loc, plan.positions, plan.block_tables
-        ids, pos, slots, starts, rows, drafts = [], [], [], [0], [], []
+        ids, pos, slots, starts, rows, drafts, firsts = [], [], [], [0], [], [], []
         for seq_id, d in zip(plan.sample_seq_ids.tolist(), plan.sample_num_drafts.tolist()):
             if not d:
                 continue
@@ -59,6 +60,7 @@ class DraftModelProposer:
             starts.append(starts[-1] + len(span))
             rows.append(r)
             drafts.append(d)
+            firsts.append(first)
             # The draft writes the K/V of the last real token and of every draft but the last.
             self.computed[seq_id] = real_end + d - 1
         if len(self.computed) > self.max_tracked:  # finished sequences: keep those running now
@@ -66,4 +68,4 @@ class DraftModelProposer:
         return DraftInputs(input_ids=np.concatenate(ids), positions=np.concatenate(pos),
                            slot_mapping=np.concatenate(slots), query_start_loc=np.array(starts, dtype=np.int32),
                            block_tables=np.ascontiguousarray(tables[rows]),
-                           num_drafts=np.array(drafts, dtype=np.int32))
+                           num_drafts=np.array(drafts, dtype=np.int32), row_starts=np.array(firsts, dtype=np.int64))

@@ -5,10 +5,19 @@ slots; the cache engine applies every block operation to both). ``DraftInputs`` 
 engine, which knows each sequence's tokens) says what the draft has not computed yet for each
 drafting sequence: one catch-up forward computes those tokens and drafts the first token from
 the last of them, then one decode forward per further draft position feeds the previous draft.
+
+A draft that is the target in another form (the same architecture and shape: a quantized copy,
+on one rank) reads and writes the target's own KV cache instead (``shares_target_kv``): before a
+step's target forward, every position before its row holds the target's K/V, so the catch-up
+needs only the row's own real tokens (``DraftInputs.from_row_starts``), never a prompt; what the
+draft writes at the row's positions the target's forward overwrites before it reads them.
+Drafts are only proposals, so the K/V they are computed from changes their quality, never the
+output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,10 +43,35 @@ class DraftInputs:
     query_start_loc: np.ndarray  # [rows + 1] int32
     block_tables: np.ndarray  # [rows, max_blocks] int32
     num_drafts: np.ndarray  # [rows] int32, >= 1
+    row_starts: np.ndarray  # [rows] int64: the first position of each sample's row in the plan
 
     @property
     def last_position(self) -> np.ndarray:
         return self.positions[self.query_start_loc[1:] - 1]
+
+    def from_row_starts(self) -> "DraftInputs":
+        """The catch-up rows cut to the plan rows' own positions (each keeps at least its last
+        real token): what remains to compute when the K/V before the rows is the target's."""
+        rows = len(self.query_start_loc) - 1
+        row_of = np.repeat(np.arange(rows), np.diff(self.query_start_loc))
+        keep = self.positions >= self.row_starts[row_of]
+        counts = np.bincount(row_of[keep], minlength=rows)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        return dataclasses.replace(self, input_ids=self.input_ids[keep], positions=self.positions[keep],
+                                   slot_mapping=self.slot_mapping[keep], query_start_loc=starts)
+
+
+_SHARED_SHAPE = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_size", "hidden_size",
+                 "vocab_size", "max_model_len")
+_SHARED_HF = ("rope_theta", "rope_scaling", "sliding_window", "rms_norm_eps")
+
+
+def shares_target_kv(target: LoadedModel, draft: LoadedModel, tp_size: int) -> bool:
+    """Whether the draft is the target in another form (architecture, shape and position
+    encoding alike, one rank), so that it can read the target's KV cache (see above)."""
+    return (tp_size == 1 and target.device == draft.device
+            and all(getattr(target.config, f) == getattr(draft.config, f) for f in _SHARED_SHAPE)
+            and all(getattr(target.hf_config, f, None) == getattr(draft.hf_config, f, None) for f in _SHARED_HF))
 
 
 class DraftRunner:

@@ -31,7 +31,7 @@ from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
 from vpage.worker.cuda_graphs import DecodeGraphs
-from vpage.worker.draft_runner import DraftInputs, DraftRunner
+from vpage.worker.draft_runner import DraftInputs, DraftRunner, shares_target_kv
 from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.worker.input_staging import StepInputs
 from vpage.worker.model_runner import ModelRunner
@@ -58,6 +58,8 @@ class Worker:
             with ps.single_rank():
                 self.draft = load_model(spec.model, "auto", m.device, "auto")
             check_same_vocabulary(self.loaded, self.draft)
+        # A draft that is the target in another form reads the target's KV cache (draft_runner.py).
+        self.draft_shares_kv = self.draft is not None and shares_target_kv(self.loaded, self.draft, self.tp_size)
         if self.device.type == "cpu":
             for loaded in (self.loaded, self.draft):
                 if loaded is not None:
@@ -71,7 +73,7 @@ class Worker:
             self._non_torch_baseline = total - free - torch.cuda.memory_reserved(self.device)
         self.cache_engine: Optional[CacheEngine] = None
         self.model_runner: Optional[ModelRunner] = None
-        self.draft_cache: Optional[CacheEngine] = None  # the draft's KV, in the same block ids
+        self.draft_cache: Optional[CacheEngine] = None  # the draft's own KV, in the same block ids
         self.draft_runner: Optional[DraftRunner] = None
         self._moved_step: Optional[int] = None  # plan whose block operations ran already (drafting)
         self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
@@ -86,8 +88,9 @@ class Worker:
 
     @property
     def draft_cache_config(self) -> Optional[ModelConfig]:
-        """The draft model's config with its KV cache dtype (its activations'), or None."""
-        if self.draft is None:
+        """The config of the draft model's own KV cache (its activations' dtype), or None
+        (no draft, or one that shares the target's cache)."""
+        if self.draft is None or self.draft_shares_kv:
             return None
         return dataclasses.replace(self.draft.config, kv_cache_dtype=self.draft.config.dtype)
 
@@ -131,10 +134,15 @@ class Worker:
         """Allocates the KV cache; on CUDA also the input staging buffers and, unless
         ``enforce_eager`` (or under tensor parallelism), the decode graphs."""
         block_size = self.config.cache.block_size
+        self._init_target_cache(num_gpu_blocks, num_cpu_blocks)
         if self.draft is not None:
-            self.draft_cache = CacheEngine(self.draft_cache_config, block_size, num_gpu_blocks, num_cpu_blocks,
-                                           self.device)
-            self.draft_runner = DraftRunner(self.draft, self.draft_cache.gpu_cache, block_size)
+            if not self.draft_shares_kv:
+                self.draft_cache = CacheEngine(self.draft_cache_config, block_size, num_gpu_blocks, num_cpu_blocks,
+                                               self.device)
+            self.draft_runner = DraftRunner(self.draft, (self.draft_cache or self.cache_engine).gpu_cache, block_size)
+
+    def _init_target_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        block_size = self.config.cache.block_size
         if self.device.type != "cuda":
             self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device)
             self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache)
@@ -223,6 +231,9 @@ class Worker:
         draft model's greedy drafts ([plan.num_draft_tokens] int32 in sample order)."""
         self._move_blocks(plan)
         self._moved_step = plan.step_id
+        if self.draft_shares_kv:
+            self.cache_engine.wait_for_swaps()  # the draft's forwards do not wait per layer
+            inputs = inputs.from_row_starts()
         with ps.single_rank():  # the unsharded draft's collectives are no-ops
             return self.draft_runner.propose(inputs)
 
