@@ -258,12 +258,15 @@ def test_a_draft_of_the_targets_shape_reads_the_targets_kv_cache(tiny, other_dra
         assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     finally:
         engine.shutdown()
-    engine = make_engine(tiny, {"model": str(other_draft), "num_speculative_tokens": 2})
-    try:
-        worker = engine.executor.driver_worker
-        assert not worker.draft_shares_kv and worker.draft_cache is not None
-    finally:
-        engine.shutdown()
+    # Not when the draft has another shape, or the target's cache another dtype than the draft's.
+    for spec, kwargs in (({"model": str(other_draft), "num_speculative_tokens": 2}, {}),
+                         ({"model": str(tiny), "num_speculative_tokens": 2}, {"kv_cache_dtype": "float16"})):
+        engine = make_engine(tiny, spec, **kwargs)
+        try:
+            worker = engine.executor.driver_worker
+            assert not worker.draft_shares_kv and worker.draft_cache is not None
+        finally:
+            engine.shutdown()
 
 
 def test_draft_inputs_cut_to_the_rows_own_positions():

@@ -7,7 +7,7 @@ drafting sequence: one catch-up forward computes those tokens and drafts the fir
 the last of them, then one decode forward per further draft position feeds the previous draft.
 
 A draft that is the target in another form (the same architecture and shape: a quantized copy,
-on one rank) reads and writes the target's own KV cache instead (``shares_target_kv``): before a
+on one rank, the target's KV dtype its own) reads and writes the target's own KV cache instead (``shares_target_kv``): before a
 step's target forward, every position before its row holds the target's K/V, so the catch-up
 needs only the row's own real tokens (``DraftInputs.from_row_starts``), never a prompt; what the
 draft writes at the row's positions the target's forward overwrites before it reads them.
@@ -66,10 +66,11 @@ _SHARED_SHAPE = ("architecture", "num_layers", "num_heads", "num_kv_heads", "hea
 _SHARED_HF = ("rope_theta", "rope_scaling", "sliding_window", "rms_norm_eps")
 
 
-def shares_target_kv(target: LoadedModel, draft: LoadedModel, tp_size: int) -> bool:
+def shares_target_kv(target: LoadedModel, draft: LoadedModel, tp_size: int, kv_cache_dtype: torch.dtype) -> bool:
     """Whether the draft is the target in another form (architecture, shape and position
-    encoding alike, one rank), so that it can read the target's KV cache (see above)."""
-    return (tp_size == 1 and target.device == draft.device
+    encoding alike, one rank) and the target's KV cache (of ``kv_cache_dtype``) is what the
+    draft's own would be (its activations' dtype), so that it can read that cache (see above)."""
+    return (tp_size == 1 and target.device == draft.device and kv_cache_dtype == draft.config.dtype
             and all(getattr(target.config, f) == getattr(draft.config, f) for f in _SHARED_SHAPE)
             and all(getattr(target.hf_config, f, None) == getattr(draft.hf_config, f, None) for f in _SHARED_HF))
 

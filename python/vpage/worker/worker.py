@@ -58,8 +58,6 @@ class Worker:
             with ps.single_rank():
                 self.draft = load_model(spec.model, "auto", m.device, "auto")
             check_same_vocabulary(self.loaded, self.draft)
-        # A draft that is the target in another form reads the target's KV cache (draft_runner.py).
-        self.draft_shares_kv = self.draft is not None and shares_target_kv(self.loaded, self.draft, self.tp_size)
         if self.device.type == "cpu":
             for loaded in (self.loaded, self.draft):
                 if loaded is not None:
@@ -67,6 +65,9 @@ class Worker:
                     repack_quantized_weights(loaded.model)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
                                                      self.device)
+        # A draft that is the target in another form reads the target's KV cache (draft_runner.py).
+        self.draft_shares_kv = self.draft is not None and shares_target_kv(self.loaded, self.draft, self.tp_size,
+                                                                           self.kv_cache_dtype)
         self._non_torch_baseline = 0  # CUDA memory outside torch's allocator after loading
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
