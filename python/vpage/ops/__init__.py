@@ -44,7 +44,8 @@ __all__ = [
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
     "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "REPACKED_TYPES", "quant_row_bytes",
-    "quant_matmul", "dequantize_rows", "repack_q4_1x4", "pack_dense_weight", "dense_matmul", "dense_rows", "pack_expert_weights", "fused_moe",
+    "quant_matmul", "dequantize_rows", "repack_q4_1x4", "pack_dense_weight", "dense_matmul", "dense_rows",
+    "pack_expert_weights", "fused_moe",
     "logsumexp_argmax",
     "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",
 ]

@@ -7,10 +7,11 @@ drafting sequence: one catch-up forward computes those tokens and drafts the fir
 the last of them, then one decode forward per further draft position feeds the previous draft.
 
 A draft that is the target in another form (the same architecture and shape: a quantized copy,
-on one rank, the target's KV dtype its own) reads and writes the target's own KV cache instead (``shares_target_kv``): before a
-step's target forward, every position before its row holds the target's K/V, so the catch-up
-needs only the row's own real tokens (``DraftInputs.from_row_starts``), never a prompt; what the
-draft writes at the row's positions the target's forward overwrites before it reads them.
+on one rank, the target's KV dtype its own) reads and writes the target's own KV cache instead
+(``shares_target_kv``): before a step's target forward, every position before its row holds
+the target's K/V, so the catch-up needs only the row's own real tokens
+(``DraftInputs.from_row_starts``), never a prompt; what the draft writes at the row's positions
+the target's forward overwrites before it reads them.
 Drafts are only proposals, so the K/V they are computed from changes their quality, never the
 output.
 """

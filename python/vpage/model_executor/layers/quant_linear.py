@@ -5,9 +5,9 @@ row's raw GGUF blocks, exactly as in the file (rows of fused projections are the
 stacked, as :class:`~vpage.model_executor.layers.parallel_linear.OutputRows` lays them out).
 It loads only from :class:`QuantizedTensor` rows of the same type. Matmuls dequantize inside
 the kernel (:func:`vpage.ops.quant_matmul`); embedding lookups dequantize only the looked-up
-rows (of a repacked table, their groups of four). Once loaded, Q4_1 rows are regrouped for the CPU decode kernel
-(:func:`repack_quantized_weights`, called by the worker: the ``"Q4_1x4"`` layout, the same
-bytes and results).
+rows (of a repacked table, their groups of four). Once loaded, Q4_1 rows are regrouped for
+the CPU decode kernel (:func:`repack_quantized_weights`, called by the worker: the
+``"Q4_1x4"`` layout, the same bytes and results).
 
 Under tensor parallelism a block is never cut: a column-parallel layer keeps whole rows (its
 ``OutputRows``), the embedding whole vocabulary rows (``VocabShard``), and a row-parallel
