@@ -86,6 +86,22 @@ std::vector<float> round_x_to_8_bits(const std::vector<float>& x) {
   return out;
 }
 
+// out [m, n] = x [m, k] @ w^T, rows contiguous.
+vpage::QuantMatmulArgs matmul_args(QuantType type, const uint8_t* w, const float* x, float* out, int64_t m, int n,
+                                   int k) {
+  vpage::QuantMatmulArgs a;
+  a.out = out;
+  a.x = x;
+  a.weight = w;
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.x_stride = k;
+  a.out_stride = n;
+  a.type = type;
+  return a;
+}
+
 void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_reference) {
   const std::vector<uint8_t> w = random_rows(type, n, k, rng);
   std::vector<float> dense(static_cast<size_t>(n) * k);
@@ -113,16 +129,7 @@ void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_ref
       double moved = 0.0;
       for (size_t t = 0; t < x.size(); ++t) moved = std::max(moved, static_cast<double>(std::fabs(x[t] - x_ref[t])));
       EXPECT(rounds_x(type, m, gemm_rows) ? moved > 0.0 && moved <= 4.0 / 127.0 : moved == 0.0);
-      vpage::QuantMatmulArgs a;
-      a.out = out.data();
-      a.x = x.data();
-      a.weight = w.data();
-      a.m = m;
-      a.n = n;
-      a.k = k;
-      a.x_stride = k;
-      a.out_stride = n;
-      a.type = type;
+      vpage::QuantMatmulArgs a = matmul_args(type, w.data(), x.data(), out.data(), m, n, k);
       vpage::cpu::quant_matmul(a, 2);
       // Each output is computed by one task in a fixed order: the same bits on any thread count.
       std::vector<float> out_threads(out.size());
@@ -197,16 +204,7 @@ void check_q4_1x4(int n, int k, std::mt19937& rng) {
       std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
       std::vector<float> out_x4(out.size(), -2.0f);
       for (auto& v : x) v = normal(rng);
-      vpage::QuantMatmulArgs a;
-      a.out = out.data();
-      a.x = x.data();
-      a.weight = w.data();
-      a.m = m;
-      a.n = n;
-      a.k = k;
-      a.x_stride = k;
-      a.out_stride = n;
-      a.type = QuantType::kQ4_1;
+      vpage::QuantMatmulArgs a = matmul_args(QuantType::kQ4_1, w.data(), x.data(), out.data(), m, n, k);
       vpage::cpu::quant_matmul(a, 2);
       a.weight = packed.data();
       a.type = QuantType::kQ4_1x4;

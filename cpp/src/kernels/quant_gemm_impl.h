@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "quant_dot_impl.h"
+#include "quant_dot_task.h"
 
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 
