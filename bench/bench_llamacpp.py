@@ -127,8 +127,7 @@ def serve_level(args, name: str, start, conc: int) -> dict:
     rss = PeakRSS(proc.pid)
     trace = synthetic_trace(args.num_prompts[conc], args.seed)
     try:
-        report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False,
-                               timeout=args.timeout)
+        report = run_benchmark(url, trace, max_concurrency=conc, seed=args.seed, progress=False)
     finally:
         peak = rss.stop()
         proc.terminate()
@@ -227,9 +226,6 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="vpage's KV cache dtype (default float16: llama.cpp's default KV cache type, f16)")
     p.add_argument("--repeats", type=int, default=3, help="single-stream repetitions")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds a request may wait for its next bytes (at 64 streams on two cores a queued "
-                        "request can wait tens of minutes for its first token)")
     p.add_argument("--skip", default="", help="comma list of parts to skip: serving, single")
     p.add_argument("--no-repack", action="store_true",
                    help="llama-server --no-repack (its AMX kernels crash on VMs that do not grant AMX state)")

@@ -65,6 +65,12 @@ def synthetic_trace(num: int, seed: int, prompt_median: int = 140, output_median
     return trace
 
 
+# How long a request may wait for its next bytes, 6 hours as in vLLM's benchmark client: at high
+# concurrency on a small CPU a request queued behind the others' prefill waits many minutes for
+# its first token, and a shorter timeout would fail it and understate the server.
+REQUEST_TIMEOUT_S = 6 * 60 * 60.0
+
+
 def load_jsonl(path: str) -> list[tuple[str, int]]:
     with open(path) as f:
         return [(row["prompt"], int(row["output_len"])) for row in map(json.loads, f) if row]
@@ -200,7 +206,8 @@ def _acceptance(before: Optional[dict], after: Optional[dict]) -> Optional[dict]
 
 def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str] = None, api_key: Optional[str] = None,
                   request_rate: float = float("inf"), max_concurrency: int = 64, seed: int = 0,
-                  slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None, timeout: float = 600.0,
+                  slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None,
+                  timeout: float = REQUEST_TIMEOUT_S,
                   progress: bool = True, schemas: Optional[list[Optional[dict]]] = None) -> dict:
     """Sends the trace to ``url`` (ending in /v1) and returns the report (times in ms);
     ``schemas[i]``, when given and not None, constrains request i to that JSON schema."""
@@ -278,7 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=None)
     parser.add_argument("--slo-tpot-ms", type=float, default=None)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S,
+                        help="seconds a request may wait for its next bytes (default 6 hours)")
     parser.add_argument("--json-schema-path", default=None, metavar="FILE",
                         help="constrain requests to this JSON schema (structured outputs)")
     parser.add_argument("--structured-output-ratio", type=float, default=1.0,
