@@ -17,6 +17,7 @@
 
 #include "check.h"
 #include "cpu_isas.h"
+#include "quant_args.h"
 #include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
 #include "vpage/kernels/half.h"
@@ -25,6 +26,7 @@
 namespace {
 
 using vpage::QuantType;
+using vpage_test::matmul_args;
 
 void put_f16(uint8_t* p, float v) {
   const uint16_t h = vpage::float_to_half(v);
@@ -84,22 +86,6 @@ std::vector<float> round_x_to_8_bits(const std::vector<float>& x) {
     for (size_t j = 0; j < 32; ++j) out[b + j] = d * std::nearbyint(x[b + j] * inv);
   }
   return out;
-}
-
-// out [m, n] = x [m, k] @ w^T, rows contiguous.
-vpage::QuantMatmulArgs matmul_args(QuantType type, const uint8_t* w, const float* x, float* out, int64_t m, int n,
-                                   int k) {
-  vpage::QuantMatmulArgs a;
-  a.out = out;
-  a.x = x;
-  a.weight = w;
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.x_stride = k;
-  a.out_stride = n;
-  a.type = type;
-  return a;
 }
 
 void check_type(QuantType type, int n, int k, std::mt19937& rng, bool scalar_reference) {
@@ -233,16 +219,7 @@ TEST_CASE("quant_matmul: Q4_1x4 rows equal their Q4_1 rows bitwise, every ISA an
 TEST_CASE("quant_matmul: bad arguments throw") {
   std::vector<uint8_t> w(34 * 4);
   std::vector<float> x(64), out(4);
-  vpage::QuantMatmulArgs a;
-  a.out = out.data();
-  a.x = x.data();
-  a.weight = w.data();
-  a.m = 1;
-  a.n = 2;
-  a.k = 64;
-  a.x_stride = 64;
-  a.out_stride = 2;
-  a.type = QuantType::kQ8_0;
+  vpage::QuantMatmulArgs a = matmul_args(QuantType::kQ8_0, w.data(), x.data(), out.data(), 1, 2, 64);
   vpage::cpu::quant_matmul(a, 1);
   a.k = 48;  // not whole blocks
   EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "bad sizes");

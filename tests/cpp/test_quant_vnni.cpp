@@ -13,6 +13,7 @@
 
 #include "check.h"
 #include "cpu_isas.h"
+#include "quant_args.h"
 #include "quant_task.h"
 #include "vpage/common.h"
 #include "vpage/kernels/cpu_kernels.h"
@@ -57,16 +58,7 @@ std::vector<float> integer_path(const QuantKernels& kernels, bool gemm, QuantTyp
   vpage::cpu::quant_x_pairs(type, d.data(), s.data(), m, blocks, pairs.data());
   const vpage::cpu::QuantizedX qx{q.data(), vpage::cpu::quant_x_row_bytes(k), d.data(), s.data(), pairs.data()};
   std::vector<float> out(static_cast<size_t>(m) * n, std::nanf(""));  // poisoned
-  vpage::QuantMatmulArgs a;
-  a.out = out.data();
-  a.x = x.data();
-  a.weight = w.data();
-  a.m = m;
-  a.n = n;
-  a.k = k;
-  a.x_stride = k;
-  a.out_stride = n;
-  a.type = type;
+  const vpage::QuantMatmulArgs a = vpage_test::matmul_args(type, w.data(), x.data(), out.data(), m, n, k);
   const int32_t rows_per_task = 32;  // several tasks for n = 67
   const auto run = gemm ? kernels.run_gemm_task : kernels.run_dot_task;
   for (int64_t task = 0; task * rows_per_task < n; ++task) run(a, qx, rows_per_task, task);
