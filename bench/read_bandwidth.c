@@ -1,9 +1,11 @@
 /* Read bandwidth of this machine: T threads (OpenMP) each sum their share of a buffer far
  * larger than the caches, read as kStreams sequential streams side by side (the share's
  * quarters, one 64-byte line of each per step, each line into its own accumulators), best of R
- * passes. Prints GB/s (1e9 bytes per second). One stream per thread reads less on some CPUs
- * (2-vCPU Zen 1: ~15-19 GB/s against ~20-21 with four), and the decode kernels read several
- * weight rows side by side, so the limit is what several streams reach.
+ * passes, each pass once as plain loads and once with a software prefetch kPrefetch lines ahead
+ * in every stream (as the decode kernels do). Prints GB/s (1e9 bytes per second). One stream per
+ * thread reads less on some CPUs (2-vCPU Zen 1: ~15-19 GB/s against ~20-21 with four), and the
+ * prefetch read more in runs on another (2-vCPU Zen 3: 27-31 GB/s against 21-26 without, minutes
+ * apart on a VM whose bandwidth drifts), so the limit is the best of these.
  *   cc -O2 -march=native -fopenmp read_bandwidth.c -o read_bandwidth && ./read_bandwidth MiB R
  * Built and run by memory_bandwidth.py. */
 #include <omp.h>
@@ -13,7 +15,7 @@
 #include <string.h>
 
 typedef int32_t lanes __attribute__((vector_size(32)));
-enum { kStreams = 4, kLine = 64 };
+enum { kStreams = 4, kLine = 64, kPrefetch = 8 };
 
 int main(int argc, char** argv) {
   const size_t bytes = (size_t)(argc > 1 ? atol(argv[1]) : 1024) << 20;
@@ -23,7 +25,8 @@ int main(int argc, char** argv) {
   memset(buffer, 1, bytes); /* touch every page before timing */
   double best = 0.0;
   int64_t check = 0;
-  for (int pass = 0; pass < passes; ++pass) {
+  for (int pass = 0; pass < 2 * passes; ++pass) {
+    const int prefetch = pass % 2;
     const double start = omp_get_wtime();
 #pragma omp parallel reduction(+ : check)
     {
@@ -34,7 +37,9 @@ int main(int argc, char** argv) {
       memset(acc, 0, sizeof(acc));
       for (size_t offset = 0; offset < per_stream; offset += kLine) {
         for (int s = 0; s < kStreams; ++s) {
-          const lanes* line = (const lanes*)(base + s * per_stream + offset);
+          const char* line_start = base + s * per_stream + offset;
+          if (prefetch) __builtin_prefetch(line_start + kPrefetch * kLine, 0, 0);
+          const lanes* line = (const lanes*)line_start;
           acc[2 * s] += line[0];
           acc[2 * s + 1] += line[1];
         }
