@@ -18,8 +18,11 @@ serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage benc
 single    one stream of 128 generated tokens with no prompt: ``llama-bench -p 0 -n 128``
           against vpage's engine generating 128 tokens after a one-token prompt (tok/s of
           the whole generate call), each also as a share of the weight-streaming limit:
-          the machine's read bandwidth (measured in the run) over the file's weight bytes
-          per token (bench/memory_bandwidth.py).
+          the machine's read bandwidth over the file's weight bytes per token
+          (bench/memory_bandwidth.py). The bandwidth of a VM drifts by a fifth or more over
+          minutes, so the part runs in --repeats paired rounds: a probe, llama-bench, vpage,
+          a probe; each round's shares are against the better of its own two probes, and the
+          table gives the medians of the rounds' values (every round is printed too).
 
 Both sides use --threads threads and a float16 KV cache (llama.cpp's default; vpage's
 --kv-cache-dtype). Prints the CPU model and vpage's instruction set.
@@ -153,13 +156,16 @@ def serve_rows(args) -> list[dict]:
 
 def llama_bench_single(args) -> float:
     out = subprocess.run([os.path.join(args.llama_bin, "llama-bench"), "-m", args.model, "-p", "0", "-n", "128",
-                          "-t", str(args.threads), "-r", str(args.repeats), "-o", "json"],
+                          "-t", str(args.threads), "-r", "1", "-o", "json"],
                          capture_output=True, text=True, check=True,
                          env=dict(os.environ, LD_LIBRARY_PATH=args.llama_bin)).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def vpage_single(args) -> float:
+def single_rounds(args) -> list[dict]:
+    """--repeats paired rounds of the single-stream part: per round the read bandwidth (the
+    better of a probe before and one after), llama-bench's and vpage's tok/s."""
+    from memory_bandwidth import read_bandwidth_gbs
     from vpage import LLM, SamplingParams, ops
 
     ops.set_num_threads(args.threads)
@@ -168,12 +174,24 @@ def vpage_single(args) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     prompt = [1]  # one token id: the decode loop dominates, like llama-bench -p 0
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
-    rates = []
-    for _ in range(args.repeats):
+    rounds = []
+    for i in range(args.repeats):
+        before = read_bandwidth_gbs(args.threads)
+        llama = llama_bench_single(args)
         start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        rates.append(len(out.outputs[0].token_ids) / (time.perf_counter() - start))
-    return sorted(rates)[len(rates) // 2]
+        vpage = len(out.outputs[0].token_ids) / (time.perf_counter() - start)
+        bandwidth = max(before, read_bandwidth_gbs(args.threads))
+        rounds.append({"bandwidth": bandwidth, "llama-bench": llama, "vpage": vpage})
+        print(f"single stream, round {i + 1}: {bandwidth:.1f} GB/s, llama-bench {llama:.2f}, vpage {vpage:.2f} tok/s",
+              flush=True)
+    return rounds
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def percentiles(report: dict, key: str, scale: float) -> str:
@@ -183,8 +201,8 @@ def percentiles(report: dict, key: str, scale: float) -> str:
     return f"{m['median'] * scale:.2f} / {m['p99'] * scale:.2f}"
 
 
-def markdown(args, header: str, rows: list[dict], single: dict, limit: Optional[tuple[int, float]]) -> str:
-    """limit: (weight bytes per token, read bandwidth GB/s) of the single-stream part."""
+def markdown(args, header: str, rows: list[dict], single: list[dict], weight_bytes: int) -> str:
+    """single: the rounds of single_rounds; weight_bytes: the file's weight bytes per token."""
     lines = [header, "", "| system | concurrency | completed | output tok/s | ratio | TTFT p50 / p99 s | "
              "TPOT p50 / p99 ms | peak RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     llama = {r["concurrency"]: r["output_throughput"] for r in rows if r["system"] == "llama-server"}
@@ -193,17 +211,24 @@ def markdown(args, header: str, rows: list[dict], single: dict, limit: Optional[
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['completed']}/{r['requests']} | {r['output_throughput']:.1f} | "
                      f"{ratio:.2f}x | {percentiles(r, 'ttft_ms', 1e-3)} | {percentiles(r, 'tpot_ms', 1.0)} | "
                      f"{r['peak_rss_mb']:.0f} |")
-    if limit is not None:
-        weight_bytes, bandwidth = limit
-        rate_limit = bandwidth * 1e9 / weight_bytes
-        lines += ["", f"| single stream, 128 tokens | tok/s | ratio | of the limit ({rate_limit:.1f} tok/s) |",
-                  "|---|---:|---:|---:|"]
-        base = single.get("llama-bench")
-        for name, rate in single.items():
-            lines.append(f"| {name} | {rate:.1f} | {rate / base if base else float('nan'):.2f}x | {rate / rate_limit:.0%} |")
+    if single:
+        def limit(r: dict) -> float:  # tok/s a round's bandwidth allows
+            return r["bandwidth"] * 1e9 / weight_bytes
+
+        lines += ["", f"| single stream, 128 tokens (median of {len(single)} rounds) | tok/s | ratio | "
+                      f"of the round's limit |", "|---|---:|---:|---:|"]
+        for name in ("llama-bench", "vpage"):
+            ratio = median([r[name] / r["llama-bench"] for r in single])
+            share = median([r[name] / limit(r) for r in single])
+            lines.append(f"| {name} | {median([r[name] for r in single]):.1f} | {ratio:.2f}x | {share:.0%} |")
+        lines += ["", "| round | read GB/s | limit tok/s | llama-bench tok/s | vpage tok/s | vpage ratio | "
+                      "vpage of the limit |", "|---:|---:|---:|---:|---:|---:|---:|"]
+        for i, r in enumerate(single):
+            lines.append(f"| {i + 1} | {r['bandwidth']:.1f} | {limit(r):.1f} | {r['llama-bench']:.1f} | {r['vpage']:.1f} "
+                         f"| {r['vpage'] / r['llama-bench']:.2f}x | {r['vpage'] / limit(r):.0%} |")
         lines += ["", f"The limit: {weight_bytes / 1e9:.3f} GB of weights per token (bench/memory_bandwidth.py) "
-                  f"read at {bandwidth:.1f} GB/s, this machine's read bandwidth on {args.threads} threads "
-                  "measured in the same run (the better of a probe before and one after the systems)."]
+                  f"read at the round's bandwidth on {args.threads} threads (the better of a probe before and one "
+                  "after the round's two systems)."]
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--kv-cache-memory", type=float, default=2.0, help="vpage's KV cache, GiB")
     p.add_argument("--kv-cache-dtype", default="float16", choices=["float32", "float16", "bfloat16"],
                    help="vpage's KV cache dtype (default float16: llama.cpp's default KV cache type, f16)")
-    p.add_argument("--repeats", type=int, default=3, help="single-stream repetitions")
+    p.add_argument("--repeats", type=int, default=3, help="single-stream paired rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", default="", help="comma list of parts to skip: serving, single")
     p.add_argument("--no-repack", action="store_true",
@@ -246,19 +271,14 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"{args.kv_cache_dtype} KV cache, GGUF weights kept quantized; llama-server -np {max(args.concurrency)} -cb -fa on "
               f"-c {max(args.concurrency) * _PER_SLOT_CONTEXT}")
     print(header, flush=True)
-    rows, single, limit = [], {}, None
+    rows, single = [], []
     if "single" not in skip:
-        from memory_bandwidth import decode_weight_bytes, read_bandwidth_gbs
-
-        # This VM's bandwidth drifts by a fifth over minutes: probe it before and after, keep the best.
-        bandwidth = read_bandwidth_gbs(args.threads)
-        single["llama-bench"] = llama_bench_single(args)
-        single["vpage"] = vpage_single(args)
-        limit = (decode_weight_bytes(args.model), max(bandwidth, read_bandwidth_gbs(args.threads)))
-        print(f"single stream: {single}", flush=True)
+        single = single_rounds(args)
     if "serving" not in skip:
         rows += serve_rows(args)
-    text = markdown(args, header, rows, single, limit)
+    from memory_bandwidth import decode_weight_bytes
+
+    text = markdown(args, header, rows, single, decode_weight_bytes(args.model))
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -3,6 +3,7 @@
 // kernels' parallel_for. Also the block-format tables.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -62,17 +63,33 @@ constexpr int32_t kPrefillPanels = 2;    // prefill task: 2 micro-kernel panels 
 constexpr int32_t kPrefillKChunk = 256;  // prefill tile: 256 x 32 floats = 32 KiB (AVX2)
 constexpr int64_t kPrefillMChunk = 2048;  // x rows per tile fill (x streams from L2/L3)
 
-// Integer decode path (quant_dot_impl.h): each thread gets about kDotTasksPerThread tasks of
-// contiguous weight rows (a multiple of 4, at least kDotMinTaskRows). Long contiguous runs
-// keep each core's hardware prefetcher streaming: with 32-row tasks handed out alternately,
-// 2 threads read a 66 MB matrix slower than one; with 2 rather than 4 tasks per thread a Zen 1
-// decode step of the default model took 9.2 -> 8.7 ms (the small matrices' runs got longer).
-constexpr int64_t kDotTasksPerThread = 2;
-constexpr int64_t kDotMinTaskRows = 32;
+// Integer decode path (quant_dot_impl.h): long contiguous runs of weight rows keep each core's
+// hardware prefetcher streaming (with 32-row tasks handed out alternately, 2 threads read a
+// 66 MB matrix slower than one), but tasks handed out from a shared counter balance the threads
+// only to within a task: with 2 tasks per thread, one thread could wait up to a quarter of a
+// matmul at its end (2-vCPU Zen 3, 1.7B Q4_1 decode: the pool's threads spun 5-10% of their
+// time). So a matmul is cut into head tasks, one per thread, over kDotHeadShare of the rows,
+// then tail tasks of kDotTailShare of the rows each (rows a multiple of 4, at least
+// kDotMinTaskRows): a thread waits at most about one tail task.
+constexpr double kDotHeadShare = 0.75;
+constexpr double kDotTailShare = 1.0 / 16;
+constexpr int32_t kDotMinTaskRows = 32;
 
-int32_t dot_task_rows(int32_t n, int num_threads) {
-  const int64_t rows = (n + kDotTasksPerThread * num_threads - 1) / (kDotTasksPerThread * num_threads);
-  return static_cast<int32_t>(std::max(kDotMinTaskRows, (rows + 3) / 4 * 4));
+int32_t round_up4(double rows) { return static_cast<int32_t>(std::ceil(rows / 4.0)) * 4; }
+
+struct DotTaskShape {
+  int32_t head_tasks, head_rows, tail_rows;
+  int64_t num_tasks;
+};
+
+DotTaskShape dot_task_shape(int32_t n, int num_threads) {
+  DotTaskShape shape;
+  shape.head_rows = std::max(kDotMinTaskRows, round_up4(n * kDotHeadShare / num_threads));
+  shape.head_tasks = static_cast<int32_t>(std::min<int64_t>(num_threads, (n + shape.head_rows - 1) / shape.head_rows));
+  shape.tail_rows = std::max(kDotMinTaskRows, round_up4(n * kDotTailShare));
+  const int64_t tail = std::max<int64_t>(0, n - static_cast<int64_t>(shape.head_tasks) * shape.head_rows);
+  shape.num_tasks = shape.head_tasks + (tail + shape.tail_rows - 1) / shape.tail_rows;
+  return shape;
 }
 
 // The 32-value formats, and Q4_K, whose sub-blocks are Q4_1 blocks with 6-bit scales.
@@ -196,11 +213,19 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
   tasks.kernels = &selected_quant_kernels();
   num_threads = std::max(num_threads, 1);
   if (quant_integer_path(args)) {
-    const bool dot = use_dot_path(args);
-    tasks.integer_rows = dot ? dot_task_rows(args.n, num_threads) : kGemmTaskRows;
-    tasks.integer_task = dot ? tasks.kernels->run_dot_task : tasks.kernels->run_gemm_task;
     tasks.unpack_x4 = args.type == QuantType::kQ4_1x4 && !tasks.kernels->integer_q4_1x4;
-    tasks.num_tasks = (args.n + tasks.integer_rows - 1) / tasks.integer_rows;
+    if (use_dot_path(args)) {
+      const DotTaskShape shape = dot_task_shape(args.n, num_threads);
+      tasks.integer_task = tasks.kernels->run_dot_task;
+      tasks.head_tasks = shape.head_tasks;
+      tasks.head_rows = shape.head_rows;
+      tasks.integer_rows = shape.tail_rows;
+      tasks.num_tasks = shape.num_tasks;
+    } else {
+      tasks.integer_task = tasks.kernels->run_gemm_task;
+      tasks.integer_rows = kGemmTaskRows;
+      tasks.num_tasks = (args.n + kGemmTaskRows - 1) / kGemmTaskRows;
+    }
     return tasks;
   }
   QuantPlan& plan = tasks.plan;
@@ -219,9 +244,33 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
   return tasks;
 }
 
+int32_t QuantMatmulTasks::task_rows(int64_t task, int32_t* n0, int32_t* rows) const {
+  int32_t task_size;
+  if (task < head_tasks) {
+    task_size = head_rows;
+    *n0 = static_cast<int32_t>(task * head_rows);
+  } else {
+    task_size = integer_task != nullptr ? integer_rows : plan.rows_per_task;
+    *n0 = static_cast<int32_t>(static_cast<int64_t>(head_tasks) * head_rows + (task - head_tasks) * task_size);
+  }
+  *rows = std::min(task_size, args.n - *n0);
+  return task_size;
+}
+
 void QuantMatmulTasks::run(int64_t task) const {
   if (unpack_x4) {
     run_unpacked(task);
+  } else if (integer_task != nullptr && head_tasks > 0) {
+    // Tasks of two sizes: this one's rows as task 0 of a matmul of those rows alone (a row's
+    // result does not depend on its task).
+    int32_t n0, rows;
+    const int32_t task_size = task_rows(task, &n0, &rows);
+    QuantMatmulArgs part = args;
+    part.weight = args.weight + n0 * (static_cast<int64_t>(args.k / quant_block_values(args.type)) *
+                                      quant_block_bytes(args.type));
+    part.n = rows;
+    part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
+    integer_task(part, qx, task_size, 0);
   } else if (integer_task != nullptr) {
     integer_task(args, qx, integer_rows, task);
   } else {
@@ -233,9 +282,8 @@ void QuantMatmulTasks::run(int64_t task) const {
 // GGUF Q4_1 rows in this thread's buffer, then the Q4_1 kernel on them as task 0 of a matmul
 // of those rows alone: a row's result does not depend on its task.
 void QuantMatmulTasks::run_unpacked(int64_t task) const {
-  const int32_t rows_per_task = integer_task != nullptr ? integer_rows : plan.rows_per_task;
-  const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
-  const int32_t rows = std::min(rows_per_task, args.n - n0);
+  int32_t n0, rows;
+  const int32_t task_size = task_rows(task, &n0, &rows);
   const int64_t row_bytes = static_cast<int64_t>(args.k / 32) * 20;
   thread_local std::vector<uint8_t> unpacked;
   unpacked.resize(static_cast<size_t>(rows) * row_bytes);
@@ -246,7 +294,7 @@ void QuantMatmulTasks::run_unpacked(int64_t task) const {
   part.n = rows;
   part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
   if (integer_task != nullptr) {
-    integer_task(part, qx, integer_rows, 0);
+    integer_task(part, qx, task_size, 0);
   } else {
     kernels->run_task(part, x, x_stride, plan, 0);
   }

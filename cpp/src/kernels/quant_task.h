@@ -109,7 +109,10 @@ struct QuantMatmulTasks {
   QuantPlan plan;            // float paths
   const QuantKernels* kernels = nullptr;
   QuantDotTaskFn integer_task = nullptr;  // the integer path's task, or nullptr (float paths)
-  int32_t integer_rows = 0;               // weight rows per integer task
+  int32_t integer_rows = 0;               // weight rows per integer task (after the head tasks)
+  // The decode path's first head_tasks tasks take head_rows rows each (see dot_task_shape).
+  int32_t head_tasks = 0;
+  int32_t head_rows = 0;
   int64_t num_tasks = 0;
   bool unpack_x4 = false;  // kQ4_1x4 rows on a path without a kernel for them
 
@@ -117,6 +120,8 @@ struct QuantMatmulTasks {
   void run(int64_t task) const;
 
  private:
+  /// The weight rows [*n0, *n0 + *rows) of task `task`, and the rows a task of its kind takes.
+  int32_t task_rows(int64_t task, int32_t* n0, int32_t* rows) const;
   void run_unpacked(int64_t task) const;
 };
 
