@@ -20,7 +20,8 @@ llama.cpp's ``llama-server`` and ``llama-quantize``), ``llama-server`` (none / `
 ngram-simple`` / ``-md DRAFT``), with --k draft tokens at most on both sides. The float32 target
 is the default model dequantized: a safetensors folder for vpage (transformers' GGUF loader) and
 an F32 GGUF for llama.cpp (``llama-quantize --allow-requantize``). Reported per system: output
-tok/s, TPOT percentiles and, where the server reports it, the draft acceptance rate.
+tok/s (best round), its ratio to its baseline (best against best, and the median of the ratios
+within each round), TPOT percentiles and, where the server reports it, the draft acceptance rate.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,9 +135,9 @@ def parts(args, work: Path) -> dict[str, list[dict]]:
             if args.llama_bin:
                 systems += [(f"llama.cpp {v}", lambda e=e: start_llama(args, model, conc, e)) for v, _, e in variants]
         print(f"{part}: {len(trace)} requests, concurrency {conc}", flush=True)
-        for _ in range(args.repeats):
+        for round_index in range(args.repeats):
             for name, start in systems:
-                rows.append(measure(name, start, trace, conc))
+                rows.append(dict(measure(name, start, trace, conc), round=round_index))
         results[part] = rows
     return results
 
@@ -144,21 +146,26 @@ def best(rows: list[dict], system: str) -> dict:
     return max((r for r in rows if r["system"] == system), key=lambda r: r["output_throughput"])
 
 
+def round_ratios(rows: list[dict], system: str, baseline: str) -> list[float]:
+    """The system's output tok/s over its baseline's in the same round, round by round."""
+    base = {r["round"]: r["output_throughput"] for r in rows if r["system"] == baseline}
+    return [r["output_throughput"] / base[r["round"]] for r in rows if r["system"] == system and r["round"] in base]
+
+
 def markdown(results: dict[str, list[dict]], header: str) -> str:
-    lines = [header, "", "| part | system | output tok/s (best) | vs its baseline | TPOT p50 / p99 ms | accepted |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = [header, "", "| part | system | output tok/s (best) | vs its baseline (best / per-round median) | "
+             "TPOT p50 / p99 ms | accepted |", "|---|---|---:|---:|---:|---:|"]
     for part, rows in results.items():
         for system in dict.fromkeys(r["system"] for r in rows):
             r = best(rows, system)
-            base = best(rows, system.split()[0] + " none")
+            baseline = system.split()[0] + " none"
+            ratios = sorted(round_ratios(rows, system, baseline))
             spec = r.get("spec_decode")
+            accepted = f"{spec['acceptance_rate']:.0%}" if spec else "-"
             lines.append(f"| {part} | {system} | {r['output_throughput']:.1f} | "
-                         f"{r['output_throughput'] / base['output_throughput']:.2f}x | "
-                         f"{r['tpot_ms']['median']:.1f} / {r['tpot_ms']['p99']:.1f} | "
-                         f"{spec['acceptance_rate']:.0%} |" if spec else
-                         f"| {part} | {system} | {r['output_throughput']:.1f} | "
-                         f"{r['output_throughput'] / base['output_throughput']:.2f}x | "
-                         f"{r['tpot_ms']['median']:.1f} / {r['tpot_ms']['p99']:.1f} | - |")
+                         f"{r['output_throughput'] / best(rows, baseline)['output_throughput']:.2f}x / "
+                         f"{statistics.median(ratios):.2f}x | "
+                         f"{r['tpot_ms']['median']:.1f} / {r['tpot_ms']['p99']:.1f} | {accepted} |")
     return "\n".join(lines)
 
 
@@ -168,7 +175,8 @@ def main() -> None:
     parser.add_argument("--parts", default="grounded,random,draft,batch")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="draft tokens at most (both systems)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of every system (the best is reported)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="rounds of every system, the systems in turn within a round")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "vpage-bench-spec"),
                         help="where the float32 copies go")
     parser.add_argument("--no-repack", action="store_true",
