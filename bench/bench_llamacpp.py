@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -188,12 +189,6 @@ def single_rounds(args) -> list[dict]:
     return rounds
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def percentiles(report: dict, key: str, scale: float) -> str:
     m = report[key]
     if m["median"] is None:
@@ -218,9 +213,9 @@ def markdown(args, header: str, rows: list[dict], single: list[dict], weight_byt
         lines += ["", f"| single stream, 128 tokens (median of {len(single)} rounds) | tok/s | ratio | "
                       f"of the round's limit |", "|---|---:|---:|---:|"]
         for name in ("llama-bench", "vpage"):
-            ratio = median([r[name] / r["llama-bench"] for r in single])
-            share = median([r[name] / limit(r) for r in single])
-            lines.append(f"| {name} | {median([r[name] for r in single]):.1f} | {ratio:.2f}x | {share:.0%} |")
+            ratio = statistics.median([r[name] / r["llama-bench"] for r in single])
+            share = statistics.median([r[name] / limit(r) for r in single])
+            lines.append(f"| {name} | {statistics.median([r[name] for r in single]):.1f} | {ratio:.2f}x | {share:.0%} |")
         lines += ["", "| round | read GB/s | limit tok/s | llama-bench tok/s | vpage tok/s | vpage ratio | "
                       "vpage of the limit |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for i, r in enumerate(single):
