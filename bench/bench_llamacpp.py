@@ -273,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         rows += serve_rows(args)
     from memory_bandwidth import decode_weight_bytes
 
-    text = markdown(args, header, rows, single, decode_weight_bytes(args.model))
+    text = markdown(args, header, rows, single, decode_weight_bytes(args.model) if single else 0)
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:

@@ -159,7 +159,7 @@ def markdown(results: dict[str, list[dict]], header: str) -> str:
         for system in dict.fromkeys(r["system"] for r in rows):
             r = best(rows, system)
             baseline = system.split()[0] + " none"
-            ratios = sorted(round_ratios(rows, system, baseline))
+            ratios = round_ratios(rows, system, baseline)
             spec = r.get("spec_decode")
             accepted = f"{spec['acceptance_rate']:.0%}" if spec else "-"
             lines.append(f"| {part} | {system} | {r['output_throughput']:.1f} | "

@@ -257,22 +257,24 @@ int32_t QuantMatmulTasks::task_rows(int64_t task, int32_t* n0, int32_t* rows) co
   return task_size;
 }
 
+QuantMatmulArgs QuantMatmulTasks::rows_args(int32_t n0, int32_t rows) const {
+  QuantMatmulArgs part = args;
+  part.weight = args.weight + n0 * (static_cast<int64_t>(args.k / quant_block_values(args.type)) *
+                                    quant_block_bytes(args.type));
+  part.n = rows;
+  part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
+  return part;
+}
+
+// An integer task runs its rows as task 0 of a matmul of those rows alone (tasks may differ in
+// size; a row's result does not depend on its task).
 void QuantMatmulTasks::run(int64_t task) const {
   if (unpack_x4) {
     run_unpacked(task);
-  } else if (integer_task != nullptr && head_tasks > 0) {
-    // Tasks of two sizes: this one's rows as task 0 of a matmul of those rows alone (a row's
-    // result does not depend on its task).
+  } else if (integer_task != nullptr) {
     int32_t n0, rows;
     const int32_t task_size = task_rows(task, &n0, &rows);
-    QuantMatmulArgs part = args;
-    part.weight = args.weight + n0 * (static_cast<int64_t>(args.k / quant_block_values(args.type)) *
-                                      quant_block_bytes(args.type));
-    part.n = rows;
-    part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
-    integer_task(part, qx, task_size, 0);
-  } else if (integer_task != nullptr) {
-    integer_task(args, qx, integer_rows, task);
+    integer_task(rows_args(n0, rows), qx, task_size, 0);
   } else {
     kernels->run_task(args, x, x_stride, plan, task);
   }
@@ -280,19 +282,16 @@ void QuantMatmulTasks::run(int64_t task) const {
 
 // The task's Q4_1x4 rows (every task covers a multiple of 4 rows from a multiple of 4) as
 // GGUF Q4_1 rows in this thread's buffer, then the Q4_1 kernel on them as task 0 of a matmul
-// of those rows alone: a row's result does not depend on its task.
+// of those rows alone.
 void QuantMatmulTasks::run_unpacked(int64_t task) const {
   int32_t n0, rows;
   const int32_t task_size = task_rows(task, &n0, &rows);
-  const int64_t row_bytes = static_cast<int64_t>(args.k / 32) * 20;
+  QuantMatmulArgs part = rows_args(n0, rows);
   thread_local std::vector<uint8_t> unpacked;
-  unpacked.resize(static_cast<size_t>(rows) * row_bytes);
-  quant_unpack_q4_1x4(args.weight + n0 * row_bytes, rows, args.k, unpacked.data());
-  QuantMatmulArgs part = args;
+  unpacked.resize(static_cast<size_t>(rows) * (args.k / 32) * 20);
+  quant_unpack_q4_1x4(part.weight, rows, args.k, unpacked.data());
   part.type = QuantType::kQ4_1;
   part.weight = unpacked.data();
-  part.n = rows;
-  part.out = static_cast<char*>(args.out) + static_cast<int64_t>(n0) * dtype_size(args.dtype);
   if (integer_task != nullptr) {
     integer_task(part, qx, task_size, 0);
   } else {

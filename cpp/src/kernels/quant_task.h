@@ -122,6 +122,8 @@ struct QuantMatmulTasks {
  private:
   /// The weight rows [*n0, *n0 + *rows) of task `task`, and the rows a task of its kind takes.
   int32_t task_rows(int64_t task, int32_t* n0, int32_t* rows) const;
+  /// args restricted to weight rows [n0, n0 + rows) and their output columns.
+  QuantMatmulArgs rows_args(int32_t n0, int32_t rows) const;
   void run_unpacked(int64_t task) const;
 };
 
