@@ -14,10 +14,15 @@
 //          the lane reductions and the scale step sit on);
 //  - dot Q4_1x4: the decode tile on the same rows as the worker repacks them (QuantType's
 //          kQ4_1x4: per block pair the four rows' f16 scales side by side, then each row's two
-//          blocks of nibbles), checked to give the same results.
+//          blocks of nibbles), checked to give the same results;
+//  - dot task Q4_1x4 / Q8_0, m x rows: the whole decode task (run_dot_task: x passes over
+//          chunks of tiles, output store) at each of --m x rows, on 64 weight rows of k = 576
+//          (L1/L2), per 32-value block, weight row and x row: what a speculative step's extra
+//          verification rows cost once weights are in cache.
 // Built from the kernels' own headers with their AVX2 flags (bench/CMakeLists.txt), x86 only;
 // exits with a message on a CPU without AVX2.
 #define VPAGE_ISA_NAMESPACE avx2
+#include "kernels/quant_dot_task.h"
 #include "kernels/quant_gemm_impl.h"
 
 #include <x86intrin.h>
@@ -32,6 +37,7 @@
 
 namespace {
 
+using vpage::QuantMatmulArgs;
 using vpage::QuantType;
 using namespace vpage::cpu;
 using namespace vpage::cpu::avx2::qmm;
@@ -158,14 +164,56 @@ double product_cycles(int repeats, std::mt19937& rng) {
   return cycles;
 }
 
+
+// run_dot_task on 64 rows of k = 576 (type Q4_1x4 or Q8_0) against m x rows: TSC cycles per
+// block, weight row and x row.
+double dot_task_cycles(QuantType type, int m, int repeats, std::mt19937& rng) {
+  constexpr int kRows = 64, kK = 576, kBlocks = kK / 32;
+  const int block_bytes = type == QuantType::kQ8_0 ? 34 : 20;
+  std::vector<uint8_t> w(static_cast<size_t>(kRows + kCombos * kPrefetchRows) * kBlocks * block_bytes);
+  for (uint8_t& v : w) v = static_cast<uint8_t>(rng());
+  for (int b = 0; b < kRows * kBlocks; ++b) {
+    const uint16_t d = 0x2000 + (rng() & 0x3ff);
+    std::memcpy(&w[static_cast<size_t>(b) * block_bytes], &d, 2);
+  }
+  if (type == QuantType::kQ4_1x4) {
+    const std::vector<uint8_t> gguf = q4_1_rows(kRows, kK, rng);
+    quant_repack_q4_1x4(gguf.data(), kRows, kK, w.data());
+  }
+  std::vector<float> xf(static_cast<size_t>(m) * kK);
+  for (float& v : xf) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
+  std::vector<int8_t> xq(static_cast<size_t>(m) * quant_x_row_bytes(kK));
+  std::vector<float> xd(static_cast<size_t>(m) * kBlocks), xs(xd.size());
+  std::vector<float> pairs(static_cast<size_t>((m + 3) / 4) * quant_x_group_floats(kBlocks));
+  quantize_rows_q8(xf.data(), kK, m, kK, xq.data(), xd.data(), xs.data());
+  quant_x_pairs(type, xd.data(), xs.data(), m, kBlocks, pairs.data());
+  const QuantizedX x{xq.data(), quant_x_row_bytes(kK), xd.data(), xs.data(), pairs.data()};
+  std::vector<float> out(static_cast<size_t>(m) * kRows);
+  QuantMatmulArgs a;
+  a.out = out.data();
+  a.x = xf.data();
+  a.weight = w.data();
+  a.m = m;
+  a.n = kRows;
+  a.k = kK;
+  a.x_stride = kK;
+  a.out_stride = kRows;
+  a.type = type;
+  const int passes = std::max(1, 4000 / m);
+  return best_tsc_per_unit(repeats, static_cast<double>(passes) * kRows * kBlocks * m, [&] {
+    for (int pass = 0; pass < passes; ++pass) run_dot_task(a, x, kRows, 0);
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int k = 2048, repeats = 7;
-  std::vector<int> rows = {16, 256, 4096};
-  vpage_bench::parse_flags(argc, argv, "[--k 2048] [--rows 16,256,4096] [--repeats 7]",
+  std::vector<int> rows = {16, 256, 4096}, ms = {1, 4, 5, 8};
+  vpage_bench::parse_flags(argc, argv, "[--k 2048] [--rows 16,256,4096] [--m 1,4,5,8] [--repeats 7]",
                            {{"--k", [&](const std::string& v) { k = std::stoi(v); }},
                             {"--rows", [&](const std::string& v) { rows = vpage_bench::int_list(v); }},
+                            {"--m", [&](const std::string& v) { ms = vpage_bench::int_list(v); }},
                             {"--repeats", [&](const std::string& v) { repeats = std::stoi(v); }}});
   const bool rows_ok = std::all_of(rows.begin(), rows.end(), [](int r) { return r >= 4 && r % 4 == 0; });
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || k % 64 != 0 || !rows_ok) {
@@ -184,5 +232,11 @@ int main(int argc, char** argv) {
   std::printf("| gemm Q4_1 | 64 rows x 576 | %.1f | pair iteration (512 products) |\n", gemm_cycles(repeats, rng));
   std::printf("| 16 vpmaddubsw + adds | - | %.1f | the same iteration's products alone |\n",
               product_cycles(repeats, rng));
+  for (int m : ms) {
+    for (QuantType type : {QuantType::kQ4_1x4, QuantType::kQ8_0}) {
+      std::printf("| dot task %s, %d x rows | 64 rows x 576 | %.2f | block, weight row and x row |\n",
+                  type == QuantType::kQ8_0 ? "Q8_0" : "Q4_1x4", m, dot_task_cycles(type, m, repeats, rng));
+    }
+  }
   return 0;
 }

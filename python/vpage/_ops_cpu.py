@@ -69,7 +69,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     value_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start_loc: Optional[torch.Tensor],
                     scale: float, max_context_len: int, sliding_window: int = 0,
-                    logits_soft_cap: float = 0.0) -> None:
+                    logits_soft_cap: float = 0.0, draft_queries: bool = False) -> None:
     _core._cpu_paged_attention(
         out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(),
@@ -78,7 +78,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         num_heads=query.shape[1], max_blocks_per_seq=block_tables.shape[1],
         max_context_len=max_context_len, query_stride=query.stride(0), scale=scale,
         dtype=DTYPE_CODES[query.dtype], num_threads=get_num_threads(),
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, draft_queries=draft_queries,
         **_cache_geometry(key_cache, value_cache))
 
 

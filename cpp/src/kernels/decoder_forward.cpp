@@ -218,6 +218,7 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   attention.block_tables = b.block_tables;
   attention.context_lens = b.context_lens;
   attention.query_start_loc = b.query_start_loc;
+  attention.draft_queries = b.draft_queries;
   attention.num_seqs = b.num_seqs;
   attention.num_query_tokens = n;
   attention.num_heads = s.num_heads;

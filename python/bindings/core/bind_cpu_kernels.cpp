@@ -212,7 +212,8 @@ void bind_cpu_kernels(py::module_& m) {
          uintptr_t context_lens, uintptr_t query_start_loc, int32_t num_seqs, int64_t num_query_tokens,
          int32_t num_heads, int32_t max_blocks_per_seq, int32_t max_context_len, int64_t query_stride, float scale,
          int64_t num_blocks, int32_t num_kv_heads, int32_t head_size, int32_t block_size, int32_t dtype,
-         int32_t cache_dtype, int num_threads, int32_t sliding_window, float logits_soft_cap) {
+         int32_t cache_dtype, int num_threads, int32_t sliding_window, float logits_soft_cap,
+         bool draft_queries) {
         PagedAttentionArgs args;
         args.out = ptr<void>(out);
         args.query = ptr<const void>(query);
@@ -232,6 +233,7 @@ void bind_cpu_kernels(py::module_& m) {
         args.cache = cache_shape(num_blocks, num_kv_heads, head_size, block_size, cache_dtype);
         args.sliding_window = sliding_window;
         args.logits_soft_cap = logits_soft_cap;
+        args.draft_queries = draft_queries;
         py::gil_scoped_release release;
         cpu::paged_attention(args, num_threads);
       },
@@ -240,13 +242,15 @@ void bind_cpu_kernels(py::module_& m) {
       py::arg("num_heads"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("query_stride"),
       py::arg("scale"), py::arg("num_blocks"), py::arg("num_kv_heads"), py::arg("head_size"),
       py::arg("block_size"), py::arg("dtype"), py::arg("cache_dtype"), py::arg("num_threads"),
-      py::arg("sliding_window") = 0, py::arg("logits_soft_cap") = 0.0f,
+      py::arg("sliding_window") = 0, py::arg("logits_soft_cap") = 0.0f, py::arg("draft_queries") = false,
       "Paged attention into out [num_query_tokens, num_heads, head_size] (contiguous; dtype: of query\n"
       "and out, cache_dtype: of the caches). query_start_loc\n"
       "= 0 means decode (one query per sequence); else int32 [num_seqs + 1] for causal prefill.\n"
       "block_tables int32 [num_seqs, max_blocks_per_seq], context_lens int32 [num_seqs].\n"
       "sliding_window > 0: a query at position p sees keys (p - sliding_window, p] (blocks wholly\n"
-      "before the window are not read); logits_soft_cap > 0: scores s -> cap * tanh(s / cap). 0: off.");
+      "before the window are not read); logits_soft_cap > 0: scores s -> cap * tanh(s / cap). 0: off.\n"
+      "draft_queries (prefill): each sequence's rows are a decode token and its drafts, scored by the\n"
+      "decode kernel as decode steps at their positions would be.");
 
   m.def(
       "_cpu_copy_blocks",

@@ -155,7 +155,8 @@ void bind_decoder(py::module_& m) {
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
              uintptr_t block_tables, uintptr_t context_lens, uintptr_t query_start_loc, int64_t num_tokens,
-             int32_t num_seqs, int32_t max_blocks_per_seq, int32_t max_context_len, int num_threads) {
+             int32_t num_seqs, int32_t max_blocks_per_seq, int32_t max_context_len, int num_threads,
+             bool draft_queries) {
             DecoderBatch b;
             b.embeddings = ptr<const void>(embeddings);
             b.out = ptr<void>(out);
@@ -168,14 +169,17 @@ void bind_decoder(py::module_& m) {
             b.num_seqs = num_seqs;
             b.max_blocks_per_seq = max_blocks_per_seq;
             b.max_context_len = max_context_len;
+            b.draft_queries = draft_queries;
             py::gil_scoped_release release;
             self.forward(b, num_threads);
           },
           py::arg("embeddings"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"),
           py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
           py::arg("num_seqs"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("num_threads"),
+          py::arg("draft_queries") = false,
           "Every layer and the final norm over one step (query_start_loc 0 = decode); writes out\n"
-          "[num_tokens, hidden_size] and the step's K/V into each layer's cache.");
+          "[num_tokens, hidden_size] and the step's K/V into each layer's cache. draft_queries: rows of\n"
+          "several tokens are a decode token and its draft tokens, scored as decode steps would.");
 }
 
 }  // namespace vpage::bindings

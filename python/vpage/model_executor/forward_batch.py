@@ -25,6 +25,9 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32, prefix sums of query lengths
     max_context_len: int  # max(context_lens)
     max_query_len: int  # longest query; 1 means a decode-only step
+    # CPU: each sequence's rows are a decode token and its draft tokens (speculative decoding),
+    # which attention scores as decode steps at their positions would (ops' draft_queries)
+    draft_queries: bool = False
     # CUDA only: layer i's attention waits on event i (that layer's swaps); None = nothing to wait for
     layer_events: Optional[list] = None
 

@@ -32,8 +32,13 @@ def _check_window_args(sliding_window: object, logits_soft_cap: object) -> None:
                              f"got {logits_soft_cap!r}")
 
 
+def _draft_option(draft_queries: bool) -> dict:
+    """The CPU backend's draft_queries keyword, passed only when set (the CUDA backend has none)."""
+    return {"draft_queries": True} if draft_queries else {}
+
+
 def _attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc,
-               scale, max_context_len, out, sliding_window, logits_soft_cap) -> torch.Tensor:
+               scale, max_context_len, out, sliding_window, logits_soft_cap, draft_queries=False) -> torch.Tensor:
     device = key_cache.device
     if _checking():
         _check_window_args(sliding_window, logits_soft_cap)
@@ -47,7 +52,7 @@ def _attention(query, key_cache, value_cache, block_tables, context_lens, query_
             out = torch.empty(query.shape, dtype=query.dtype, device=device)
         _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
                                          context_lens, query_start_loc, float(scale), max_context_len,
-                                         window, cap)
+                                         window, cap, **_draft_option(draft_queries))
         return out
     _, num_kv_heads, head_size, _ = _check_caches(key_cache, value_cache)
     _check_tensor("query", query, device=device, contiguous=False)
@@ -85,7 +90,7 @@ def _attention(query, key_cache, value_cache, block_tables, context_lens, query_
             raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     _backend(device).paged_attention(out, query, key_cache, value_cache, block_tables,
                                      context_lens, query_start_loc, float(scale), max_context_len,
-                                     window, cap)
+                                     window, cap, **_draft_option(draft_queries))
     return out
 
 
@@ -115,7 +120,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, max_context_len: Optional[int] = None,
                             out: Optional[torch.Tensor] = None, sliding_window: Optional[int] = None,
-                            logits_soft_cap: Optional[float] = None) -> torch.Tensor:
+                            logits_soft_cap: Optional[float] = None, draft_queries: bool = False) -> torch.Tensor:
     """Causal (chunked) prefill attention over cached K/V.
 
     query [num_tokens, num_heads, head_size]; the tokens of sequence s are rows
@@ -123,6 +128,13 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     tokens of its context_lens[s] tokens, whose K/V are already in the cache.
     sliding_window and logits_soft_cap as in :func:`paged_attention` (blocks wholly before the
     window of a sequence's first query are not read).
+
+    draft_queries (CPU): each sequence's rows are a decode token and its draft tokens
+    (speculative decoding); each is scored by the decode kernel, bitwise as a decode step at its
+    position would score it (the K/V read once for all of a sequence's rows).
     """
+    if draft_queries and key_cache.device.type != "cpu":
+        raise ValueError("draft_queries is a CPU kernel option; on CUDA give each draft its own decode query")
     return _attention(query, key_cache, value_cache, block_tables, context_lens,
-                      query_start_loc, scale, max_context_len, out, sliding_window, logits_soft_cap)
+                      query_start_loc, scale, max_context_len, out, sliding_window, logits_soft_cap,
+                      draft_queries)

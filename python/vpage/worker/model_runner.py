@@ -15,12 +15,13 @@ from vpage.model_executor.loader.model_loader import LoadedModel
 
 
 def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray]]:
-    """For a step of decode rows some of which carry draft tokens (no prompt rows): attention
-    metadata that makes every token its own decode query over its sequence's blocks, context
-    ending at the token. The decode kernel then scores each draft position exactly as a
+    """For a step of decode rows some of which carry draft tokens (no prompt rows), on CUDA:
+    attention metadata that makes every token its own decode query over its sequence's blocks,
+    context ending at the token. The decode kernel then scores each draft position exactly as a
     non-speculative step would score that position (a prompt-shaped row would take the prefill
-    kernel, whose sums round differently). None for any other step."""
-    if not plan.num_draft_tokens or plan.num_prefill_tokens:
+    kernel, whose sums round differently). The CPU kernels do the same from the plan's own rows
+    (``ForwardBatch.draft_queries``). None for any other step."""
+    if not has_draft_rows(plan):
         return None
     tokens_per_row = np.diff(plan.query_start_loc)
     return {
@@ -28,6 +29,11 @@ def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray
         "context_lens": (plan.positions + 1).astype(np.int32),
         "query_start_loc": np.arange(len(plan.input_ids) + 1, dtype=np.int32),
     }
+
+
+def has_draft_rows(plan: _core.SchedulePlan) -> bool:
+    """Whether the plan's rows are decode tokens some of which carry drafts (no prompt rows)."""
+    return bool(plan.num_draft_tokens) and not plan.num_prefill_tokens
 
 
 class ModelRunner:
@@ -53,7 +59,7 @@ class ModelRunner:
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
     def batch_of(self, plan: _core.SchedulePlan) -> ForwardBatch:
-        per_token = per_token_queries(plan)
+        per_token = per_token_queries(plan) if self.device.type != "cpu" else None
         if per_token is not None:
             return ForwardBatch(
                 input_ids=self._tensor(plan.input_ids), positions=self._tensor(plan.positions),
@@ -70,6 +76,7 @@ class ModelRunner:
             query_start_loc=self._tensor(plan.query_start_loc),
             max_context_len=plan.max_context_len,
             max_query_len=plan.max_query_len,
+            draft_queries=has_draft_rows(plan),
         )
 
     @torch.inference_mode()
@@ -102,7 +109,7 @@ class ModelRunner:
         return self._logits[:rows]
 
     def _execute_staged(self, plan, layer_events: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
-        if per_token_queries(plan) is not None:  # draft tokens: eager, each token its own query
+        if has_draft_rows(plan):  # draft tokens: eager, each token its own query
             batch = self.batch_of(plan)
             batch.layer_events = layer_events
             return self.model(batch, self.kv_caches), self._tensor(plan.sample_token_indices)

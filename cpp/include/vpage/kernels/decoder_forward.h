@@ -127,6 +127,7 @@ struct DecoderBatch {
   int32_t num_seqs = 0;
   int32_t max_blocks_per_seq = 0;
   int32_t max_context_len = 0;
+  bool draft_queries = false;  // rows of several tokens are a decode token and its drafts (PagedAttentionArgs)
 };
 
 namespace cpu {

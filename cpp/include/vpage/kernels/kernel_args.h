@@ -57,6 +57,9 @@ struct ReshapeAndCacheArgs {
 /// With a sliding window W, a query at position p sees only positions (p - W, p]; the blocks
 /// that lie wholly before the window of a sequence's earliest query are never read, and their
 /// block-table entries may hold anything (e.g. -1 once the block manager freed them).
+/// Every query that takes the decode kernel (decode; prefill's one-query rows; with
+/// draft_queries, every query) is scored over the same context partitions of its own length,
+/// so its result is bitwise the same whatever else shares the step.
 struct PagedAttentionArgs {
   void* out = nullptr;                      // [num_query_tokens, num_heads, head_size], contiguous
   const void* query = nullptr;              // [num_query_tokens, num_heads, head_size], row stride query_stride
@@ -80,6 +83,10 @@ struct PagedAttentionArgs {
   /// > 0: each score s = scale * (q . k) becomes logits_soft_cap * tanh(s / logits_soft_cap)
   /// before the softmax (attention logit soft-capping); 0: none.
   float logits_soft_cap = 0.0f;
+  /// Prefill only: each sequence's query rows are a decode token and its draft tokens
+  /// (speculative decoding); the decode kernel scores each as a decode step at its position
+  /// would, bitwise (without a window, one task reads the K/V once for all of them).
+  bool draft_queries = false;
 };
 
 /// First logical block paged attention reads for a sequence whose earliest query is at

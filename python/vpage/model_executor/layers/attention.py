@@ -54,8 +54,10 @@ class PagedAttention(nn.Module):
                 self.scale, max_context_len=batch.max_context_len, out=out, **self._options,
             )
         else:
+            draft = {"draft_queries": True} if batch.draft_queries else {}  # a decode token and its drafts
             ops.paged_prefill_attention(
                 query, key_cache, value_cache, batch.block_tables, batch.query_start_loc,
-                batch.context_lens, self.scale, max_context_len=batch.max_context_len, out=out, **self._options,
+                batch.context_lens, self.scale, max_context_len=batch.max_context_len, out=out, **draft,
+                **self._options,
             )
         return out.view(query.shape[0], self.num_heads * self.head_size)

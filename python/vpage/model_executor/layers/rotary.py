@@ -248,6 +248,8 @@ class RotaryEmbedding(nn.Module):
         n = batch.positions.shape[0]
         if batch.is_decode:
             lengths = batch.context_lens.long()
+        elif batch.draft_queries:  # each draft scored as a decode step at its position would be
+            lengths = batch.positions + 1
         else:  # each token's sequence's context length
             lengths = batch.context_lens.long().repeat_interleave(batch.query_start_loc.diff(), output_size=n)
         if self.kind == "longrope":

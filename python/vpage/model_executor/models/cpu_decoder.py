@@ -286,7 +286,8 @@ class CpuDecoder:
             batch.block_tables.data_ptr(), batch.context_lens.data_ptr(),
             0 if decode else batch.query_start_loc.data_ptr(), num_tokens=embeddings.shape[0],
             num_seqs=batch.context_lens.shape[0], max_blocks_per_seq=batch.block_tables.shape[1],
-            max_context_len=batch.max_context_len, num_threads=ops.get_num_threads())
+            max_context_len=batch.max_context_len, num_threads=ops.get_num_threads(),
+            draft_queries=batch.draft_queries)
         return out
 
 
