@@ -1,10 +1,12 @@
 """Speculative decoding: vpage with and without it, and llama.cpp's own, on the same files, one run.
 
     python bench/bench_spec_decode.py [--llama-bin DIR] [--parts grounded,random,draft,batch]
-                                      [--threads 2] [--k 4] [--repeats 2] [--markdown out.md]
+                                      [--threads 2] [--k 4] [--repeats 2] [--interleave] [--markdown out.md]
 
 Every part serves one trace through ``vpage bench serve``'s streaming client (greedy,
-``ignore_eos``) on a freshly started server per system, the systems one after the other:
+``ignore_eos``) on a freshly started server per system, the systems one after the other (with
+``--interleave``, the one-stream parts start every system's server at once and send each request
+to each system in turn, so that all systems meet the same moments of a machine whose speed moves):
 
 grounded  one stream, ``bench/data/spec_grounded.jsonl``: 8 requests whose output copies their
           prompt (code and prose of this repository, frozen in the file): n-gram prompt lookup.
@@ -63,8 +65,11 @@ def start_vpage(args, model: str, slots: int, spec: Optional[dict]) -> tuple[sub
     raise RuntimeError("vpage serve did not start")
 
 
+_llama_ports = iter(range(18081, 18181))  # llama-server needs a port: each start takes the next
+
+
 def start_llama(args, model: str, slots: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = 18081
+    port = next(_llama_ports)
     cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port),
            "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-cb", "-c", str(slots * 1024),
            "-fa", "on", "--no-webui", *extra]
@@ -76,21 +81,58 @@ def start_llama(args, model: str, slots: int, extra: list[str]) -> tuple[subproc
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-def measure(name: str, start: Callable[[], tuple[subprocess.Popen, str]], trace, concurrency: int) -> dict:
-    proc, url = start()
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        report = run_benchmark(url, trace, max_concurrency=concurrency, progress=False)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def show(name: str, report: dict, requests: int) -> dict:
     spec = report.get("spec_decode")
     accepted = f", {spec['acceptance_rate']:.0%} of drafts accepted" if spec else ""
     print(f"  {name}: {report['output_throughput']:.1f} output tok/s, TPOT p50 {report['tpot_ms']['median']:.1f} ms"
-          f"{accepted} ({report['completed']}/{len(trace)})", flush=True)
+          f"{accepted} ({report['completed']}/{requests})", flush=True)
     return dict(report, system=name)
+
+
+def measure(name: str, start: Callable[[], tuple[subprocess.Popen, str]], trace, concurrency: int) -> dict:
+    proc, url = start()
+    try:
+        return show(name, run_benchmark(url, trace, max_concurrency=concurrency, progress=False), len(trace))
+    finally:
+        stop(proc)
+
+
+def measure_interleaved(systems: list[tuple[str, Callable]], trace) -> list[dict]:
+    """One stream: every system's server up at once, and each request of the trace sent to each
+    system in turn, so that the systems share the machine's moments (this VM's speed moves
+    within a run): per system, output tok/s over all its requests' time, TPOT percentiles over
+    its requests' TPOTs, draft acceptance over all its drafts."""
+    started = []
+    try:
+        for name, start in systems:
+            started.append((name, *start()))
+        per_request = {name: [] for name, _, _ in started}
+        for item in trace:
+            for name, _, url in started:
+                per_request[name].append(run_benchmark(url, [item], max_concurrency=1, progress=False))
+    finally:
+        for _, proc, _ in started:
+            stop(proc)
+    rows = []
+    for name, reports in per_request.items():
+        tpots = sorted(r["tpot_ms"]["median"] for r in reports if r["tpot_ms"]["median"] is not None)
+        specs = [r["spec_decode"] for r in reports if r.get("spec_decode")]
+        drafts, accepted = sum(x["draft_tokens"] for x in specs), sum(x["accepted_tokens"] for x in specs)
+        report = {"output_throughput": sum(r["total_output_tokens"] for r in reports) / sum(r["duration_s"] for r in reports),
+                  "completed": sum(r["completed"] for r in reports),
+                  "tpot_ms": {"median": statistics.median(tpots) if tpots else None,
+                              "p99": tpots[min(len(tpots) - 1, int(0.99 * len(tpots)))] if tpots else None},
+                  "spec_decode": {"acceptance_rate": accepted / drafts} if drafts else None}
+        rows.append(show(name, report, len(trace)))
+    return rows
 
 
 def f32_gguf(args, work: Path) -> str:
@@ -136,6 +178,9 @@ def parts(args, work: Path) -> dict[str, list[dict]]:
                 systems += [(f"llama.cpp {v}", lambda e=e: start_llama(args, model, conc, e)) for v, _, e in variants]
         print(f"{part}: {len(trace)} requests, concurrency {conc}", flush=True)
         for round_index in range(args.repeats):
+            if args.interleave and conc == 1:
+                rows += [dict(r, round=round_index) for r in measure_interleaved(systems, trace)]
+                continue
             for name, start in systems:
                 rows.append(dict(measure(name, start, trace, conc), round=round_index))
         results[part] = rows
@@ -181,6 +226,8 @@ def main() -> None:
                         help="where the float32 copies go")
     parser.add_argument("--no-repack", action="store_true",
                         help="llama-server --no-repack (its AMX kernels crash on VMs that do not grant AMX state)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="one-stream parts: all systems' servers up at once, each request sent to each in turn")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args()
     args.parts = args.parts.split(",")
