@@ -16,7 +16,7 @@ Timing is round-robin (bench_attention.interleaved). Prints the CPU model and in
 --decode-model times the integer decode path on the default model's matrices instead (SmolLM2-135M:
 per layer Q4_1 qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; Q8_0 output 49152x576),
 each shape cycled over enough copies (at least --decode-bytes) that its weights come from memory,
-the Q4_1 shapes both as in the file and repacked as the engine runs them (Q4_1x4),
+both as in the file and repacked as the engine runs them (Q4_1x4, Q8_0x4),
 at each m and thread count: us per call, GB/s of weight bytes, cycles per 32-value block per
 thread at --ghz (an assumed core clock: the machine has no cycle counter to read), and a token's
 total (30 layers plus the output). Calls go straight to the binding (vpage._ops_cpu, as the
@@ -41,7 +41,7 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
-INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q4_1x4")  # the integer GEMM's types
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q4_1x4", "Q8_0x4")  # the integer GEMM's types
 FORMATS = {**ops.QUANT_TYPES, **ops.REPACKED_TYPES}
 
 
@@ -51,8 +51,8 @@ def shapes(text):
 
 def random_blocks(qtype, n, k, rng):
     """uint8 [n, row bytes]: random blocks with finite f16 scales (timing only)."""
-    if qtype == "Q4_1x4":  # Q4_1 rows as the worker repacks them (n a multiple of 4, k of 64)
-        return ops.repack_q4_1x4(random_blocks("Q4_1", n, k, rng), n, k)
+    if qtype in ops.REPACKED_TYPES:  # rows as the worker repacks them (n a multiple of 4, k of 64)
+        return ops.repack_x4(random_blocks(qtype[:-2], n, k, rng), qtype[:-2], n, k)
     _, values, size = ops.QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, size=(n, k // values, 2)).astype(np.float16).view(np.uint8)
@@ -60,6 +60,9 @@ def random_blocks(qtype, n, k, rng):
         blocks[:, :, 208:210] = scales[..., :2]
     else:
         blocks[:, :, 0:4] = scales.reshape(n, k // values, 4)
+    if qtype == "Q8_0":
+        quants = blocks[:, :, 2:]
+        quants[quants == 0x80] = 0x81  # no quant of -128, which keeps rows out of Q8_0x4
     return torch.from_numpy(blocks.reshape(n, -1))
 
 
@@ -147,15 +150,14 @@ def bench_decode_model(args, rng):
                     _ops_cpu.quant_matmul(tiny_out, x576, tiny, 3, 64, 576)
 
             fixed_s = interleaved([tiny_run], args.repeats, args.clock)[0][0] / 100
-            total_ms = {"GGUF": 0.0, "Q4_1x4": 0.0}  # Q4_1 rows as in the file, and as the engine repacks them
+            total_ms = {"GGUF": 0.0, "x4": 0.0}  # rows as in the file, and as the engine repacks them
             fixed_ms = 0.0
             for qtype, n, k, calls in MODEL_SHAPES:
                 one = random_blocks(qtype, n, k, rng)
                 copies = max(1, min(64, -(-args.decode_bytes // one.numel())))
                 layouts = [(qtype, ops.QUANT_TYPES[qtype][0], [one.clone() for _ in range(copies)])]
-                if qtype == "Q4_1":
-                    layouts.append(("Q4_1x4", ops.REPACKED_TYPES["Q4_1x4"][0],
-                                    [ops.repack_q4_1x4(q, n, k) for q in layouts[0][2]]))
+                layouts.append((qtype + "x4", ops.REPACKED_TYPES[qtype + "x4"][0],
+                                [ops.repack_x4(q, qtype, n, k) for q in layouts[0][2]]))
                 xk, outn = x[:, :k], out[:, :n]
 
                 def runner(type_id, qs):
@@ -166,7 +168,7 @@ def bench_decode_model(args, rng):
 
                 times = interleaved([runner(type_id, qs) for _, type_id, qs in layouts], args.repeats, args.clock)
                 ts = [median / copies for median, *_ in times]
-                for layout, t in zip(total_ms, ts * 2 if len(ts) == 1 else ts):
+                for layout, t in zip(total_ms, ts):
                     total_ms[layout] += calls * t * 1e3
                 for (name, _, _), t in zip(layouts, ts):
                     blocks = n * k // 32
@@ -178,7 +180,7 @@ def bench_decode_model(args, rng):
                 del layouts
             print(f"| {threads} | {m} | fixed | tiny 64x576 | {fixed_s * 1e6:.1f} | | | | | |")
             for layout, ms in total_ms.items():
-                print(f"| {threads} | {m} | **token, Q4_1 {layout}** | all | | | | | {4 * MODEL_LAYERS + 1} | "
+                print(f"| {threads} | {m} | **token, {layout}** | all | | | | | {4 * MODEL_LAYERS + 1} | "
                       f"**{ms:.2f}** (fixed {fixed_ms:.2f}) |", flush=True)
     ops.set_num_threads(None)
 

@@ -15,7 +15,7 @@
 //  - dot Q4_1x4: the decode tile on the same rows as the worker repacks them (QuantType's
 //          kQ4_1x4: per block pair the four rows' f16 scales side by side, then each row's two
 //          blocks of nibbles), checked to give the same results;
-//  - dot task Q4_1x4 / Q8_0, m x rows: the whole decode task (run_dot_task: x passes over
+//  - dot task Q4_1x4 / Q8_0 / Q8_0x4, m x rows: the whole decode task (run_dot_task: x passes over
 //          chunks of tiles, output store) at each of --m x rows, on 64 weight rows of k = 576
 //          (L1/L2), per 32-value block, weight row and x row: what a speculative step's extra
 //          verification rows cost once weights are in cache.
@@ -81,7 +81,7 @@ std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937&
   x.pairs = pairs.data();
   const float* spread = spread_pair_scales(x, 1, blocks);
   std::vector<uint8_t> repacked(static_cast<size_t>(rows + kCombos * kPrefetchRows) * row_bytes);  // + prefetch room
-  quant_repack_q4_1x4(w.data(), rows, k, repacked.data());
+  quant_repack_x4(QuantType::kQ4_1, w.data(), rows, k, repacked.data());
   const int64_t group_bytes = static_cast<int64_t>(blocks / 2) * kQ4_1x4PairBytes;
   std::vector<float> out(rows), out_repacked(rows);
   const int passes = std::max(1, (1 << 21) / rows);
@@ -99,8 +99,8 @@ std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937&
   const double packed = best_tsc_per_unit(repeats, units, [&] {
     for (int pass = 0; pass < passes; ++pass) {
       for (int r = 0; r + 4 <= rows; r += 4) {
-        dot_tile_x4<1>(&repacked[r / 4 * group_bytes], kPrefetchRows * group_bytes, blocks, xq.data(), 0, spread, 0,
-                       out_repacked.data() + r, 1);
+        dot_tile_x4<QuantType::kQ4_1x4, 1>(&repacked[r / 4 * group_bytes], kPrefetchRows * group_bytes, blocks,
+                                           xq.data(), 0, spread, 0, out_repacked.data() + r);
       }
     }
   });
@@ -165,20 +165,23 @@ double product_cycles(int repeats, std::mt19937& rng) {
 }
 
 
-// run_dot_task on 64 rows of k = 576 (type Q4_1x4 or Q8_0) against m x rows: TSC cycles per
-// block, weight row and x row.
+// run_dot_task on 64 rows of k = 576 (type Q4_1x4, Q8_0 or Q8_0x4) against m x rows: TSC
+// cycles per block, weight row and x row.
 double dot_task_cycles(QuantType type, int m, int repeats, std::mt19937& rng) {
   constexpr int kRows = 64, kK = 576, kBlocks = kK / 32;
-  const int block_bytes = type == QuantType::kQ8_0 ? 34 : 20;
+  const int block_bytes = quant_block_bytes(type);
   std::vector<uint8_t> w(static_cast<size_t>(kRows + kCombos * kPrefetchRows) * kBlocks * block_bytes);
-  for (uint8_t& v : w) v = static_cast<uint8_t>(rng());
+  for (uint8_t& v : w) v = static_cast<uint8_t>(rng() % 255 + 1);  // no 0x80: a Q8_0 quant of -128
   for (int b = 0; b < kRows * kBlocks; ++b) {
     const uint16_t d = 0x2000 + (rng() & 0x3ff);
     std::memcpy(&w[static_cast<size_t>(b) * block_bytes], &d, 2);
   }
   if (type == QuantType::kQ4_1x4) {
     const std::vector<uint8_t> gguf = q4_1_rows(kRows, kK, rng);
-    quant_repack_q4_1x4(gguf.data(), kRows, kK, w.data());
+    quant_repack_x4(QuantType::kQ4_1, gguf.data(), kRows, kK, w.data());
+  } else if (type == QuantType::kQ8_0x4) {
+    const std::vector<uint8_t> gguf(w.begin(), w.begin() + static_cast<int64_t>(kRows) * kBlocks * block_bytes);
+    quant_repack_x4(QuantType::kQ8_0, gguf.data(), kRows, kK, w.data());
   }
   std::vector<float> xf(static_cast<size_t>(m) * kK);
   for (float& v : xf) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
@@ -233,9 +236,10 @@ int main(int argc, char** argv) {
   std::printf("| 16 vpmaddubsw + adds | - | %.1f | the same iteration's products alone |\n",
               product_cycles(repeats, rng));
   for (int m : ms) {
-    for (QuantType type : {QuantType::kQ4_1x4, QuantType::kQ8_0}) {
-      std::printf("| dot task %s, %d x rows | 64 rows x 576 | %.2f | block, weight row and x row |\n",
-                  type == QuantType::kQ8_0 ? "Q8_0" : "Q4_1x4", m, dot_task_cycles(type, m, repeats, rng));
+    for (QuantType type : {QuantType::kQ4_1x4, QuantType::kQ8_0, QuantType::kQ8_0x4}) {
+      const char* name = type == QuantType::kQ8_0 ? "Q8_0" : type == QuantType::kQ8_0x4 ? "Q8_0x4" : "Q4_1x4";
+      std::printf("| dot task %s, %d x rows | 64 rows x 576 | %.2f | block, weight row and x row |\n", name, m,
+                  dot_task_cycles(type, m, repeats, rng));
     }
   }
   return 0;

@@ -187,9 +187,9 @@ def dequantize_rows(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows
     _core._cpu_quant_dequantize_rows(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)
 
 
-def repack_q4_1x4(out: torch.Tensor, qweight: torch.Tensor, rows: int, k: int) -> None:
-    """CPU only; see vpage.ops.repack_q4_1x4."""
-    _core._cpu_quant_repack_q4_1x4(out.data_ptr(), qweight.data_ptr(), rows, k)
+def repack_x4(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int, k: int) -> bool:
+    """CPU only; see vpage.ops.repack_x4."""
+    return _core._cpu_quant_repack_x4(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)
 
 
 def logsumexp_argmax(logits: torch.Tensor, log_norm: torch.Tensor, argmax: torch.Tensor,

@@ -7,6 +7,7 @@
 // bit-identical on 1, 2 and 3 threads, and the integer paths' rows bit-identical to single-row
 // calls; bad arguments throw. (The Python tests check every layout against the
 // gguf package.)
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -170,18 +171,30 @@ TEST_CASE("quant_matmul: every type, every ISA, decode and prefill paths") {
   }
 }
 
-// Q4_1 rows repacked to Q4_1x4 give bitwise the Q4_1 results on every path: the x4 decode
-// kernel (x86), and the other paths, which unpack a task's rows first.
-void check_q4_1x4(int n, int k, std::mt19937& rng) {
-  const std::vector<uint8_t> w = random_rows(QuantType::kQ4_1, n, k, rng);
+// Rows of `type` without the quant kQ8_0x4 refuses (-128: its byte 0x80 becomes -127).
+std::vector<uint8_t> x4_source_rows(QuantType type, int n, int k, std::mt19937& rng) {
+  std::vector<uint8_t> w = random_rows(type, n, k, rng);
+  if (type == QuantType::kQ8_0) {
+    for (size_t b = 0; b < w.size(); b += 34) std::replace(w.begin() + b + 2, w.begin() + b + 34, uint8_t{0x80}, uint8_t{0x81});
+  }
+  return w;
+}
+
+// Q4_1 / Q8_0 rows repacked to their x4 type give bitwise the file type's results on every
+// path: the x4 decode kernels (x86), the integer GEMM, and the other paths, which unpack a
+// task's rows first.
+void check_x4(QuantType type, int n, int k, std::mt19937& rng) {
+  const QuantType x4 = vpage::cpu::quant_x4_type(type);
+  EXPECT(x4 != type && vpage::cpu::quant_file_type(x4) == type);
+  const std::vector<uint8_t> w = x4_source_rows(type, n, k, rng);
   std::vector<uint8_t> packed(w.size(), 0xAB), unpacked(w.size(), 0xCD);
-  vpage::cpu::quant_repack_q4_1x4(w.data(), n, k, packed.data());
+  EXPECT(vpage::cpu::quant_repack_x4(type, w.data(), n, k, packed.data()));
   EXPECT(packed != w);
-  vpage::cpu::quant_unpack_q4_1x4(packed.data(), n, k, unpacked.data());
+  vpage::cpu::quant_unpack_x4(x4, packed.data(), n, k, unpacked.data());
   EXPECT(unpacked == w);
   std::vector<float> dense(static_cast<size_t>(n) * k), dense_x4(dense.size(), -1.0f);
-  vpage::cpu::quant_dequantize_rows(QuantType::kQ4_1, w.data(), n, k, dense.data());
-  vpage::cpu::quant_dequantize_rows(QuantType::kQ4_1x4, packed.data(), n, k, dense_x4.data());
+  vpage::cpu::quant_dequantize_rows(type, w.data(), n, k, dense.data());
+  vpage::cpu::quant_dequantize_rows(x4, packed.data(), n, k, dense_x4.data());
   EXPECT(dense == dense_x4);
   std::normal_distribution<float> normal;
   for (int64_t gemm_rows : {vpage::cpu::kQuantIntegerGemmMaxRows, int64_t{0}}) {  // 0: float path beyond 16 rows
@@ -190,10 +203,10 @@ void check_q4_1x4(int n, int k, std::mt19937& rng) {
       std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
       std::vector<float> out_x4(out.size(), -2.0f);
       for (auto& v : x) v = normal(rng);
-      vpage::QuantMatmulArgs a = matmul_args(QuantType::kQ4_1, w.data(), x.data(), out.data(), m, n, k);
+      vpage::QuantMatmulArgs a = matmul_args(type, w.data(), x.data(), out.data(), m, n, k);
       vpage::cpu::quant_matmul(a, 2);
       a.weight = packed.data();
-      a.type = QuantType::kQ4_1x4;
+      a.type = x4;
       for (int threads : {1, 2, 3}) {
         a.out = out_x4.data();
         vpage::cpu::quant_matmul(a, threads);
@@ -204,16 +217,28 @@ void check_q4_1x4(int n, int k, std::mt19937& rng) {
   vpage::cpu::set_quant_integer_gemm_rows(vpage::cpu::kQuantIntegerGemmMaxRows);
 }
 
-TEST_CASE("quant_matmul: Q4_1x4 rows equal their Q4_1 rows bitwise, every ISA and path") {
+TEST_CASE("quant_matmul: x4 rows equal their Q4_1 / Q8_0 rows bitwise, every ISA and path") {
   const vpage_test::AutoIsaOnExit restore_isa;
   std::mt19937 rng(11);
   for (const std::string& isa : vpage_test::supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);
     // One group; groups past a chunk of four; several tasks with a short last one.
     for (const auto& [n, k] : {std::pair{4, 64}, std::pair{36, 576}, std::pair{260, 128}, std::pair{20, 1536}}) {
-      check_q4_1x4(n, k, rng);
+      check_x4(QuantType::kQ4_1, n, k, rng);
+      check_x4(QuantType::kQ8_0, n, k, rng);
     }
   }
+}
+
+TEST_CASE("quant_repack_x4: a Q8_0 quant of -128 keeps the file's layout") {
+  std::mt19937 rng(3);
+  std::vector<uint8_t> w = x4_source_rows(QuantType::kQ8_0, 8, 128, rng);
+  std::vector<uint8_t> packed(w.size(), 0xAB);
+  w[34 * 9 + 2 + 17] = 0x80;  // row 2, block 1, quant 17
+  EXPECT(!vpage::cpu::quant_repack_x4(QuantType::kQ8_0, w.data(), 8, 128, packed.data()));
+  EXPECT(std::all_of(packed.begin(), packed.end(), [](uint8_t b) { return b == 0xAB; }));
+  w[34 * 9 + 2 + 17] = 0x7f;
+  EXPECT(vpage::cpu::quant_repack_x4(QuantType::kQ8_0, w.data(), 8, 128, packed.data()));
 }
 
 TEST_CASE("quant_matmul: bad arguments throw") {
@@ -228,10 +253,12 @@ TEST_CASE("quant_matmul: bad arguments throw") {
   EXPECT_THROWS_WITH(vpage::cpu::quant_matmul(a, 1), vpage::CheckError, "unsupported quantization type");
   EXPECT(!vpage::quant_type_supported(6) && vpage::quant_type_supported(14));
   std::vector<uint8_t> q4(20 * 2 * 6), packed(q4.size());
-  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_q4_1x4(q4.data(), 6, 64, packed.data()), vpage::CheckError,
-                     "multiple of 4 rows");
-  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_q4_1x4(q4.data(), 4, 96, packed.data()), vpage::CheckError,
-                     "64 values per row");
+  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_x4(QuantType::kQ4_1, q4.data(), 6, 64, packed.data()),
+                     vpage::CheckError, "a multiple of 4 of them");
+  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_x4(QuantType::kQ4_1, q4.data(), 4, 96, packed.data()),
+                     vpage::CheckError, "64 values per row");
+  EXPECT_THROWS_WITH(vpage::cpu::quant_repack_x4(QuantType::kQ4_0, q4.data(), 4, 64, packed.data()),
+                     vpage::CheckError, "Q4_1 or Q8_0 rows");
   a.weight = q4.data();
   a.n = 6;
   a.out_stride = 6;

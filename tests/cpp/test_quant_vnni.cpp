@@ -4,6 +4,7 @@
 // and repacked as Q4_1x4) and Q8_0, the decode and GEMM paths, awkward shapes. Checked on any AVX2 CPU through the emulated VNNI
 // build (quant_vnni_emulated.cpp, whose add_dot4 is first checked against vpdpbusd's
 // definition), and on a CPU with VNNI through the real avx512vnni / avx2vnni builds too.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -129,25 +130,31 @@ TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and 
       }
     }
   }
-  // Q4_1 rows repacked as Q4_1x4 (both paths read that layout directly): the file layout's bits.
+  // Q4_1 / Q8_0 rows repacked as x4 (both paths read that layout directly): the file layout's bits.
   std::vector<const QuantKernels*> x4_kernels = vnni;
   x4_kernels.push_back(&vpage::cpu::avx2::kQuantKernels);
-  for (int32_t k : {576, 1536}) {
-    const int32_t n = 68;
-    const std::vector<uint8_t> w = random_rows(QuantType::kQ4_1, n, k, rng);
-    std::vector<uint8_t> packed(w.size());
-    vpage::cpu::quant_repack_q4_1x4(w.data(), n, k, packed.data());
-    for (int64_t m : {1, 5, 17}) {
-      std::vector<float> x(static_cast<size_t>(m) * k);
-      for (auto& v : x) v = normal(rng);
-      for (bool gemm : {false, true}) {
-        const std::vector<float> want =
-            integer_path(vpage::cpu::avx2::kQuantKernels, gemm, QuantType::kQ4_1, w, x, m, n, k);
-        for (const QuantKernels* kernels : x4_kernels) {
-          const std::vector<float> got = integer_path(*kernels, gemm, QuantType::kQ4_1x4, packed, x, m, n, k);
-          EXPECT_MSG(std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) == 0,
-                     std::string(kernels->name) + (gemm ? " gemm" : " decode") + " Q4_1x4 m " + std::to_string(m) +
-                         " k " + std::to_string(k) + ": not bitwise the Q4_1 result");
+  for (QuantType type : {QuantType::kQ4_1, QuantType::kQ8_0}) {
+    const QuantType x4 = vpage::cpu::quant_x4_type(type);
+    for (int32_t k : {576, 1536}) {
+      const int32_t n = 68;
+      std::vector<uint8_t> w = random_rows(type, n, k, rng);
+      if (type == QuantType::kQ8_0) {  // no quant of -128, which keeps Q8_0 rows unpacked
+        for (size_t b = 0; b < w.size(); b += 34) std::replace(w.begin() + b + 2, w.begin() + b + 34, uint8_t{0x80}, uint8_t{0x81});
+      }
+      std::vector<uint8_t> packed(w.size());
+      EXPECT(vpage::cpu::quant_repack_x4(type, w.data(), n, k, packed.data()));
+      for (int64_t m : {1, 5, 17}) {
+        std::vector<float> x(static_cast<size_t>(m) * k);
+        for (auto& v : x) v = normal(rng);
+        for (bool gemm : {false, true}) {
+          const std::vector<float> want = integer_path(vpage::cpu::avx2::kQuantKernels, gemm, type, w, x, m, n, k);
+          for (const QuantKernels* kernels : x4_kernels) {
+            const std::vector<float> got = integer_path(*kernels, gemm, x4, packed, x, m, n, k);
+            EXPECT_MSG(std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) == 0,
+                       std::string(kernels->name) + (gemm ? " gemm" : " decode") + " x4 type " +
+                           std::to_string(static_cast<int>(type)) + " m " + std::to_string(m) + " k " +
+                           std::to_string(k) + ": not bitwise the file layout's result");
+          }
         }
       }
     }

@@ -39,9 +39,9 @@ def quantized():
 def test_default_model_is_kept_quantized(quantized):
     net = quantized.engine.executor.driver_worker.loaded.model
     layer = net.model.layers[0]
-    # The file's Q4_1 rows, regrouped by the worker for the decode kernel.
+    # The file's Q4_1 and Q8_0 rows, regrouped by the worker for the decode kernel.
     assert layer.self_attn.qkv_proj.qtype == "Q4_1x4" and isinstance(layer.mlp.down_proj, QuantizedLinear)
-    assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0"
+    assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0x4"
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     assert weight_bytes < 100 * 2**20  # float32 would be ~540 MB
 
@@ -81,14 +81,14 @@ def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, 
 
 
 def test_repacked_rows_give_the_file_layouts_outputs(quantized, monkeypatch):
-    # The worker's Q4_1x4 repacking changes no bit: the same tokens and logprobs as the rows
+    # The worker's x4 repacking changes no bit: the same tokens and logprobs as the rows
     # as they lie in the file, batched (decode and prefill on the integer paths).
     import vpage.worker.worker as worker
 
     monkeypatch.setattr(worker, "repack_quantized_weights", lambda model: None)
     as_in_file = LLM(**_ENGINE)
-    layer = as_in_file.engine.executor.driver_worker.loaded.model.model.layers[0]
-    assert layer.self_attn.qkv_proj.qtype == "Q4_1"
+    net = as_in_file.engine.executor.driver_worker.loaded.model
+    assert net.model.layers[0].self_attn.qkv_proj.qtype == "Q4_1" and net.lm_head.qtype == "Q8_0"
     params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
     for a, b in zip(quantized.generate(PROMPTS, params, use_tqdm=False),
                     as_in_file.generate(PROMPTS, params, use_tqdm=False)):

@@ -194,43 +194,54 @@ def test_integer_gemm_prefill_chunk():
     assert torch.equal(out[rows], torch.cat([ops.quant_matmul(x[i:i + 1], qweight, "Q4_1", n, k) for i in rows]))
 
 
-# Q4_1 rows as the worker repacks them for the CPU decode kernel (Q4_1x4): every path and
-# instruction set gives the GGUF layout's results bitwise.
+# Q4_1 and Q8_0 rows as the worker repacks them for the CPU decode kernel (Q4_1x4, Q8_0x4):
+# every path and instruction set gives the GGUF layout's results bitwise.
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_q4_1x4_layout_equals_q4_1_bitwise(isa):
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_x4_layout_equals_the_file_layout_bitwise(isa, qtype):
     n, k = 68, 576
-    qweight, _ = _weights("Q4_1", n, k, seed=12)
-    packed = ops.repack_q4_1x4(qweight, n, k)
+    x4 = qtype + "x4"
+    qweight, _ = _weights(qtype, n, k, seed=12)
+    packed = ops.repack_x4(qweight, qtype, n, k)
     assert packed.shape == qweight.shape and not torch.equal(packed, qweight)
-    assert torch.equal(ops.dequantize_rows(packed, "Q4_1x4", k), ops.dequantize_rows(qweight, "Q4_1", k))
+    assert torch.equal(ops.dequantize_rows(packed, x4, k), ops.dequantize_rows(qweight, qtype, k))
     x = torch.randn(131, k, generator=torch.Generator().manual_seed(12))
     try:
         for threads in (1, 2, 3):  # the decode path's head and tail tasks fall differently
             ops.set_num_threads(threads)
             for m in (1, 3, 5, 16, 17, 131):  # decode path, 1-2 passes of 4 x rows; the GEMM
-                want = ops.quant_matmul(x[:m], qweight, "Q4_1", n, k)
-                assert torch.equal(ops.quant_matmul(x[:m], packed, "Q4_1x4", n, k, out=_poisoned(m, n)), want)
+                want = ops.quant_matmul(x[:m], qweight, qtype, n, k)
+                assert torch.equal(ops.quant_matmul(x[:m], packed, x4, n, k, out=_poisoned(m, n)), want)
     finally:
         ops.set_num_threads(None)
     with float_path():
-        assert torch.equal(ops.quant_matmul(x, packed, "Q4_1x4", n, k), ops.quant_matmul(x, qweight, "Q4_1", n, k))
-    assert ops.repack_q4_1x4(qweight[:6], 6, k) is None  # not whole groups of four rows
-    odd, _ = _weights("Q4_1", 4, 96, seed=12)
-    assert ops.repack_q4_1x4(odd, 4, 96) is None  # an odd number of blocks per row
+        assert torch.equal(ops.quant_matmul(x, packed, x4, n, k), ops.quant_matmul(x, qweight, qtype, n, k))
+    assert ops.repack_x4(qweight[:6], qtype, 6, k) is None  # not whole groups of four rows
+    odd, _ = _weights(qtype, 4, 96, seed=12)
+    assert ops.repack_x4(odd, qtype, 4, 96) is None  # an odd number of blocks per row
 
 
-def test_repacked_embedding_lookups_and_logits():
+def test_q8_0_rows_with_a_quant_of_minus_128_stay_as_in_the_file():
+    # The Q8_0x4 kernel moves x's sign onto the weights, where -128 has no negation.
+    qweight, _ = _weights("Q8_0", 8, 64, seed=14)
+    qweight[5, 34 + 2 + 9] = 0x80  # row 5, block 1, quant 9
+    assert ops.repack_x4(qweight, "Q8_0", 8, 64) is None
+    assert ops.repack_x4(_weights("Q4_0", 8, 64, seed=14)[0], "Q4_0", 8, 64) is None  # no x4 layout
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_repacked_embedding_lookups_and_logits(qtype):
     from vpage.model_executor.layers.quant_linear import QuantizedEmbedding
 
     vocab, hidden = 12, 64
-    qweight, _ = _weights("Q4_1", vocab, hidden, seed=13)
-    table = QuantizedEmbedding(vocab, hidden, torch.float32, "Q4_1")
+    qweight, _ = _weights(qtype, vocab, hidden, seed=13)
+    table = QuantizedEmbedding(vocab, hidden, torch.float32, qtype)
     table.qweight.data.copy_(qweight)
     ids = torch.tensor([0, 5, 11, 5, 7])
     hidden_rows = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13))
     before = table(ids), table.logits(hidden_rows)
     table.repack()
-    assert table.qtype == "Q4_1x4" and not torch.equal(table.qweight.data, qweight)
+    assert table.qtype == qtype + "x4" and not torch.equal(table.qweight.data, qweight)
     assert torch.equal(table(ids), before[0]) and torch.equal(table.logits(hidden_rows), before[1])
 
 

@@ -265,7 +265,8 @@ inline void dequantize_range(QuantType type, const uint8_t* row, int64_t first_b
     case QuantType::kQ4_K: return dequant_blocks<256, 144, dequant_q4_k>(row, first_block, num_values, dst);
     case QuantType::kQ5_K: return dequant_blocks<256, 176, dequant_q5_k>(row, first_block, num_values, dst);
     case QuantType::kQ6_K: return dequant_blocks<256, 210, dequant_q6_k>(row, first_block, num_values, dst);
-    case QuantType::kQ4_1x4: return;  // never: quant_matmul.cpp unpacks these rows to Q4_1 first
+    case QuantType::kQ4_1x4:
+    case QuantType::kQ8_0x4: return;  // never: quant_matmul.cpp unpacks x4 rows first
   }
 }
 

@@ -1,5 +1,5 @@
 // The decode path's tasks: GGUF rows read as four quarter streams (their tiles are in
-// quant_dot_impl.h), Q4_1x4 groups read as one (AVX2 builds; the tile is here), and
+// quant_dot_impl.h), x4 groups read as one (AVX2 builds; their tiles are here), and
 // run_dot_task, the entry point the dispatcher calls. Compiled once per instruction set like quant_dot_impl.h.
 #pragma once
 
@@ -56,80 +56,159 @@ inline void run_dot_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, in
 }
 
 #if defined(__AVX2__)
-// The decode tile on one group of kQ4_1x4 rows (layout: QuantType): per block pair the four
-// rows' d and m are one f16 vector each and a row's two blocks of nibbles one 32-byte load,
-// so dot_tile's per-row header conversions, lane shuffles and 128-bit inserts are gone
-// (vpage-bench-quant-tile, Zen 1: 13-16% fewer cycles). The same arithmetic in the same order:
-// bitwise dot_tile<kQ4_1>'s results for the rows the group was repacked from.
-template <int MR>
-inline void dot_tile_x4(const uint8_t* group, int64_t prefetch, int32_t blocks, const int8_t* xq, int64_t x_stride,
-                        const float* xs, int64_t xs_stride, float* out, int out_stride) {
-  constexpr QuantType T = QuantType::kQ4_1;
-  const __m256i mask = _mm256_set1_epi8(15);
-  LaneSums acc[MR];
-  for (int32_t b = 0; b < blocks; b += 2) {
-    const uint8_t* pair = group + (b / 2) * kQ4_1x4PairBytes;
-    for (int64_t line = 0; line < kQ4_1x4PairBytes; line += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(pair + prefetch + line), _MM_HINT_T0);
+template <QuantType T>
+constexpr int64_t x4_pair_bytes() {
+  return T == QuantType::kQ8_0x4 ? kQ8_0x4PairBytes : kQ4_1x4PairBytes;
+}
+
+// One block pair (b, b + 1) of an x4 group (layout: QuantType) against x rows [0, MR) (xq, xs
+// as dot_tile takes them), into acc.
+//   kQ4_1x4: the four rows' d and m are one f16 vector each and a row's two blocks of nibbles
+//     one 32-byte load, so dot_tile's per-row header conversions, lane shuffles and 128-bit
+//     inserts are gone (vpage-bench-quant-tile, Zen 1: 13-16% fewer cycles).
+//   kQ8_0x4: one f16 vector of d and two 32-byte loads a row. The products are pair_products'
+//     with the roles of w and x swapped, |x| x sign(w, x), so each x row's |x| serves the four
+//     rows, where |w| x sign(x, w) took four registers a row (the 4-row tile spilled): exact
+//     because kQ8_0x4 holds no -128 (quant_repack_x4) and |x| <= 127 (Zen 3: 16-37% fewer
+//     cycles than dot_tile<kQ8_0> at 1-8 x rows).
+// The same integers, lane arithmetic and order: bitwise dot_tile's results for the file's rows.
+template <QuantType T, int MR>
+inline void x4_pair(const uint8_t* pair, int64_t prefetch, int32_t b, const int8_t* xq, int64_t x_stride,
+                    const float* xs, int64_t xs_stride, LaneSums acc[MR]) {
+  for (int64_t line = 0; line < x4_pair_bytes<T>(); line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(pair + prefetch + line), _MM_HINT_T0);
+  }
+  const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+  if constexpr (T == QuantType::kQ8_0x4) {
+    constexpr QuantType K = QuantType::kQ8_0;
+    const int8_t* w = reinterpret_cast<const int8_t*>(pair + 16);  // row r: 64 bytes at 64 * r
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const int8_t* x = xq + i * x_stride + 32 * static_cast<int64_t>(b);
+      PairBytes<K> xb;
+      xb.lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      xb.hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      xb.abs_lo = _mm256_sign_epi8(xb.lo, xb.lo);
+      xb.abs_hi = _mm256_sign_epi8(xb.hi, xb.hi);
+      const __m256i sums = reduce_lanes<K>(pair_products<K>(xb, w), pair_products<K>(xb, w + 64),
+                                           pair_products<K>(xb, w + 128), pair_products<K>(xb, w + 192));
+      add_scaled(sums, d_w, _mm256_loadu_ps(xs + i * xs_stride + (b / 2) * kXPairFloats), acc[i]);
     }
-    const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+  } else {
+    const __m256i mask = _mm256_set1_epi8(15);
     const __m256 o_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
-    PairBytes<T> w[kCombos];
+    PairBytes<QuantType::kQ4_1> w[kCombos];
 #pragma GCC unroll 4
     for (int r = 0; r < kCombos; ++r) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32 + 32 * r));
       w[r].lo = _mm256_and_si256(raw, mask);
       w[r].hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     }
-    tile_pair<T, MR>(w, d_w, o_w, b, xq, x_stride, xs, xs_stride, acc);
+    tile_pair<QuantType::kQ4_1, MR>(w, d_w, o_w, b, xq, x_stride, xs, xs_stride, acc);
   }
-  store_tile<MR>(acc, out, out_stride);
 }
 
-// run_dot_task on kQ4_1x4 rows: a tile is a group, whose rows are one contiguous run, so the
-// tiles need no quarter streams.
+// The decode tile on one x4 group against x rows [0, MR): out[r * MR + i].
+template <QuantType T, int MR>
+inline void dot_tile_x4(const uint8_t* group, int64_t prefetch, int32_t blocks, const int8_t* xq, int64_t x_stride,
+                        const float* xs, int64_t xs_stride, float* out) {
+  LaneSums acc[MR];
+  for (int32_t b = 0; b < blocks; b += 2) {
+    x4_pair<T, MR>(group + (b / 2) * x4_pair_bytes<T>(), prefetch, b, xq, x_stride, xs, xs_stride, acc);
+  }
+  store_tile<MR>(acc, out, MR);
+}
+
+// How far ahead in its stream dot_tile_x4_streams prefetches (Zen 3, the default model's Q8_0x4
+// output layer from DRAM at 1-5 x rows: 1 KiB ahead 3-19% faster than four groups, 9.6 KiB;
+// no prefetch 30% slower at 4 rows).
+constexpr int64_t kX4StreamPrefetchBytes = 1024;
+
+// x rows [0, MR) against kDotStreams groups, one from each quarter stream, block pair by block
+// pair (a group may repeat, its results unused): out[(j * kCombos + r) * MR + i]. For kQ8_0x4,
+// whose passes stream from DRAM: reading the four streams side by side keeps more reads in
+// flight than a group at a time (Zen 3, one thread, 60 MB, one x row: 1.05x dot_tile<kQ8_0>'s
+// speed against 0.6-0.8x group by group; the default model's output layer, 2 threads, at 1 / 5
+// / 8 / 16 x rows: 0.9-1.0x / 0.83x / 0.77-0.92x / 0.85-0.90x of its Q8_0 time). kQ4_1x4's
+// unpacked nibbles and offset chains would spill here.
+template <QuantType T, int MR>
+inline void dot_tile_x4_streams(const uint8_t* const groups[kDotStreams], int64_t prefetch, int32_t blocks,
+                                const int8_t* xq, int64_t x_stride, const float* xs, int64_t xs_stride, float* out) {
+  LaneSums acc[kDotStreams][MR];
+  for (int32_t b = 0; b < blocks; b += 2) {
+#pragma GCC unroll 4
+    for (int j = 0; j < kDotStreams; ++j) {
+      x4_pair<T, MR>(groups[j] + (b / 2) * x4_pair_bytes<T>(), prefetch, b, xq, x_stride, xs, xs_stride, acc[j]);
+    }
+  }
+  for (int j = 0; j < kDotStreams; ++j) store_tile<MR>(acc[j], out + j * kCombos * MR, MR);
+}
+
+// run_dot_task on x4 rows (kQ4_1x4, kQ8_0x4): a tile is a group, whose rows are one contiguous
+// run. A step takes kDotStreams groups: kQ8_0x4 one from each quarter of the task (read side by
+// side at one x row, dot_tile_x4_streams), kQ4_1x4 consecutive ones (Zen 3, one x row: its
+// gate_up and down matrices took 15-23% longer read as quarters).
+template <QuantType T>
 inline void run_dot_task_x4(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);  // a multiple of 4, as rows_per_task
   const int32_t groups = std::min(rows_per_task, a.n - n0) / kCombos;
   const int32_t blocks = a.k / 32;  // even
-  const int64_t group_bytes = (blocks / 2) * kQ4_1x4PairBytes;
+  const int64_t group_bytes = (blocks / 2) * x4_pair_bytes<T>();
   const uint8_t* first = a.weight + n0 / kCombos * group_bytes;
   thread_local std::vector<float> out_buffer;  // [m, rows_per_task] for quant_store_out
   out_buffer.resize(static_cast<size_t>(a.m) * rows_per_task);
   float* out_rows = out_buffer.data();
-  float values[kDotChunkTiles * kCombos * kXRowsPerPass];
+  float values[kDotStreams * kCombos * kXRowsPerPass];
   const float* spread = spread_pair_scales(x, a.m, blocks);
   const int64_t xs_stride = quant_x_group_floats(blocks);
-  const int64_t prefetch = kPrefetchRows * group_bytes;
-  for (int32_t g0 = 0; g0 < groups; g0 += kDotChunkTiles) {
-    const int32_t tiles = std::min(kDotChunkTiles, groups - g0);
+  constexpr bool kQuarterStreams = T == QuantType::kQ8_0x4;  // else runs of kDotStreams groups
+  const int64_t prefetch = kQuarterStreams ? kX4StreamPrefetchBytes : kPrefetchRows * group_bytes;
+  const int32_t quarter = (groups + kDotStreams - 1) / kDotStreams;
+  for (int32_t c = 0; c < quarter; ++c) {
+    int32_t step_groups[kDotStreams];  // stream j's group of this step, or -1
+    const uint8_t* tile[kDotStreams];
+    for (int j = 0; j < kDotStreams; ++j) {
+      const int32_t g = kQuarterStreams ? j * quarter + c : c * kDotStreams + j;
+      step_groups[j] = g < groups ? g : -1;
+      tile[j] = first + (g < groups ? g : c) * group_bytes;  // stream 0's group stands in
+    }
     for (int64_t i0 = 0; i0 < a.m; i0 += kXRowsPerPass) {
       const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
       const int8_t* xq = x.q + i0 * x.q_stride;
       const float* xs = spread + i0 * xs_stride;
-      for (int32_t j = 0; j < tiles; ++j) {
-        const uint8_t* group = first + (g0 + j) * group_bytes;
-        float* out = values + j * kCombos * mr;
+      if (kQuarterStreams) {
         switch (mr) {
-          case 1: dot_tile_x4<1>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 1); break;
-          case 2: dot_tile_x4<2>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 2); break;
-          case 3: dot_tile_x4<3>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 3); break;
-          default: dot_tile_x4<4>(group, prefetch, blocks, xq, x.q_stride, xs, xs_stride, out, 4); break;
+          case 1: dot_tile_x4_streams<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+          case 2: dot_tile_x4_streams<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+          case 3: dot_tile_x4_streams<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+          default: dot_tile_x4_streams<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+        }
+      } else {
+        for (int j = 0; j < kDotStreams; ++j) {
+          if (step_groups[j] < 0) continue;
+          float* out = values + j * kCombos * mr;
+          switch (mr) {
+            case 1: dot_tile_x4<T, 1>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
+            case 2: dot_tile_x4<T, 2>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
+            case 3: dot_tile_x4<T, 3>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
+            default: dot_tile_x4<T, 4>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
+          }
         }
       }
-      for (int32_t j = 0; j < tiles; ++j) {
+      for (int j = 0; j < kDotStreams; ++j) {
+        if (step_groups[j] < 0) continue;
         for (int r = 0; r < kCombos; ++r) {
           const float* v = values + (j * kCombos + r) * mr;
-          for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + kCombos * (g0 + j) + r] = v[i];
+          for (int i = 0; i < mr; ++i) out_rows[(i0 + i) * rows_per_task + kCombos * step_groups[j] + r] = v[i];
         }
       }
     }
   }
   for (int64_t i = 0; i < a.m; ++i) quant_store_out(a, i, n0, groups * kCombos, out_rows + i * rows_per_task);
 }
-constexpr bool kIntegerQ4_1x4 = true;
+constexpr bool kIntegerX4 = true;
 #else
-constexpr bool kIntegerQ4_1x4 = false;  // the scalar loops read GGUF rows: kQ4_1x4 is unpacked first
+constexpr bool kIntegerX4 = false;  // the scalar loops read GGUF rows: x4 rows are unpacked first
 #endif
 
 inline void run_dot_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
@@ -139,9 +218,10 @@ inline void run_dot_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t 
     case QuantType::kQ8_0: return run_dot_task_typed<QuantType::kQ8_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_K: return run_dot_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
 #if defined(__AVX2__)
-    case QuantType::kQ4_1x4: return run_dot_task_x4(a, x, rows_per_task, task);
+    case QuantType::kQ4_1x4: return run_dot_task_x4<QuantType::kQ4_1x4>(a, x, rows_per_task, task);
+    case QuantType::kQ8_0x4: return run_dot_task_x4<QuantType::kQ8_0x4>(a, x, rows_per_task, task);
 #endif
-    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and (SIMD) Q4_1x4 here
+    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and (SIMD) the x4 types here
   }
 }
 

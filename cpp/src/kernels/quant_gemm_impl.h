@@ -97,23 +97,33 @@ inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, i
   }
 }
 
-// Q4_1x4 rows (a multiple of 4; layout: QuantType) unpacked as their Q4_1 rows would be.
-inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<QuantType::kQ4_1>* tile) {
+// x4 rows (a multiple of 4; layout: QuantType) unpacked as their file type's rows would be.
+template <QuantType T>
+inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type_of<T>()>* tile) {
+  constexpr int64_t kPairBytes = T == QuantType::kQ8_0x4 ? kQ8_0x4PairBytes : kQ4_1x4PairBytes;
   const int32_t pairs = blocks / 2;  // even
   const __m256i mask = _mm256_set1_epi8(15);
   for (int32_t g = 0; g < rows / kCombos; ++g) {
     for (int32_t p = 0; p < pairs; ++p) {
-      const uint8_t* pair = w + (static_cast<int64_t>(g) * pairs + p) * kQ4_1x4PairBytes;
+      const uint8_t* pair = w + (static_cast<int64_t>(g) * pairs + p) * kPairBytes;
       const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
-      const __m256 m_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
       for (int r = 0; r < kCombos; ++r) {
         const __m256i lanes = _mm256_setr_epi32(r, r, r, r, r + 4, r + 4, r + 4, r + 4);
-        WeightPair<QuantType::kQ4_1>& out = tile[static_cast<int64_t>(kCombos * g + r) * pairs + p];
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32 + 32 * r));
-        out.bytes.lo = _mm256_and_si256(raw, mask);
-        out.bytes.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        WeightPair<quant_file_type_of<T>()>& out = tile[static_cast<int64_t>(kCombos * g + r) * pairs + p];
         out.d_w = _mm256_permutevar8x32_ps(d_w, lanes);
-        out.m_w = _mm256_permutevar8x32_ps(m_w, lanes);
+        if constexpr (T == QuantType::kQ8_0x4) {
+          const __m256i* q = reinterpret_cast<const __m256i*>(pair + 16 + 64 * r);
+          out.bytes.lo = _mm256_loadu_si256(q);
+          out.bytes.hi = _mm256_loadu_si256(q + 1);
+          out.bytes.abs_lo = _mm256_sign_epi8(out.bytes.lo, out.bytes.lo);
+          out.bytes.abs_hi = _mm256_sign_epi8(out.bytes.hi, out.bytes.hi);
+        } else {
+          const __m256 m_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32 + 32 * r));
+          out.bytes.lo = _mm256_and_si256(raw, mask);
+          out.bytes.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          out.m_w = _mm256_permutevar8x32_ps(m_w, lanes);
+        }
       }
     }
   }
@@ -163,8 +173,9 @@ inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* co
   }
 }
 
-// T: the weights' format; the tile holds them as K (Q4_K's and Q4_1x4's pairs are Q4_1 pairs).
-template <QuantType T, QuantType K = T == QuantType::kQ4_K || T == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : T>
+// T: the weights' format; the tile holds them as K (Q4_K's pairs are Q4_1 pairs, an x4 type's
+// its file type's).
+template <QuantType T, QuantType K = T == QuantType::kQ4_K ? QuantType::kQ4_1 : quant_file_type_of<T>()>
 inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
   const int32_t rows = std::min(rows_per_task, a.n - n0);
@@ -182,8 +193,8 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
   if (!direct) out_rows.resize(static_cast<size_t>(x_chunk) * rows_per_task);
   if constexpr (T == QuantType::kQ4_K) {
     unpack_q4k_rows(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
-  } else if constexpr (T == QuantType::kQ4_1x4) {
-    unpack_x4_rows(a.weight + n0 * row_bytes, rows, blocks, tile.data());
+  } else if constexpr (quant_is_x4(T)) {
+    unpack_x4_rows<T>(a.weight + n0 * row_bytes, rows, blocks, tile.data());
   } else {
     unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
   }
@@ -223,7 +234,8 @@ inline void run_gemm_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t
     case QuantType::kQ8_0: return run_gemm_task_typed<QuantType::kQ8_0>(a, x, rows_per_task, task);
     case QuantType::kQ4_K: return run_gemm_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
     case QuantType::kQ4_1x4: return run_gemm_task_typed<QuantType::kQ4_1x4>(a, x, rows_per_task, task);
-    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and Q4_1x4 here
+    case QuantType::kQ8_0x4: return run_gemm_task_typed<QuantType::kQ8_0x4>(a, x, rows_per_task, task);
+    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and the x4 types here
   }
 }
 #else

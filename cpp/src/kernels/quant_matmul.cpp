@@ -2,6 +2,7 @@
 // ISA build that set_cpu_isa selected for attention, plans the tasks and runs them on the
 // kernels' parallel_for. Also the block-format tables.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -25,6 +26,7 @@ bool quant_type_supported(int32_t ggml_type) {
     case QuantType::kQ5_K:
     case QuantType::kQ6_K:
     case QuantType::kQ4_1x4:
+    case QuantType::kQ8_0x4:
       return true;
   }
   return false;
@@ -39,7 +41,8 @@ int32_t quant_block_bytes(QuantType type) {
     case QuantType::kQ4_0: return 18;
     case QuantType::kQ4_1:
     case QuantType::kQ4_1x4: return 20;
-    case QuantType::kQ8_0: return 34;
+    case QuantType::kQ8_0:
+    case QuantType::kQ8_0x4: return 34;
     case QuantType::kQ4_K: return 144;
     case QuantType::kQ5_K: return 176;
     case QuantType::kQ6_K: return 210;
@@ -95,7 +98,7 @@ DotTaskShape dot_task_shape(int32_t n, int num_threads) {
 // The 32-value formats, and Q4_K, whose sub-blocks are Q4_1 blocks with 6-bit scales.
 bool integer_format(const QuantMatmulArgs& a) {
   return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0 ||
-         a.type == QuantType::kQ4_K || a.type == QuantType::kQ4_1x4;
+         a.type == QuantType::kQ4_K || quant_is_x4(a.type);
 }
 
 bool use_dot_path(const QuantMatmulArgs& a) { return integer_format(a) && a.m <= kQuantIntegerPathRows; }
@@ -116,7 +119,7 @@ void check_args(const QuantMatmulArgs& a) {
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
               "quant_matmul: unsupported quantization type "
                   << static_cast<int32_t>(a.type)
-                  << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14 or Q4_1x4=259)");
+                  << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_1x4=259 or Q8_0x4=264)");
   VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
               "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
   const int32_t block = quant_block_values(a.type);
@@ -124,8 +127,8 @@ void check_args(const QuantMatmulArgs& a) {
               "quant_matmul: bad sizes (m " << a.m << ", n " << a.n << ", k " << a.k << " must be a positive multiple of "
                                             << block << ", x_stride " << a.x_stride << ", out_stride " << a.out_stride
                                             << ")");
-  VPAGE_CHECK(a.type != QuantType::kQ4_1x4 || quant_repack_q4_1x4_fits(QuantType::kQ4_1, a.n, a.k),
-              "quant_matmul: Q4_1x4 weights need n a multiple of 4 and k of 64 (n " << a.n << ", k " << a.k << ")");
+  VPAGE_CHECK(!quant_is_x4(a.type) || quant_repack_x4_fits(quant_file_type(a.type), a.n, a.k),
+              "quant_matmul: x4 weights need n a multiple of 4 and k of 64 (n " << a.n << ", k " << a.k << ")");
   VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
               "quant_matmul: null pointer");
 }
@@ -213,7 +216,7 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
   tasks.kernels = &selected_quant_kernels();
   num_threads = std::max(num_threads, 1);
   if (quant_integer_path(args)) {
-    tasks.unpack_x4 = args.type == QuantType::kQ4_1x4 && !tasks.kernels->integer_q4_1x4;
+    tasks.unpack_x4 = quant_is_x4(args.type) && !tasks.kernels->integer_x4;
     if (use_dot_path(args)) {
       const DotTaskShape shape = dot_task_shape(args.n, num_threads);
       tasks.integer_task = tasks.kernels->run_dot_task;
@@ -240,7 +243,7 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
     plan.k_major = true;
   }
   tasks.num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
-  tasks.unpack_x4 = args.type == QuantType::kQ4_1x4;
+  tasks.unpack_x4 = quant_is_x4(args.type);
   return tasks;
 }
 
@@ -280,17 +283,17 @@ void QuantMatmulTasks::run(int64_t task) const {
   }
 }
 
-// The task's Q4_1x4 rows (every task covers a multiple of 4 rows from a multiple of 4) as
-// GGUF Q4_1 rows in this thread's buffer, then the Q4_1 kernel on them as task 0 of a matmul
+// The task's x4 rows (every task covers a multiple of 4 rows from a multiple of 4) as the
+// file's rows in this thread's buffer, then that type's kernel on them as task 0 of a matmul
 // of those rows alone.
 void QuantMatmulTasks::run_unpacked(int64_t task) const {
   int32_t n0, rows;
   const int32_t task_size = task_rows(task, &n0, &rows);
   QuantMatmulArgs part = rows_args(n0, rows);
   thread_local std::vector<uint8_t> unpacked;
-  unpacked.resize(static_cast<size_t>(rows) * (args.k / 32) * 20);
-  quant_unpack_q4_1x4(part.weight, rows, args.k, unpacked.data());
-  part.type = QuantType::kQ4_1;
+  unpacked.resize(static_cast<size_t>(rows) * (args.k / 32) * quant_block_bytes(args.type));
+  quant_unpack_x4(args.type, part.weight, rows, args.k, unpacked.data());
+  part.type = quant_file_type(args.type);
   part.weight = unpacked.data();
   if (integer_task != nullptr) {
     integer_task(part, qx, task_size, 0);
@@ -315,41 +318,62 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(type)) && rows >= 0 && k > 0 && k % quant_block_values(type) == 0,
               "quant_dequantize_rows: bad type " << static_cast<int32_t>(type) << " or sizes (rows " << rows << ", k "
                                                  << k << ")");
-  if (type != QuantType::kQ4_1x4) {
+  if (!quant_is_x4(type)) {
     selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
     return;
   }
-  std::vector<uint8_t> unpacked(static_cast<size_t>(rows) * (k / 32) * 20);
-  quant_unpack_q4_1x4(weight, rows, k, unpacked.data());
-  selected_quant_kernels().dequantize_rows(QuantType::kQ4_1, unpacked.data(), rows, k, out);
+  std::vector<uint8_t> unpacked(static_cast<size_t>(rows) * (k / 32) * quant_block_bytes(type));
+  quant_unpack_x4(type, weight, rows, k, unpacked.data());
+  selected_quant_kernels().dequantize_rows(quant_file_type(type), unpacked.data(), rows, k, out);
 }
 
-bool quant_repack_q4_1x4_fits(QuantType type, int64_t rows, int32_t k) {
-  return type == QuantType::kQ4_1 && rows >= 0 && rows % 4 == 0 && k > 0 && k % 64 == 0;
+QuantType quant_x4_type(QuantType type) {
+  return type == QuantType::kQ4_1 ? QuantType::kQ4_1x4 : type == QuantType::kQ8_0 ? QuantType::kQ8_0x4 : type;
+}
+
+QuantType quant_file_type(QuantType type) {
+  return type == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : type == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : type;
+}
+
+bool quant_repack_x4_fits(QuantType type, int64_t rows, int32_t k) {
+  return (type == QuantType::kQ4_1 || type == QuantType::kQ8_0) && rows >= 0 && rows % 4 == 0 && k > 0 &&
+         k % 64 == 0;
 }
 
 namespace {
 
-// src -> dst: Q4_1 rows to kQ4_1x4 (to_x4), or back.
-void copy_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool to_x4) {
-  VPAGE_CHECK(quant_repack_q4_1x4_fits(QuantType::kQ4_1, rows, k),
-              "Q4_1x4 repacking needs a multiple of 4 rows and of 64 values per row (rows " << rows << ", k " << k
-                                                                                           << ")");
-  const int32_t blocks = k / 32;
-  const int64_t row_bytes = static_cast<int64_t>(blocks) * 20;
+// Where the three pieces of a file block (d, then m and nibbles or two halves of quants) land
+// in its x4 group's pair (QuantType's layouts): block h (0 or 1) of the pair, row r of the group.
+struct X4Piece {
+  int32_t from, bytes;  // within the file's block
+  int64_t to;           // within the group's pair
+};
+
+std::array<X4Piece, 3> x4_pieces(QuantType file_type, int r, int h) {
+  const int64_t d = 2 * (4 * h + r);
+  if (file_type == QuantType::kQ4_1) return {{{0, 2, d}, {2, 2, d + 16}, {4, 16, 32 + 32 * r + 16 * h}}};
+  return {{{0, 2, d}, {2, 16, 16 + 64 * r + 16 * h}, {18, 16, 16 + 64 * r + 32 + 16 * h}}};
+}
+
+// src -> dst: file rows of `file_type` to its x4 layout (to_x4), or back.
+void copy_x4(QuantType file_type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool to_x4) {
+  VPAGE_CHECK(quant_repack_x4_fits(file_type, rows, k),
+              "x4 repacking needs Q4_1 or Q8_0 rows, a multiple of 4 of them and of 64 values per row (type "
+                  << static_cast<int32_t>(file_type) << ", rows " << rows << ", k " << k << ")");
+  const int32_t blocks = k / 32, block_bytes = quant_block_bytes(file_type);
+  const int64_t row_bytes = static_cast<int64_t>(blocks) * block_bytes;
+  const int64_t pair_bytes = 8 * block_bytes;
   for (int64_t g = 0; g < rows / 4; ++g) {
     for (int32_t p = 0; p < blocks / 2; ++p) {
-      const int64_t pair = (g * (blocks / 2) + p) * kQ4_1x4PairBytes;
+      const int64_t pair = (g * (blocks / 2) + p) * pair_bytes;
       for (int r = 0; r < 4; ++r) {
         for (int h = 0; h < 2; ++h) {
-          const int64_t block = (4 * g + r) * row_bytes + (2 * p + h) * 20;
-          const int64_t d = pair + 2 * (4 * h + r), m = d + 16, qs = pair + 32 + 32 * r + 16 * h;
-          const int64_t from[3] = {block, block + 2, block + 4}, to[3] = {d, m, qs}, bytes[3] = {2, 2, 16};
-          for (int f = 0; f < 3; ++f) {
+          const int64_t block = (4 * g + r) * row_bytes + static_cast<int64_t>(2 * p + h) * block_bytes;
+          for (const X4Piece& piece : x4_pieces(file_type, r, h)) {
             if (to_x4) {
-              std::memcpy(dst + to[f], src + from[f], bytes[f]);
+              std::memcpy(dst + pair + piece.to, src + block + piece.from, piece.bytes);
             } else {
-              std::memcpy(dst + from[f], src + to[f], bytes[f]);
+              std::memcpy(dst + block + piece.from, src + pair + piece.to, piece.bytes);
             }
           }
         }
@@ -358,14 +382,30 @@ void copy_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool
   }
 }
 
-}  // namespace
-
-void quant_repack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
-  copy_q4_1x4(src, rows, k, dst, true);
+// Whether Q8_0 rows hold a quant of -128 (bytes 2-33 of each 34-byte block).
+bool has_q8_0_minimum(const uint8_t* src, int64_t rows, int32_t k) {
+  const int64_t blocks = rows * (k / 32);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = src + b * 34 + 2;
+    if (std::find(q, q + 32, uint8_t{0x80}) != q + 32) return true;
+  }
+  return false;
 }
 
-void quant_unpack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
-  copy_q4_1x4(src, rows, k, dst, false);
+}  // namespace
+
+bool quant_repack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  VPAGE_CHECK(quant_repack_x4_fits(type, rows, k),
+              "x4 repacking needs Q4_1 or Q8_0 rows, a multiple of 4 of them and of 64 values per row (type "
+                  << static_cast<int32_t>(type) << ", rows " << rows << ", k " << k << ")");
+  if (type == QuantType::kQ8_0 && has_q8_0_minimum(src, rows, k)) return false;
+  copy_x4(type, src, rows, k, dst, true);
+  return true;
+}
+
+void quant_unpack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  VPAGE_CHECK(quant_is_x4(type), "quant_unpack_x4: type " << static_cast<int32_t>(type) << " is not an x4 type");
+  copy_x4(quant_file_type(type), src, rows, k, dst, false);
 }
 
 void set_quant_integer_gemm_rows(int64_t max_rows) { gemm_max_rows.store(max_rows, std::memory_order_relaxed); }

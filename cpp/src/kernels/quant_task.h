@@ -35,6 +35,17 @@ constexpr int64_t quant_x_row_bytes(int32_t k) { return (static_cast<int64_t>(k)
 
 /// Bytes per block pair of a kQ4_1x4 group: 8 f16 d, 8 f16 m, 4 rows x 32 nibble bytes.
 constexpr int64_t kQ4_1x4PairBytes = 160;
+/// Bytes per block pair of a kQ8_0x4 group: 8 f16 d, 4 rows x 64 quants.
+constexpr int64_t kQ8_0x4PairBytes = 272;
+
+/// Whether `type` is a layout of four-row groups (kQ4_1x4, kQ8_0x4).
+constexpr bool quant_is_x4(QuantType type) { return type == QuantType::kQ4_1x4 || type == QuantType::kQ8_0x4; }
+
+/// quant_file_type for templates: the file's type of x4 rows, or T itself.
+template <QuantType T>
+constexpr QuantType quant_file_type_of() {
+  return T == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : T == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : T;
+}
 
 /// Floats per block pair and x group in QuantizedX::pairs.
 constexpr int32_t kXPairFloats = 16;
@@ -60,7 +71,7 @@ using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_
 
 /// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s (see QuantizedX).
 using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
-/// Integer decode path, Q4_0, Q4_1, Q8_0 and Q4_K, m <= kQuantIntegerPathRows: task
+/// Integer decode path, Q4_0, Q4_1, Q8_0, Q4_K and (SIMD builds) the x4 types, m <= kQuantIntegerPathRows: task
 /// `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
                                 int64_t task);
@@ -74,7 +85,7 @@ struct QuantKernels {
   QuantizeXFn quantize_x;
   QuantDotTaskFn run_dot_task;
   QuantDotTaskFn run_gemm_task;
-  bool integer_q4_1x4;     // whether the integer paths read kQ4_1x4 rows (else unpacked first)
+  bool integer_x4;         // whether the integer paths read x4 rows (else unpacked first)
   int32_t rows_multiple;   // weight rows per decode micro-kernel column group
   int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };
@@ -114,7 +125,7 @@ struct QuantMatmulTasks {
   int32_t head_tasks = 0;
   int32_t head_rows = 0;
   int64_t num_tasks = 0;
-  bool unpack_x4 = false;  // kQ4_1x4 rows on a path without a kernel for them
+  bool unpack_x4 = false;  // x4 rows on a path without a kernel for them
 
   /// Runs task `task`.
   void run(int64_t task) const;

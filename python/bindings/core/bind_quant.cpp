@@ -43,14 +43,16 @@ void bind_quant(py::module_& m) {
       py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"), py::arg("qtype"),
       "Dequantizes rows contiguous ggml-format rows of k values into float32 out [rows, k].");
   m.def(
-      "_cpu_quant_repack_q4_1x4",
-      [](uintptr_t out, uintptr_t weight, int64_t rows, int32_t k) {
+      "_cpu_quant_repack_x4",
+      [](uintptr_t out, uintptr_t weight, int64_t rows, int32_t k, int32_t qtype) {
         py::gil_scoped_release release;
-        cpu::quant_repack_q4_1x4(reinterpret_cast<const uint8_t*>(weight), rows, k, reinterpret_cast<uint8_t*>(out));
+        return cpu::quant_repack_x4(static_cast<QuantType>(qtype), reinterpret_cast<const uint8_t*>(weight), rows, k,
+                                    reinterpret_cast<uint8_t*>(out));
       },
-      py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"),
-      "Writes rows Q4_1 rows of k values (rows a multiple of 4, k of 64) into out in the Q4_1x4\n"
-      "layout (type 259) of the CPU decode kernel; out must not overlap weight.");
+      py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"), py::arg("qtype"),
+      "Writes rows Q4_1 or Q8_0 rows of k values (rows a multiple of 4, k of 64) into out in the\n"
+      "x4 layout of the CPU decode kernel (Q4_1x4 = 259, Q8_0x4 = 264) and returns True; False,\n"
+      "out untouched, for Q8_0 rows holding a quant of -128. out must not overlap weight.");
   m.attr("QUANT_INTEGER_PATH_ROWS") = cpu::kQuantIntegerPathRows;
   m.attr("QUANT_INTEGER_GEMM_MAX_ROWS") = cpu::kQuantIntegerGemmMaxRows;
   m.def("set_quant_integer_gemm_rows", &cpu::set_quant_integer_gemm_rows, py::arg("max_rows"),

@@ -17,9 +17,10 @@ QUANT_TYPES = {
     "Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34),
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
-# Layouts the CPU repacks GGUF rows into at load (not in any file): Q4_1x4 is Q4_1 rows in
-# groups of four for the decode kernel (repack_q4_1x4).
-REPACKED_TYPES = {"Q4_1x4": (259, 32, 20)}
+# Layouts the CPU repacks GGUF rows into at load (not in any file): Q4_1x4 and Q8_0x4 are
+# Q4_1 and Q8_0 rows in groups of four for the decode kernel (repack_x4).
+REPACKED_TYPES = {"Q4_1x4": (259, 32, 20), "Q8_0x4": (264, 32, 34)}
+_X4_OF = {"Q4_1": "Q4_1x4", "Q8_0": "Q8_0x4"}
 _FORMATS = {**QUANT_TYPES, **REPACKED_TYPES}
 _QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in _FORMATS.items()}
 
@@ -80,8 +81,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: object, n: int, 
 
     x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous);
     qweight uint8, the n rows' raw GGUF blocks (``[n, quant_row_bytes(qtype, k)]`` or flat);
-    qtype a name of ``QUANT_TYPES`` or its ggml id, or ``"Q4_1x4"`` (rows as
-    :func:`repack_q4_1x4` regroups them). Returns out ``[m, n]`` in x's dtype
+    qtype a name of ``QUANT_TYPES`` or its ggml id, or one of ``REPACKED_TYPES`` (rows as
+    :func:`repack_x4` regroups them). Returns out ``[m, n]`` in x's dtype
     (float32 accumulation). The weights are dequantized inside the kernel, never copied.
     With Q4_0, Q4_1, Q8_0 or Q4_K, x is rounded to 8 bits per 32 values and multiplied in
     integers, as llama.cpp does (the decode path up to ``_core.QUANT_INTEGER_PATH_ROWS`` rows,
@@ -172,15 +173,17 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[t
     return out
 
 
-def repack_q4_1x4(qweight: torch.Tensor, rows: int, k: int) -> Optional[torch.Tensor]:
-    """``rows`` Q4_1 rows of ``k`` values (contiguous CPU uint8, ``[rows, quant_row_bytes("Q4_1",
-    k)]``) in the ``"Q4_1x4"`` layout of the CPU decode kernel: the same bytes regrouped, four
-    rows at a time, so that quant_matmul reads each block pair of four rows in three loads
-    (the same results, bitwise). None when the sizes do not allow it (rows not a multiple of 4,
-    k not of 64). A Q4_1x4 row cannot be picked alone (dequantize_rows takes whole groups)."""
-    _check_qweight(qweight, "Q4_1", rows, k)
+def repack_x4(qweight: torch.Tensor, qtype: str, rows: int, k: int) -> Optional[torch.Tensor]:
+    """``rows`` Q4_1 or Q8_0 rows of ``k`` values (contiguous CPU uint8, ``[rows,
+    quant_row_bytes(qtype, k)]``) in the ``"Q4_1x4"`` / ``"Q8_0x4"`` layout of the CPU decode
+    kernel: the same bytes regrouped, four rows at a time, so that quant_matmul reads a block
+    pair of four rows in a few whole-vector loads (the same results, bitwise). None when that
+    cannot be: another type, rows not a multiple of 4, k not of 64, or a Q8_0 quant of -128. A
+    repacked row cannot be picked alone (dequantize_rows takes whole groups)."""
+    if qtype not in _X4_OF:
+        return None
+    _check_qweight(qweight, qtype, rows, k)
     if rows % 4 or k % 64:
         return None
     out = torch.empty_like(qweight)
-    _ops_cpu.repack_q4_1x4(out, qweight, rows, k)
-    return out
+    return out if _ops_cpu.repack_x4(out, qweight, QUANT_TYPES[qtype][0], rows, k) else None

@@ -22,14 +22,18 @@ namespace vpage {
 ///          is the high bit of value l of sub-block s) before the 128 nibble bytes.
 ///   kQ6_K: 256 values in 210 bytes: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8
 ///          scales (one per 16 values), f16 d; value = d * scale * (q - 32).
-/// Not a ggml type: kQ4_1x4 is Q4_1 rows repacked for this CPU's decode kernel
-/// (quant_repack_q4_1x4), the same bytes per row: rows go in groups of four (4 * row bytes
-/// each), and per block pair p (blocks 2p, 2p + 1) a group holds 160 bytes: the eight d of
-/// blocks 2p (rows 0-3) then 2p + 1 (rows 0-3) as f16, the eight m the same way, then for
-/// rows 0-3 in turn the 16 nibble bytes of block 2p and of block 2p + 1. A row alone is not
-/// addressable: matrices of this type have a multiple of 4 rows and of 64 values per row.
+/// Not ggml types: kQ4_1x4 and kQ8_0x4 are Q4_1 and Q8_0 rows repacked for this CPU's decode
+/// kernel (quant_repack_x4), the same bytes per row: rows go in groups of four (4 * row bytes
+/// each), and per block pair p (blocks 2p, 2p + 1) a group holds first the eight d of blocks
+/// 2p (rows 0-3) then 2p + 1 (rows 0-3) as f16, then:
+///   kQ4_1x4 (160 bytes a pair): the eight m the same way, then for rows 0-3 in turn the 16
+///          nibble bytes of block 2p and of block 2p + 1;
+///   kQ8_0x4 (272 bytes a pair): for rows 0-3 in turn the quants 0-15 of block 2p, of 2p + 1,
+///          then quants 16-31 of block 2p and of 2p + 1 (no quant is -128).
+/// A row alone is not addressable: matrices of these types have a multiple of 4 rows and of 64
+/// values per row.
 enum class QuantType : int32_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_1x4 = 259
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_1x4 = 259, kQ8_0x4 = 264
 };
 
 /// True when `ggml_type` is one of QuantType's values.
@@ -46,7 +50,7 @@ struct QuantMatmulArgs {
   void* out = nullptr;              // [m, n], row stride out_stride, dtype `dtype`
   const void* x = nullptr;          // [m, k], row stride x_stride, dtype `dtype`
   const uint8_t* weight = nullptr;  // [n, k / block_values * block_bytes] raw GGUF blocks or
-                                    // kQ4_1x4 groups, contiguous
+                                    // x4 groups, contiguous
   int64_t m = 0;                    // rows of x (tokens)
   int32_t n = 0;                    // rows of W (output features)
   int32_t k = 0;                    // a multiple of quant_block_values(type)
@@ -89,21 +93,32 @@ constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 
 /// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
-/// (embedding lookups, tests); kQ4_1x4: `rows` a multiple of 4 from a group's start.
+/// (embedding lookups, tests); x4 types: `rows` a multiple of 4 from a group's start.
 /// Single-threaded. Throws vpage::CheckError on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
-/// Whether `rows` rows of `k` values of `type` can be repacked by quant_repack_q4_1x4
-/// (Q4_1, rows a multiple of 4, k of 64).
-bool quant_repack_q4_1x4_fits(QuantType type, int64_t rows, int32_t k);
+/// The repacked type of `type` (kQ4_1 -> kQ4_1x4, kQ8_0 -> kQ8_0x4), or `type` itself when it
+/// has none.
+QuantType quant_x4_type(QuantType type);
 
-/// Writes the kQ4_1x4 layout of `rows` Q4_1 rows of `k` values from `src` into `dst` (the
-/// same number of bytes; not in place). Throws vpage::CheckError unless the sizes fit.
-void quant_repack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+/// The file's type of x4 rows (kQ4_1x4 -> kQ4_1, kQ8_0x4 -> kQ8_0), or `type` itself.
+QuantType quant_file_type(QuantType type);
 
-/// The inverse: kQ4_1x4 rows back into GGUF Q4_1 rows (the paths without a kQ4_1x4 kernel
-/// unpack a task's rows, in L2, and run their Q4_1 kernel: the same results).
-void quant_unpack_q4_1x4(const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+/// Whether `rows` rows of `k` values of `type` have the sizes quant_repack_x4 takes (Q4_1 or
+/// Q8_0, rows a multiple of 4, k of 64).
+bool quant_repack_x4_fits(QuantType type, int64_t rows, int32_t k);
+
+/// Writes the x4 layout (quant_x4_type) of `rows` rows of `type` of `k` values from `src` into
+/// `dst` (the same number of bytes; not in place) and returns true; returns false, writing
+/// nothing, for Q8_0 rows holding a quant of -128 (the kQ8_0x4 kernel moves x's sign onto the
+/// weights, where -128 has no negation; ggml's quantizer never writes it). Throws
+/// vpage::CheckError unless the sizes fit.
+bool quant_repack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+
+/// The inverse: x4 rows of `type` (kQ4_1x4 or kQ8_0x4) back into the file's rows (the paths
+/// without an x4 kernel unpack a task's rows, in L2, and run the file type's kernel: the same
+/// results).
+void quant_unpack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
 
 /// Sets the most rows the integer GEMM path takes (default kQuantIntegerGemmMaxRows; up to
 /// kQuantIntegerPathRows: none, those rows take the float path): for benchmarks and tests.

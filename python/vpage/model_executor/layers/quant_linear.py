@@ -5,9 +5,9 @@ row's raw GGUF blocks, exactly as in the file (rows of fused projections are the
 stacked, as :class:`~vpage.model_executor.layers.parallel_linear.OutputRows` lays them out).
 It loads only from :class:`QuantizedTensor` rows of the same type. Matmuls dequantize inside
 the kernel (:func:`vpage.ops.quant_matmul`); embedding lookups dequantize only the looked-up
-rows (of a repacked table, their groups of four). Once loaded, Q4_1 rows are regrouped for
-the CPU decode kernel (:func:`repack_quantized_weights`, called by the worker: the
-``"Q4_1x4"`` layout, the same bytes and results).
+rows (of a repacked table, their groups of four). Once loaded, Q4_1 and Q8_0 rows are
+regrouped for the CPU decode kernel (:func:`repack_quantized_weights`, called by the worker:
+the ``"Q4_1x4"`` / ``"Q8_0x4"`` layouts, the same bytes and results).
 
 Under tensor parallelism a block is never cut: a column-parallel layer keeps whole rows (its
 ``OutputRows``), the embedding whole vocabulary rows (``VocabShard``), and a row-parallel
@@ -65,14 +65,15 @@ class QuantizedWeight(nn.Module):
         self.layout.load(dest, raw, shard_id)
 
     def repack(self) -> None:
-        """After every part is loaded: Q4_1 rows -> ``"Q4_1x4"`` (:func:`vpage.ops.repack_q4_1x4`)
-        where the sizes allow, in place (the parameter keeps its storage)."""
-        if self.qtype != "Q4_1" or self.qweight.device.type != "cpu":
+        """After every part is loaded: Q4_1 / Q8_0 rows -> ``"Q4_1x4"`` / ``"Q8_0x4"``
+        (:func:`vpage.ops.repack_x4`) where they allow it, in place (the parameter keeps its
+        storage)."""
+        if self.qweight.device.type != "cpu":
             return
-        repacked = ops.repack_q4_1x4(self.qweight.data, self.rows, self.cols)
+        repacked = ops.repack_x4(self.qweight.data, self.qtype, self.rows, self.cols)
         if repacked is not None:
             self.qweight.data.copy_(repacked)
-            self.qtype = "Q4_1x4"
+            self.qtype += "x4"
             self.type_id = ops.REPACKED_TYPES[self.qtype][0]
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +149,7 @@ class QuantizedEmbedding(QuantizedWeight):
         return self.shard.embed(input_ids, self._lookup)
 
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.qtype != "Q4_1x4":
+        if self.qtype not in ops.REPACKED_TYPES:
             return ops.dequantize_rows(self.qweight.index_select(0, rows), self.qtype, self.cols).to(self.dtype)
         # A repacked row is not whole on its own: each row's group of four, then the row.
         row_bytes = self.qweight.shape[1]
