@@ -99,7 +99,7 @@ inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, i
 
 // x4 rows (a multiple of 4; layout: QuantType) unpacked as their file type's rows would be.
 template <QuantType T>
-inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type_of<T>()>* tile) {
+inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type(T)>* tile) {
   constexpr int64_t kPairBytes = T == QuantType::kQ8_0x4 ? kQ8_0x4PairBytes : kQ4_1x4PairBytes;
   const int32_t pairs = blocks / 2;  // even
   const __m256i mask = _mm256_set1_epi8(15);
@@ -109,7 +109,7 @@ inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, Weigh
       const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
       for (int r = 0; r < kCombos; ++r) {
         const __m256i lanes = _mm256_setr_epi32(r, r, r, r, r + 4, r + 4, r + 4, r + 4);
-        WeightPair<quant_file_type_of<T>()>& out = tile[static_cast<int64_t>(kCombos * g + r) * pairs + p];
+        WeightPair<quant_file_type(T)>& out = tile[static_cast<int64_t>(kCombos * g + r) * pairs + p];
         out.d_w = _mm256_permutevar8x32_ps(d_w, lanes);
         if constexpr (T == QuantType::kQ8_0x4) {
           const __m256i* q = reinterpret_cast<const __m256i*>(pair + 16 + 64 * r);
@@ -175,7 +175,7 @@ inline void gemm_tile(const WeightPair<T>* rows, int32_t pairs, const int8_t* co
 
 // T: the weights' format; the tile holds them as K (Q4_K's pairs are Q4_1 pairs, an x4 type's
 // its file type's).
-template <QuantType T, QuantType K = T == QuantType::kQ4_K ? QuantType::kQ4_1 : quant_file_type_of<T>()>
+template <QuantType T, QuantType K = T == QuantType::kQ4_K ? QuantType::kQ4_1 : quant_file_type(T)>
 inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);
   const int32_t rows = std::min(rows_per_task, a.n - n0);

@@ -327,14 +327,6 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   selected_quant_kernels().dequantize_rows(quant_file_type(type), unpacked.data(), rows, k, out);
 }
 
-QuantType quant_x4_type(QuantType type) {
-  return type == QuantType::kQ4_1 ? QuantType::kQ4_1x4 : type == QuantType::kQ8_0 ? QuantType::kQ8_0x4 : type;
-}
-
-QuantType quant_file_type(QuantType type) {
-  return type == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : type == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : type;
-}
-
 bool quant_repack_x4_fits(QuantType type, int64_t rows, int32_t k) {
   return (type == QuantType::kQ4_1 || type == QuantType::kQ8_0) && rows >= 0 && rows % 4 == 0 && k > 0 &&
          k % 64 == 0;

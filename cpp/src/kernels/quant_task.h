@@ -41,12 +41,6 @@ constexpr int64_t kQ8_0x4PairBytes = 272;
 /// Whether `type` is a layout of four-row groups (kQ4_1x4, kQ8_0x4).
 constexpr bool quant_is_x4(QuantType type) { return type == QuantType::kQ4_1x4 || type == QuantType::kQ8_0x4; }
 
-/// quant_file_type for templates: the file's type of x4 rows, or T itself.
-template <QuantType T>
-constexpr QuantType quant_file_type_of() {
-  return T == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : T == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : T;
-}
-
 /// Floats per block pair and x group in QuantizedX::pairs.
 constexpr int32_t kXPairFloats = 16;
 

@@ -99,10 +99,14 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
 
 /// The repacked type of `type` (kQ4_1 -> kQ4_1x4, kQ8_0 -> kQ8_0x4), or `type` itself when it
 /// has none.
-QuantType quant_x4_type(QuantType type);
+constexpr QuantType quant_x4_type(QuantType type) {
+  return type == QuantType::kQ4_1 ? QuantType::kQ4_1x4 : type == QuantType::kQ8_0 ? QuantType::kQ8_0x4 : type;
+}
 
 /// The file's type of x4 rows (kQ4_1x4 -> kQ4_1, kQ8_0x4 -> kQ8_0), or `type` itself.
-QuantType quant_file_type(QuantType type);
+constexpr QuantType quant_file_type(QuantType type) {
+  return type == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : type == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : type;
+}
 
 /// Whether `rows` rows of `k` values of `type` have the sizes quant_repack_x4 takes (Q4_1 or
 /// Q8_0, rows a multiple of 4, k of 64).
