@@ -12,9 +12,9 @@
 //          x 4 x rows x 2 blocks: 512 products), on a k = 576 tile of 64 rows (L2);
 //  - products: the same iteration's 16 vpmaddubsw and their int16 adds alone (the floor that
 //          the lane reductions and the scale step sit on);
-//  - dot Q4_1x4: the decode tile on the same rows as the worker repacks them (QuantType's
-//          kQ4_1x4: per block pair the four rows' f16 scales side by side, then each row's two
-//          blocks of nibbles), checked to give the same results;
+//  - dot Q4_1x4: the decode tile (four groups side by side) on the same rows as the worker
+//          repacks them (QuantType's kQ4_1x4: per block pair the four rows' f16 scales side by
+//          side, then each row's two blocks of nibbles), checked to give the same results;
 //  - dot task Q4_1x4 / Q8_0 / Q8_0x4, m x rows: the whole decode task (run_dot_task: x passes over
 //          chunks of tiles, output store) at each of --m x rows, on 64 weight rows of k = 576
 //          (L1/L2), per 32-value block, weight row and x row: what a speculative step's extra
@@ -98,9 +98,10 @@ std::pair<double, double> dot_cycles(int k, int rows, int repeats, std::mt19937&
   });
   const double packed = best_tsc_per_unit(repeats, units, [&] {
     for (int pass = 0; pass < passes; ++pass) {
-      for (int r = 0; r + 4 <= rows; r += 4) {
-        dot_tile_x4<QuantType::kQ4_1x4, 1>(&repacked[r / 4 * group_bytes], kPrefetchRows * group_bytes, blocks,
-                                           xq.data(), 0, spread, 0, out_repacked.data() + r);
+      for (int r = 0; r + 16 <= rows; r += 16) {  // four groups side by side, as the decode task reads them
+        const uint8_t* groups[kDotStreams];
+        for (int j = 0; j < kDotStreams; ++j) groups[j] = &repacked[(r / 4 + j) * group_bytes];
+        dot_tile_x4_streams<QuantType::kQ4_1x4, 1>(groups, blocks, xq.data(), 0, spread, 0, out_repacked.data() + r);
       }
     }
   });
@@ -218,9 +219,9 @@ int main(int argc, char** argv) {
                             {"--rows", [&](const std::string& v) { rows = vpage_bench::int_list(v); }},
                             {"--m", [&](const std::string& v) { ms = vpage_bench::int_list(v); }},
                             {"--repeats", [&](const std::string& v) { repeats = std::stoi(v); }}});
-  const bool rows_ok = std::all_of(rows.begin(), rows.end(), [](int r) { return r >= 4 && r % 4 == 0; });
+  const bool rows_ok = std::all_of(rows.begin(), rows.end(), [](int r) { return r >= 16 && r % 16 == 0; });
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") || k % 64 != 0 || !rows_ok) {
-    std::printf("needs a CPU with AVX2 and FMA, k a multiple of 64 and rows multiples of 4\n");
+    std::printf("needs a CPU with AVX2 and FMA, k a multiple of 64 and rows multiples of 16\n");
     return 2;
   }
   std::printf("# %s, one thread, TSC cycles\n", vpage_bench::machine_description().c_str());

@@ -61,6 +61,12 @@ constexpr int64_t x4_pair_bytes() {
   return T == QuantType::kQ8_0x4 ? kQ8_0x4PairBytes : kQ4_1x4PairBytes;
 }
 
+// How far ahead in its stream the x4 tile prefetches (Zen 3, the default model's matrices from
+// DRAM at 1 and 5 x rows: Q8_0x4 1 KiB 3-19% faster than 9.6 KiB, no prefetch 30% slower at 4
+// rows; Q4_1x4 1 KiB ahead 0.87-0.93x of the GGUF layout's time at 1 row against 0.93-0.99x
+// at 4 KiB).
+constexpr int64_t kX4PrefetchBytes = 1024;
+
 // One block pair (b, b + 1) of an x4 group (layout: QuantType) against x rows [0, MR) (xq, xs
 // as dot_tile takes them), into acc.
 //   kQ4_1x4: the four rows' d and m are one f16 vector each and a row's two blocks of nibbles
@@ -73,10 +79,10 @@ constexpr int64_t x4_pair_bytes() {
 //     cycles than dot_tile<kQ8_0> at 1-8 x rows).
 // The same integers, lane arithmetic and order: bitwise dot_tile's results for the file's rows.
 template <QuantType T, int MR>
-inline void x4_pair(const uint8_t* pair, int64_t prefetch, int32_t b, const int8_t* xq, int64_t x_stride,
+inline void x4_pair(const uint8_t* pair, int32_t b, const int8_t* xq, int64_t x_stride,
                     const float* xs, int64_t xs_stride, LaneSums acc[MR]) {
   for (int64_t line = 0; line < x4_pair_bytes<T>(); line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(pair + prefetch + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pair + kX4PrefetchBytes + line), _MM_HINT_T0);
   }
   const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
   if constexpr (T == QuantType::kQ8_0x4) {
@@ -108,46 +114,28 @@ inline void x4_pair(const uint8_t* pair, int64_t prefetch, int32_t b, const int8
   }
 }
 
-// The decode tile on one x4 group against x rows [0, MR): out[r * MR + i].
+// x rows [0, MR) against kDotStreams x4 groups, one from each quarter of a task, block pair by
+// block pair (a group may repeat, its results unused): out[(j * kCombos + r) * MR + i].
+// Reading four streams side by side keeps more DRAM reads in flight than a group at a time
+// (Zen 3, one thread, 60 MB of Q8_0x4, one x row: 1.05x dot_tile<kQ8_0>'s speed against
+// 0.6-0.8x group by group), and the accumulators that do not fit in registers cost less than
+// the reloads of unpacked weights did (vpage-bench-quant-tile, Q4_1x4, 1 / 2 / 4 x rows: 1.51 /
+// 1.37 / 1.21 cycles a block, row and x row against 1.78 / 1.53 / 1.26 group by group).
 template <QuantType T, int MR>
-inline void dot_tile_x4(const uint8_t* group, int64_t prefetch, int32_t blocks, const int8_t* xq, int64_t x_stride,
-                        const float* xs, int64_t xs_stride, float* out) {
-  LaneSums acc[MR];
-  for (int32_t b = 0; b < blocks; b += 2) {
-    x4_pair<T, MR>(group + (b / 2) * x4_pair_bytes<T>(), prefetch, b, xq, x_stride, xs, xs_stride, acc);
-  }
-  store_tile<MR>(acc, out, MR);
-}
-
-// How far ahead in its stream dot_tile_x4_streams prefetches (Zen 3, the default model's Q8_0x4
-// output layer from DRAM at 1-5 x rows: 1 KiB ahead 3-19% faster than four groups, 9.6 KiB;
-// no prefetch 30% slower at 4 rows).
-constexpr int64_t kX4StreamPrefetchBytes = 1024;
-
-// x rows [0, MR) against kDotStreams groups, one from each quarter stream, block pair by block
-// pair (a group may repeat, its results unused): out[(j * kCombos + r) * MR + i]. For kQ8_0x4,
-// whose passes stream from DRAM: reading the four streams side by side keeps more reads in
-// flight than a group at a time (Zen 3, one thread, 60 MB, one x row: 1.05x dot_tile<kQ8_0>'s
-// speed against 0.6-0.8x group by group; the default model's output layer, 2 threads, at 1 / 5
-// / 8 / 16 x rows: 0.9-1.0x / 0.83x / 0.77-0.92x / 0.85-0.90x of its Q8_0 time). kQ4_1x4's
-// unpacked nibbles and offset chains would spill here.
-template <QuantType T, int MR>
-inline void dot_tile_x4_streams(const uint8_t* const groups[kDotStreams], int64_t prefetch, int32_t blocks,
-                                const int8_t* xq, int64_t x_stride, const float* xs, int64_t xs_stride, float* out) {
+inline void dot_tile_x4_streams(const uint8_t* const groups[kDotStreams], int32_t blocks, const int8_t* xq,
+                                 int64_t x_stride, const float* xs, int64_t xs_stride, float* out) {
   LaneSums acc[kDotStreams][MR];
   for (int32_t b = 0; b < blocks; b += 2) {
 #pragma GCC unroll 4
     for (int j = 0; j < kDotStreams; ++j) {
-      x4_pair<T, MR>(groups[j] + (b / 2) * x4_pair_bytes<T>(), prefetch, b, xq, x_stride, xs, xs_stride, acc[j]);
+      x4_pair<T, MR>(groups[j] + (b / 2) * x4_pair_bytes<T>(), b, xq, x_stride, xs, xs_stride, acc[j]);
     }
   }
   for (int j = 0; j < kDotStreams; ++j) store_tile<MR>(acc[j], out + j * kCombos * MR, MR);
 }
 
 // run_dot_task on x4 rows (kQ4_1x4, kQ8_0x4): a tile is a group, whose rows are one contiguous
-// run. A step takes kDotStreams groups: kQ8_0x4 one from each quarter of the task (read side by
-// side at one x row, dot_tile_x4_streams), kQ4_1x4 consecutive ones (Zen 3, one x row: its
-// gate_up and down matrices took 15-23% longer read as quarters).
+// run, and a step takes one group from each quarter of the task (dot_tile_x4_streams).
 template <QuantType T>
 inline void run_dot_task_x4(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows_per_task, int64_t task) {
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);  // a multiple of 4, as rows_per_task
@@ -161,14 +149,12 @@ inline void run_dot_task_x4(const QuantMatmulArgs& a, const QuantizedX& x, int32
   float values[kDotStreams * kCombos * kXRowsPerPass];
   const float* spread = spread_pair_scales(x, a.m, blocks);
   const int64_t xs_stride = quant_x_group_floats(blocks);
-  constexpr bool kQuarterStreams = T == QuantType::kQ8_0x4;  // else runs of kDotStreams groups
-  const int64_t prefetch = kQuarterStreams ? kX4StreamPrefetchBytes : kPrefetchRows * group_bytes;
   const int32_t quarter = (groups + kDotStreams - 1) / kDotStreams;
   for (int32_t c = 0; c < quarter; ++c) {
     int32_t step_groups[kDotStreams];  // stream j's group of this step, or -1
     const uint8_t* tile[kDotStreams];
     for (int j = 0; j < kDotStreams; ++j) {
-      const int32_t g = kQuarterStreams ? j * quarter + c : c * kDotStreams + j;
+      const int32_t g = j * quarter + c;
       step_groups[j] = g < groups ? g : -1;
       tile[j] = first + (g < groups ? g : c) * group_bytes;  // stream 0's group stands in
     }
@@ -176,24 +162,11 @@ inline void run_dot_task_x4(const QuantMatmulArgs& a, const QuantizedX& x, int32
       const int mr = static_cast<int>(std::min<int64_t>(kXRowsPerPass, a.m - i0));
       const int8_t* xq = x.q + i0 * x.q_stride;
       const float* xs = spread + i0 * xs_stride;
-      if (kQuarterStreams) {
-        switch (mr) {
-          case 1: dot_tile_x4_streams<T, 1>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
-          case 2: dot_tile_x4_streams<T, 2>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
-          case 3: dot_tile_x4_streams<T, 3>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
-          default: dot_tile_x4_streams<T, 4>(tile, prefetch, blocks, xq, x.q_stride, xs, xs_stride, values); break;
-        }
-      } else {
-        for (int j = 0; j < kDotStreams; ++j) {
-          if (step_groups[j] < 0) continue;
-          float* out = values + j * kCombos * mr;
-          switch (mr) {
-            case 1: dot_tile_x4<T, 1>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
-            case 2: dot_tile_x4<T, 2>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
-            case 3: dot_tile_x4<T, 3>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
-            default: dot_tile_x4<T, 4>(tile[j], prefetch, blocks, xq, x.q_stride, xs, xs_stride, out); break;
-          }
-        }
+      switch (mr) {
+        case 1: dot_tile_x4_streams<T, 1>(tile, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+        case 2: dot_tile_x4_streams<T, 2>(tile, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+        case 3: dot_tile_x4_streams<T, 3>(tile, blocks, xq, x.q_stride, xs, xs_stride, values); break;
+        default: dot_tile_x4_streams<T, 4>(tile, blocks, xq, x.q_stride, xs, xs_stride, values); break;
       }
       for (int j = 0; j < kDotStreams; ++j) {
         if (step_groups[j] < 0) continue;
