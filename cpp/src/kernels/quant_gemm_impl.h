@@ -100,13 +100,14 @@ inline void unpack_q4k_rows(const uint8_t* w, int64_t row_bytes, int32_t rows, i
 // x4 rows (a multiple of 4; layout: QuantType) unpacked as their file type's rows would be.
 template <QuantType T>
 inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type(T)>* tile) {
-  constexpr int64_t kPairBytes = T == QuantType::kQ8_0x4 ? kQ8_0x4PairBytes : kQ4_1x4PairBytes;
   const int32_t pairs = blocks / 2;  // even
   const __m256i mask = _mm256_set1_epi8(15);
   for (int32_t g = 0; g < rows / kCombos; ++g) {
     for (int32_t p = 0; p < pairs; ++p) {
-      const uint8_t* pair = w + (static_cast<int64_t>(g) * pairs + p) * kPairBytes;
+      const uint8_t* pair = w + (static_cast<int64_t>(g) * pairs + p) * x4_pair_bytes<T>();
       const __m256 d_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair)));
+      [[maybe_unused]] const __m256 m_w =  // Q4_1x4 only
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
       for (int r = 0; r < kCombos; ++r) {
         const __m256i lanes = _mm256_setr_epi32(r, r, r, r, r + 4, r + 4, r + 4, r + 4);
         WeightPair<quant_file_type(T)>& out = tile[static_cast<int64_t>(kCombos * g + r) * pairs + p];
@@ -118,7 +119,6 @@ inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, Weigh
           out.bytes.abs_lo = _mm256_sign_epi8(out.bytes.lo, out.bytes.lo);
           out.bytes.abs_hi = _mm256_sign_epi8(out.bytes.hi, out.bytes.hi);
         } else {
-          const __m256 m_w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pair + 16)));
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair + 32 + 32 * r));
           out.bytes.lo = _mm256_and_si256(raw, mask);
           out.bytes.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
