@@ -176,6 +176,36 @@ TEST_CASE("dense_matmul: every weight and activation dtype, every ISA, awkward s
   }
 }
 
+TEST_CASE("dense_matmul: bfloat16 outputs are the float32 results rounded, bit for bit") {
+  // Full panels (stored in line) and a partial one, with and without bias (through
+  // dense_store_out): both stores round as float_to_bfloat16 does.
+  vpage_test::AutoIsaOnExit restore;
+  std::mt19937 rng(11);
+  for (const std::string& isa : vpage_test::supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    for (DType weight_dtype : {DType::kFloat32, DType::kBFloat16}) {
+      // bf16 x bf16 runs bf16 dot products there, not the float32 path.
+      if (weight_dtype == DType::kBFloat16 && std::string(vpage::cpu::dense_matmul_isa()) == "avx512bf16") continue;
+      for (int64_t m : {9, 260}) {
+        const int n = 70, k = 300;
+        const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
+        const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
+        std::vector<float> bias(static_cast<size_t>(n));
+        for (float& b : bias) b = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
+        const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
+        for (bool with_bias : {false, true}) {
+          const std::vector<float>* b = with_bias ? &bias : nullptr;
+          const std::vector<float> wide = run(DType::kFloat32, weight_dtype, x, packed, b, m, n, k, 2);
+          const std::vector<float> half = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2);
+          for (size_t i = 0; i < wide.size(); ++i) {
+            EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(wide[i])));
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("dense_matmul: bad arguments throw") {
   std::vector<float> buffer(64 * 32, 1.0f);
   vpage::DenseMatmulArgs a;

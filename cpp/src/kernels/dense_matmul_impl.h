@@ -129,10 +129,12 @@ inline void widen_chunk(const W* src, int32_t kc, float* dst) {
   for (int64_t i = 0; i < static_cast<int64_t>(kc) * kDensePanelRows; i += kLanes) store(dst + i, load(src + i));
 }
 
-// out rows [0, mc) (row stride out_stride), 32 columns each = acc [mc, 32], in line for the
-// common float32 case (a dense_store_out call per row, a 128-byte memcpy, made the float32
-// throughput trace 1-4% slower: RESULTS-vllm-cpu.md).
-inline void store_panel_rows(const float* acc, int64_t mc, float* out, int64_t out_stride) {
+// out rows [0, mc) (row stride out_stride), 32 columns each = acc [mc, 32], in line for
+// float32 and bfloat16 outputs without bias (a dense_store_out call per row, a 128-byte memcpy
+// for float32, made the float32 throughput trace 1-4% slower: RESULTS-vllm-cpu.md). The
+// vectors' bfloat16 rounding is float_to_bfloat16's, so the same bits as the call.
+template <typename O>
+inline void store_panel_rows(const float* acc, int64_t mc, O* out, int64_t out_stride) {
   for (int64_t i = 0; i < mc; ++i) {
     const float* row = acc + i * kDensePanelRows;
     for (int c = 0; c < kDensePanelRows; c += kLanes) store(out + i * out_stride + c, load(row + c));
@@ -168,8 +170,11 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
     const int32_t cols = std::min(kDensePanelRows, a.n - col0);
+    const int64_t first = m0 * a.out_stride + col0;
     if (a.dtype == DType::kFloat32 && a.bias == nullptr && cols == kDensePanelRows) {
-      store_panel_rows(acc, mc, static_cast<float*>(a.out) + m0 * a.out_stride + col0, a.out_stride);
+      store_panel_rows(acc, mc, static_cast<float*>(a.out) + first, a.out_stride);
+    } else if (a.dtype == DType::kBFloat16 && a.bias == nullptr && cols == kDensePanelRows) {
+      store_panel_rows(acc, mc, static_cast<BF16*>(a.out) + first, a.out_stride);
     } else {
       for (int64_t i = 0; i < mc; ++i) dense_store_out(a, m0 + i, col0, cols, acc + i * kDensePanelRows);
     }
