@@ -10,7 +10,7 @@ A seeded synthetic trace with ShareGPT-like lengths (log-normal; prompts 16-512 
 outputs 16-256, ignore_eos) is served by vpage (all requests at once, continuous batching)
 and by transformers' generate in static batches (left-padded, each batch runs to its longest
 output; the best batch size among --hf-batch-sizes is picked on the first --hf-pick-requests
-requests, then run on the whole trace). Output tokens/s counts the tokens each request asked
+requests, then run on the whole trace; a single size is run directly). Output tokens/s counts the tokens each request asked
 for. Each system runs in its own process, so peak RSS is its own. KV-cache utilization is
 tokens stored / slots allocated, averaged over vpage's steps, beside what reserving each
 running request's prompt + max_tokens ("oracle") or max_model_len ("max") would have used.
@@ -126,7 +126,11 @@ def worker(argv: list[str], args) -> dict:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--device", args.device]
     print("running:", " ".join(cmd[2:]), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    # Each result as it comes, so a run cut short by a time limit still reports what finished.
+    print(f"done: {result['system']} {result['dtype']} batch {result['batch']}: {result['output_tok_s']:.1f} "
+          f"output tok/s, {result['wall_s']:.1f} s", file=sys.stderr, flush=True)
+    return result
 
 
 def main() -> None:
@@ -159,10 +163,12 @@ def main() -> None:
             quantization = "auto" if name == "vpage-gguf" else "none"
             results.append(worker(["vpage", "--dtype", dtype, "--quantization", quantization], args))
             continue
-        picks = [worker(["hf", "--dtype", dtype, "--batch-size", b, "--limit", str(args.hf_pick_requests)], args)
-                 for b in args.hf_batch_sizes.split(",")]
-        best = max(picks, key=lambda r: r["output_tok_s"])
-        results.append(worker(["hf", "--dtype", dtype, "--batch-size", str(best["batch"])], args))
+        sizes = args.hf_batch_sizes.split(",")
+        if len(sizes) > 1:  # one size needs no pick
+            picks = [worker(["hf", "--dtype", dtype, "--batch-size", b, "--limit", str(args.hf_pick_requests)], args)
+                     for b in sizes]
+            sizes = [str(max(picks, key=lambda r: r["output_tok_s"])["batch"])]
+        results.append(worker(["hf", "--dtype", dtype, "--batch-size", sizes[0]], args))
 
     import torch
 
