@@ -32,6 +32,9 @@ struct AttentionParams {
   int32_t head_size = 0;
   int32_t block_size = 0;
   int32_t max_blocks_per_seq = 0;
+  int32_t group_size = 1;      // query heads per KV head (num_heads / num_kv_heads)
+  int32_t heads_per_block = 1; // query heads one thread block serves: 1, 2, 4 or 8
+  int32_t group_chunks = 1;    // thread blocks per KV head: ceil(group_size / heads_per_block)
   int32_t partition_size = 0;  // tokens per thread block along the context
   int32_t num_partitions = 1;  // gridDim.z
   bool split = false;          // v2: write partials and run the reduce kernel

@@ -15,11 +15,20 @@ namespace vpage::cuda {
 namespace {
 
 constexpr int kV1MaxContextLen = 8192;
+// v1 (whole context per thread block) when its grid has 2 to 4 thread blocks per SM: fewer
+// leave SMs idle, more queue up behind v1's large shared memory (H200, batch 256 x 2048
+// tokens: v2 0.82 of copy bandwidth against v1's 0.73; batch 64: v1 0.76 against 0.68).
 constexpr int kMinBlocksPerSm = 2;
+constexpr int kMaxV1BlocksPerSm = 4;
 constexpr int kMaxBlockSize = 32;
 constexpr size_t kWorkspaceAlign = 256;
-// Static shared memory of the attention kernel stays below this; the rest is for logits.
-constexpr size_t kStaticSmemReserve = 8 * 1024;
+// Static shared memory of the attention kernel (up to 8 queries of 256 floats and the
+// reduction scratch) stays below this; the rest is for logits.
+constexpr size_t kStaticSmemReserve = 12 * 1024;
+// v2 partitions shrink from kAttentionPartitionSize down to this (halving) until the grid
+// has kMinV2BlocksPerSm thread blocks per SM: small batches still fill the GPU.
+constexpr int kMinPartitionSize = 128;
+constexpr int kMinV2BlocksPerSm = 4;
 
 size_t align_up(size_t n) { return (n + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign; }
 
@@ -47,8 +56,21 @@ int32_t max_read_len(const PagedAttentionArgs& a) {
   return static_cast<int32_t>(window_span);
 }
 
-int num_partitions(int32_t max_context_len) {
-  return std::max(1, (max_context_len + kAttentionPartitionSize - 1) / kAttentionPartitionSize);
+int num_partitions(int32_t max_context_len, int partition_size) {
+  return std::max(1, (max_context_len + partition_size - 1) / partition_size);
+}
+
+/// Query heads one decode thread block serves: the GQA group, or a chunk of it (1, 2, 4, 8).
+int heads_per_block(int group_size) {
+  if (group_size <= 2) return group_size;
+  return group_size <= 4 ? 4 : 8;
+}
+
+/// Decode thread blocks per row along the heads: num_kv_heads * ceil(group / heads_per_block).
+int64_t head_blocks(int32_t num_heads, int32_t num_kv_heads) {
+  const int group = num_heads / num_kv_heads;
+  const int per_block = heads_per_block(group);
+  return int64_t{num_kv_heads} * ((group + per_block - 1) / per_block);
 }
 
 bool is_prefill(const PagedAttentionArgs& a) { return a.query_start_loc != nullptr; }
@@ -152,15 +174,37 @@ cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion reques
     *out = AttentionVersion::kTiled;
     return cudaSuccess;
   }
-  *out = choose_attention_version(num_rows(a), a.num_heads, max_read_len(a), limits.num_sms,
+  *out = choose_attention_version(num_rows(a), a.num_heads, a.cache.num_kv_heads, max_read_len(a), limits.num_sms,
                                   limits.max_smem_bytes);
   return cudaSuccess;
 }
 
-size_t workspace_bytes_for(const PagedAttentionArgs& a, AttentionVersion version) {
-  if (version != AttentionVersion::kV2) return 0;
-  const size_t slots = static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(max_read_len(a));
-  return align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
+/// v2's tokens per partition: kAttentionPartitionSize, halved (down to kMinPartitionSize)
+/// while the grid would have fewer than kMinV2BlocksPerSm thread blocks per SM.
+int v2_partition_size(const PagedAttentionArgs& a, int num_sms) {
+  const int64_t blocks = num_rows(a) * head_blocks(a.num_heads, a.cache.num_kv_heads);
+  const int32_t read = max_read_len(a);
+  int size = kAttentionPartitionSize;
+  while (size > kMinPartitionSize && blocks * num_partitions(read, size) < int64_t{kMinV2BlocksPerSm} * num_sms) {
+    size /= 2;
+  }
+  return size;
+}
+
+/// v2's partial slots (one per row, head and partition) for partitions of `partition_size`.
+size_t v2_slots(const PagedAttentionArgs& a, int partition_size) {
+  return static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(max_read_len(a), partition_size);
+}
+
+cudaError_t workspace_bytes_for(const PagedAttentionArgs& a, AttentionVersion version, size_t* bytes) {
+  *bytes = 0;
+  if (version != AttentionVersion::kV2) return cudaSuccess;
+  DeviceLimits limits;
+  const cudaError_t err = query_device_limits(&limits);
+  if (err != cudaSuccess) return err;
+  const size_t slots = v2_slots(a, v2_partition_size(a, limits.num_sms));
+  *bytes = align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
+  return cudaSuccess;
 }
 
 cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspace_bytes,
@@ -177,30 +221,36 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
   copy_common_params(a, &p);
   p.num_rows = rows;
   p.block_size = a.cache.block_size;
+  p.group_size = a.num_heads / a.cache.num_kv_heads;
+  p.heads_per_block = heads_per_block(p.group_size);
+  p.group_chunks = (p.group_size + p.heads_per_block - 1) / p.heads_per_block;
   p.scale = a.scale;
   if (a.logits_soft_cap > 0.0f) {
     p.soft_cap = a.logits_soft_cap;
     p.inv_soft_cap = 1.0f / a.logits_soft_cap;
   }
+  DeviceLimits limits;
+  err = query_device_limits(&limits);
+  if (err != cudaSuccess) return err;
   if (version == AttentionVersion::kV1) {
-    DeviceLimits limits;
-    err = query_device_limits(&limits);
-    if (err != cudaSuccess) return err;
     const size_t smem = v1_smem_bytes(a);
-    if (smem > limits.max_smem_bytes) return cudaErrorInvalidValue;
+    if (smem * p.heads_per_block > limits.max_smem_bytes) return cudaErrorInvalidValue;
     p.partition_size = static_cast<int32_t>(smem / sizeof(float));
   } else {
-    const size_t needed = workspace_bytes_for(a, version);
+    size_t needed = 0;
+    err = workspace_bytes_for(a, version, &needed);
+    if (err != cudaSuccess) return err;
     if (workspace == nullptr || workspace_bytes < needed) return cudaErrorInvalidValue;
-    const size_t slots = static_cast<size_t>(rows) * a.num_heads * num_partitions(max_read_len(a));
+    const int partition_size = v2_partition_size(a, limits.num_sms);
+    const size_t slots = v2_slots(a, partition_size);
     char* base = static_cast<char*>(workspace);
     p.partial_out = reinterpret_cast<float*>(base);
     base += align_up(slots * a.cache.head_size * sizeof(float));
     p.partial_max = reinterpret_cast<float*>(base);
     base += align_up(slots * sizeof(float));
     p.partial_sum = reinterpret_cast<float*>(base);
-    p.partition_size = kAttentionPartitionSize;
-    p.num_partitions = num_partitions(max_read_len(a));
+    p.partition_size = partition_size;
+    p.num_partitions = num_partitions(max_read_len(a), partition_size);
     p.split = true;
   }
   switch (a.cache.dtype) {
@@ -213,21 +263,25 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
 
 }  // namespace
 
-AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads, int32_t max_context_len,
-                                          int num_sms, size_t max_smem_bytes) {
-  // v1 keeps one logit per token, rounded up to a whole block (at most kMaxBlockSize more).
-  if (static_cast<size_t>(max_context_len + kMaxBlockSize) * sizeof(float) > max_smem_bytes) {
+AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads, int32_t num_kv_heads,
+                                          int32_t max_context_len, int num_sms, size_t max_smem_bytes) {
+  // v1 keeps one logit per token and query head of the thread block, rounded up to a whole
+  // block (at most kMaxBlockSize more).
+  const int per_block = heads_per_block(num_heads / std::max(num_kv_heads, 1));
+  if (static_cast<size_t>(max_context_len + kMaxBlockSize) * sizeof(float) * per_block > max_smem_bytes) {
     return AttentionVersion::kV2;
   }
   if (max_context_len <= kAttentionPartitionSize) return AttentionVersion::kV1;
-  const bool enough_blocks = num_rows * num_heads >= int64_t{kMinBlocksPerSm} * num_sms;
-  return enough_blocks && max_context_len <= kV1MaxContextLen ? AttentionVersion::kV1 : AttentionVersion::kV2;
+  const int64_t blocks = num_rows * head_blocks(num_heads, std::max(num_kv_heads, 1));
+  const bool v1_grid = blocks >= int64_t{kMinBlocksPerSm} * num_sms && blocks <= int64_t{kMaxV1BlocksPerSm} * num_sms;
+  return v1_grid && max_context_len <= kV1MaxContextLen ? AttentionVersion::kV1 : AttentionVersion::kV2;
 }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args, AttentionVersion version) {
   AttentionVersion resolved = AttentionVersion::kV1;
   if (resolve_version(args, version, &resolved) != cudaSuccess) return 0;
-  return workspace_bytes_for(args, resolved);
+  size_t bytes = 0;
+  return workspace_bytes_for(args, resolved, &bytes) == cudaSuccess ? bytes : 0;
 }
 
 cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,

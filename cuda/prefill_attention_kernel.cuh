@@ -23,8 +23,8 @@
 //     end, and those of blocks before the first query's window block (whose table entries may
 //     be -1), are not loaded but zero-filled (the cache may hold anything there);
 //  2. S = Q K^T: fp16/bf16 with tensor cores (mma.sync m16n8k16, fp32 accumulate, fragments
-//     read from shared memory by 32-bit loads); fp32 with CUDA cores in the same register
-//     layout;
+//     read from shared memory by ldmatrix.x4, four 8x8 matrices per instruction); fp32 with
+//     CUDA cores in the same register layout;
 //  3. online softmax in fp32, base 2 (scale * log2 e folded into S, after the soft cap
 //     cap * tanh(s / cap) when one is set), causal mask only on tiles that cross the first
 //     query's visible end, window mask only on tiles starting before the last query's window;
@@ -58,8 +58,6 @@ inline constexpr bool kPrefillHasMma = true;  // host pass and sm_80+
 template <typename T>
 inline constexpr bool kPrefillUseMma = kPrefillHasMma && sizeof(T) == 2;
 
-__device__ __forceinline__ uint32_t load_u32(const void* smem) { return *static_cast<const uint32_t*>(smem); }
-
 __device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -85,6 +83,19 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
       "{%0, %1, %2, %3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+/// Four 8x8 b16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row
+/// l % 8 of matrix l / 8 (16-byte aligned); r[i] gets matrix i's row lane / 4, elements
+/// 2 (lane % 4) and 2 (lane % 4) + 1 -- the fragment layout of mma.sync m16n8k16.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
 #endif
 }
 
@@ -168,14 +179,21 @@ __device__ __forceinline__ void tile_qk(float (&s)[kTile / 8][4], const T* q_w, 
 #pragma unroll
   for (int j = 0; j < kTile / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
   if constexpr (kPrefillUseMma<T>) {
+    // ldmatrix addresses of this lane: A = Q rows 0-7 / 8-15 x dims 0-7 / 8-15 (matrices
+    // a0..a3); B = two 8-token groups x dims 0-7 / 8-15 of K (b0, b1 of group j, then j + 1).
+    const int lane = 4 * g + t;
+    const T* qa = q_w + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kStride + 8 * (lane >> 4);
+    const T* kb = k_s + (8 * (lane >> 4) + (lane & 7)) * kStride + 8 * ((lane >> 3) & 1);
 #pragma unroll
     for (int kk = 0; kk < kHeadSize / 16; ++kk) {
-      const T* qa = q_w + g * kStride + kk * 16 + 2 * t;
-      const uint32_t a[4] = {load_u32(qa), load_u32(qa + 8 * kStride), load_u32(qa + 8), load_u32(qa + 8 * kStride + 8)};
+      uint32_t a[4];
+      ldmatrix_x4(a, qa + kk * 16);
 #pragma unroll
-      for (int j = 0; j < kTile / 8; ++j) {
-        const T* kb = k_s + (8 * j + g) * kStride + kk * 16 + 2 * t;
-        mma_16816(s[j], a, load_u32(kb), load_u32(kb + 8), T{});
+      for (int j = 0; j < kTile / 8; j += 2) {
+        uint32_t b[4];
+        ldmatrix_x4(b, kb + 8 * j * kStride + kk * 16);
+        mma_16816(s[j], a, b[0], b[1], T{});
+        mma_16816(s[j + 1], a, b[2], b[3], T{});
       }
     }
   } else {
@@ -206,9 +224,13 @@ __device__ __forceinline__ void tile_pv(float (&o)[kHeadSize / 8][4], const floa
                              pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], T{}),
                              pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], T{})};
 #pragma unroll
-      for (int dt = 0; dt < kHeadSize / 8; ++dt) {
-        const T* vb = v_s + (8 * dt + g) * kStride + kk * 16 + 2 * t;
-        mma_16816(o[dt], a, load_u32(vb), load_u32(vb + 8), T{});
+      for (int dt = 0; dt < kHeadSize / 8; dt += 2) {
+        // B = two 8-dim groups x tokens 0-7 / 8-15 of V (b0, b1 of group dt, then dt + 1).
+        const int lane = 4 * g + t;
+        uint32_t b[4];
+        ldmatrix_x4(b, v_s + (8 * (dt + (lane >> 4)) + (lane & 7)) * kStride + kk * 16 + 8 * ((lane >> 3) & 1));
+        mma_16816(o[dt], a, b[0], b[1], T{});
+        mma_16816(o[dt + 1], a, b[2], b[3], T{});
       }
     }
   } else {

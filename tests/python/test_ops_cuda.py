@@ -124,7 +124,7 @@ def _cpu_or_skip(fn, *args, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1), (12, 6), (20, 2)])
 def test_decode_attention(version, dtype, block_size, head_size, num_heads, num_kv_heads):
     ops = _ops()
     from vpage import _ops_cuda
@@ -205,7 +205,7 @@ def test_decode_matches_cpu_twin(version, dtype, block_size, num_heads, num_kv_h
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("head_size", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1), (12, 6), (20, 2)])
 def test_prefill_attention(version, dtype, block_size, head_size, num_heads, num_kv_heads):
     """Whole prompts, chunked prefill over cached blocks, a decode-like row, a long chunk."""
     ops = _ops()

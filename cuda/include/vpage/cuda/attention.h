@@ -10,7 +10,8 @@
 
 namespace vpage::cuda {
 
-/// Tokens per partition of the split (v2) kernels; a multiple of every block size.
+/// Tokens per partition of the split (v2) kernels, at most; a multiple of every block size.
+/// Small grids halve it (down to 128 tokens) until there are 4 thread blocks per SM.
 inline constexpr int kAttentionPartitionSize = 512;
 
 /// Which attention kernel runs. Decode: kAuto applies choose_attention_version, kV1/kV2
@@ -21,16 +22,17 @@ inline constexpr int kAttentionPartitionSize = 512;
 /// (one thread block per query token and head), kept as an independent cross-check.
 enum class AttentionVersion : int { kAuto = 0, kV1 = 1, kV2 = 2, kTiled = 3 };
 
-/// The heuristic behind kAuto. v1 (one thread block per query row and head, whole context)
-/// is chosen when the context fits one partition (<= kAttentionPartitionSize tokens), or when
-/// there are at least 2 thread blocks per SM (num_rows * num_heads >= 2 * num_sms) and the
-/// context is at most 8192 tokens. Otherwise v2: the context is split into partitions of
-/// kAttentionPartitionSize tokens, giving more parallelism to small batches and bounding the
-/// work and shared memory per thread block for long contexts. v1 is also never chosen when
-/// its logits (4 bytes per token) do not fit the shared memory of `max_smem_bytes`.
-AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads,
-                                          int32_t max_context_len, int num_sms,
-                                          size_t max_smem_bytes);
+/// The heuristic behind kAuto. Decode thread blocks serve all query heads of a KV head's
+/// GQA group (up to 8; larger groups take several blocks), so a row has
+/// num_kv_heads * ceil(group / heads_per_block) of them. v1 (one thread block per row and
+/// head group, whole context) is chosen when the context fits one partition
+/// (<= kAttentionPartitionSize tokens), or when there are 2 to 4 thread blocks per SM and the
+/// context is at most 8192 tokens. Otherwise v2: the context is split into partitions,
+/// giving more parallelism to small batches and bounding the work and shared memory per
+/// thread block for long contexts. v1 is also never chosen when its logits (4 bytes per token
+/// and query head of a thread block) do not fit the shared memory of `max_smem_bytes`.
+AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads, int32_t num_kv_heads,
+                                          int32_t max_context_len, int num_sms, size_t max_smem_bytes);
 
 /// Bytes of device scratch that paged_attention_decode / paged_prefill_attention need for
 /// `args` and `version` (0 when v1 or the tiled prefill runs). Queries the current device
