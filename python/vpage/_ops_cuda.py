@@ -24,6 +24,8 @@ try:
 except ImportError:  # built without CUDA
     _cuda = None
 
+HAS_KERNELS = _cuda is not None  # vpage was built with CUDA (whether or not a GPU is present)
+
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _VERSIONS = {"auto": 0, "v1": 1, "v2": 2, "tiled": 3}
 _attention_version = "auto"
@@ -186,3 +188,48 @@ def fused_moe(out: torch.Tensor, x: torch.Tensor, router_logits: Optional[torch.
             w1=(w1.data_ptr(), w1.stride(0) * w1.element_size()), w3=(w3.data_ptr(), w3.stride(0) * w3.element_size()),
             w2=(w2.data_ptr(), w2.stride(0) * w2.element_size()), workspace=workspace.data_ptr(),
             workspace_bytes=size, stream=_stream(device))
+
+
+def _rows(t: torch.Tensor) -> int:
+    """Row stride of a 2-D tensor with contiguous columns (a single row may report any)."""
+    return max(t.stride(0), t.shape[1]) if t.shape[0] <= 1 else t.stride(0)
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+             epsilon: float) -> None:
+    """out [rows, cols] = rms_norm(input) * weight; with ``residual`` (then out is input):
+    residual += input first, and input gets the norm of the new residual."""
+    device = input.device
+    with torch.cuda.device(device):
+        _cuda.rms_norm(out=out.data_ptr(), out_stride=_rows(out), input=input.data_ptr(), input_stride=_rows(input),
+                       residual=0 if residual is None else residual.data_ptr(), weight=weight.data_ptr(),
+                       rows=input.shape[0], cols=input.shape[1], epsilon=epsilon, dtype=_DTYPE_CODES[input.dtype],
+                       stream=_stream(device))
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, epsilon: float, num_heads: int, head_size: int) -> None:
+    """In place, the first num_heads heads of every row of x [tokens, width] (strided rows)."""
+    device = x.device
+    with torch.cuda.device(device):
+        _cuda.rms_norm_heads(x=x.data_ptr(), tokens=x.shape[0], row_stride=_rows(x), num_heads=num_heads,
+                             head_size=head_size, weight=weight.data_ptr(), epsilon=epsilon,
+                             dtype=_DTYPE_CODES[x.dtype], stream=_stream(device))
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int, head_size: int,
+                     rotary_dim: int) -> None:
+    """In place, rotate-half over the first rotary_dim values of the first num_heads heads."""
+    device = x.device
+    with torch.cuda.device(device):
+        _cuda.rotary_embedding(x=x.data_ptr(), tokens=x.shape[0], row_stride=_rows(x), positions=positions.data_ptr(),
+                               cos_sin=cos_sin.data_ptr(), num_heads=num_heads, head_size=head_size,
+                               rotary_dim=rotary_dim, dtype=_DTYPE_CODES[x.dtype], stream=_stream(device))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out [tokens, d] = silu(input[:, :d]) * input[:, d:]."""
+    device = input.device
+    with torch.cuda.device(device):
+        _cuda.silu_and_mul(out=out.data_ptr(), out_stride=_rows(out), input=input.data_ptr(),
+                           input_stride=_rows(input), tokens=input.shape[0], d=out.shape[1],
+                           dtype=_DTYPE_CODES[input.dtype], stream=_stream(device))

@@ -1,5 +1,6 @@
 """Per-row layer ops: rotary embedding, RMS norms (of rows and of heads) and gated activations
-(SiLU, GELU-tanh, a sigmoid-gated add); fused kernels on the CPU, torch elsewhere."""
+(SiLU, GELU-tanh, a sigmoid-gated add); fused kernels on the CPU and, for rotary, the norms
+and SiLU, on CUDA (vpage._cuda); torch's composite ops elsewhere (the kernels' reference)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from vpage import _ops_cpu
+from vpage import _ops_cpu, _ops_cuda
 from vpage.ops._common import _SUPPORTED_DTYPES, _check_tensor, _checking
+
+
+def _cuda_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives on a GPU and vpage was built with its CUDA kernels."""
+    return t.device.type == "cuda" and _ops_cuda.HAS_KERNELS
 
 
 def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, num_heads: int,
@@ -27,6 +33,9 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
         _check_rotary(x, positions, cos_sin, num_heads, head_size, rotary_dim)
     if x.device.type == "cpu":
         _ops_cpu.rotary_embedding(x, positions, cos_sin, num_heads, head_size, rotary_dim)
+        return
+    if _cuda_kernels(x):
+        _ops_cuda.rotary_embedding(x, positions, cos_sin, num_heads, head_size, rotary_dim)
         return
     half = rotary_dim // 2
     heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)[..., :rotary_dim]
@@ -89,6 +98,8 @@ def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsil
         _check_norm(input, "out", out, weight, epsilon)
     if input.device.type == "cpu":
         _ops_cpu.rms_norm(out, input, None, weight, epsilon)
+    elif _cuda_kernels(input):
+        _ops_cuda.rms_norm(out, input, None, weight, epsilon)
     else:
         out.copy_(_torch_rms_norm(input, weight, epsilon))
 
@@ -100,6 +111,8 @@ def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torc
         _check_norm(input, "residual", residual, weight, epsilon)
     if input.device.type == "cpu":
         _ops_cpu.rms_norm(input, input, residual, weight, epsilon)
+    elif _cuda_kernels(input):
+        _ops_cuda.rms_norm(input, input, residual, weight, epsilon)
     else:
         residual.add_(input)
         input.copy_(_torch_rms_norm(residual, weight, epsilon))
@@ -115,6 +128,9 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, epsilon: float, num_h
         _check_heads(x, weight, epsilon, num_heads, head_size)
     if x.device.type == "cpu":
         _ops_cpu.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
+    elif _cuda_kernels(x):
+        if x.shape[0] and num_heads:
+            _ops_cuda.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
     else:
         heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
         heads.copy_(_torch_rms_norm(heads, weight, epsilon))
@@ -155,6 +171,8 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _check_gated(out, input)
     if input.device.type == "cpu":
         _ops_cpu.silu_and_mul(out, input)
+    elif _cuda_kernels(input):
+        _ops_cuda.silu_and_mul(out, input)
     else:
         torch.mul(F.silu(input[:, :d]), input[:, d:], out=out)
 
