@@ -18,10 +18,11 @@
 // (64; 32 for head size 256) up to the last query's causal end, from the tile holding the
 // first query's first windowed key when there is a sliding window (earlier tiles lie wholly
 // outside every row's window and are skipped):
-//  1. K tile -> shared [kTile][hs], V tile -> shared [hs][kTile], 16-byte loads from the
-//     paged layout (each physical block is contiguous per kv head); tokens past the visible
-//     end, and those of blocks before the first query's window block (whose table entries may
-//     be -1), are not loaded but zero-filled (the cache may hold anything there);
+//  1. K tile -> shared [kTile][hs], V tile -> shared [hs][kTile], 16-byte asynchronous copies
+//     (cp.async) from the paged layout (each physical block is contiguous per kv head); V is
+//     copied while the tile's scores are computed, the next tile's K while P V runs. Tokens
+//     past the visible end, and those of blocks before the first query's window block (whose
+//     table entries may be -1), are not loaded but zero-filled (the cache may hold anything);
 //  2. S = Q K^T: fp16/bf16 with tensor cores (mma.sync m16n8k16, fp32 accumulate, fragments
 //     read from shared memory by ldmatrix.x4, four 8x8 matrices per instruction); fp32 with
 //     CUDA cores in the same register layout;
@@ -127,48 +128,78 @@ __device__ __forceinline__ void store2(T* dst, float a, float b, bool vec) {
   }
 }
 
-/// K tile -> k_s [kTile][hs + pad] and V tile -> v_s [hs][kTile + pad] for tokens
-/// [tile0, tile0 + kTile); tokens outside [kv_begin, kv_end) are zero-filled, never read
-/// (kv_begin is a multiple of the block size, so a value chunk is wholly in or out).
-/// `kc`/`vc` point at the kv head's slice of physical block 0.
+/// 16 bytes global -> shared without a register stop (cp.async on sm_80+, completed by
+/// cp_async_wait_all): the first `src_bytes` (0, a multiple of the element size, or 16) come
+/// from `src`, the rest is zero-filled; src is not read when src_bytes is 0.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(src_bytes) : "memory");
+#else
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (src_bytes == 16) {
+    v = *static_cast<const uint4*>(src);
+  } else {
+    for (int i = 0; i < src_bytes; ++i) reinterpret_cast<unsigned char*>(&v)[i] = static_cast<const unsigned char*>(src)[i];
+  }
+  *static_cast<uint4*>(dst) = v;
+#endif
+}
+
+/// Closes the copies issued so far into a group / waits until all of this thread's groups have
+/// landed (a __syncthreads after it makes every thread's copies visible).
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+/// Issues the copies of the K tile -> k_s [kTile][hs + pad] for tokens [tile0, tile0 + kTile);
+/// tokens outside [kv_begin, kv_end) are zero-filled, their table entries never read.
+/// `kc` points at the kv head's slice of physical block 0.
 template <typename T, int kHeadSize, int kTile>
-__device__ __forceinline__ void load_kv_tile(T* k_s, T* v_s, const T* kc, const T* vc, const int32_t* table,
-                                             int64_t block_stride, int shift, int tile0, int kv_begin, int kv_end) {
+__device__ __forceinline__ void load_k_tile(T* k_s, const T* kc, const int32_t* table, int64_t block_stride, int shift,
+                                            int tile0, int kv_begin, int kv_end) {
   constexpr int kX = kPack<T>;
-  constexpr int kXShift = kX == 8 ? 3 : 2;
   constexpr int kFrags = kHeadSize / kX;
   constexpr int kKStride = kHeadSize + kX;
-  constexpr int kVStride = kTile + kX;
   const int first_block = tile0 >> shift;
-  // Keys: chunk c in (block, fragment, token) order = the cache's order within a block.
+  // Chunk c in (block, fragment, token) order = the cache's order within a block.
   for (int c = threadIdx.x; c < kTile * kFrags; c += kPrefillThreads) {
     const int blk = (c / kFrags) >> shift;
     const int within = c - blk * (kFrags << shift);
     const int tok = (blk << shift) + (within & ((1 << shift) - 1));
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (tile0 + tok < kv_end && tile0 + tok >= kv_begin) {
-      v = *reinterpret_cast<const uint4*>(kc + table[first_block + blk] * block_stride + within * kX);
-    }
-    *reinterpret_cast<uint4*>(k_s + tok * kKStride + (within >> shift) * kX) = v;
+    const bool valid = tile0 + tok < kv_end && tile0 + tok >= kv_begin;
+    const T* src = valid ? kc + table[first_block + blk] * block_stride + within * kX : kc;
+    cp_async_16(k_s + tok * kKStride + (within >> shift) * kX, src, valid ? 16 : 0);
   }
-  // Values: chunk c in (block, head dim, token chunk) order; 1 << vshift chunks per row.
+}
+
+/// Issues the copies of the V tile -> v_s [hs][kTile + pad], as load_k_tile (kv_begin is a
+/// multiple of the block size, so a value chunk is wholly in or out of it; the chunk crossing
+/// kv_end copies its valid elements only).
+template <typename T, int kHeadSize, int kTile>
+__device__ __forceinline__ void load_v_tile(T* v_s, const T* vc, const int32_t* table, int64_t block_stride, int shift,
+                                            int tile0, int kv_begin, int kv_end) {
+  constexpr int kX = kPack<T>;
+  constexpr int kXShift = kX == 8 ? 3 : 2;
+  constexpr int kFrags = kHeadSize / kX;
+  constexpr int kVStride = kTile + kX;
+  const int first_block = tile0 >> shift;
+  // Chunk c in (block, head dim, token chunk) order; 1 << vshift chunks per row.
   const int vshift = shift - kXShift;
   for (int c = threadIdx.x; c < kTile * kFrags; c += kPrefillThreads) {
     const int blk = (c / kHeadSize) >> vshift;
     const int within = c - blk * (kHeadSize << vshift);
     const int tok = (blk << shift) + ((within & ((1 << vshift) - 1)) << kXShift);
-    T* dst = v_s + (within >> vshift) * kVStride + tok;
-    const int valid = tile0 + tok >= kv_begin ? kv_end - (tile0 + tok) : 0;
-    if (valid >= kX) {
-      *reinterpret_cast<uint4*>(dst) =
-          *reinterpret_cast<const uint4*>(vc + table[first_block + blk] * block_stride + within * kX);
-    } else if (valid > 0) {
-      const T* src = vc + table[first_block + blk] * block_stride + within * kX;
-#pragma unroll
-      for (int j = 0; j < kX; ++j) dst[j] = j < valid ? src[j] : from_float<T>(0.0f);
-    } else {
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-    }
+    const int valid = tile0 + tok >= kv_begin ? min(kv_end - (tile0 + tok), kX) : 0;
+    const T* src = valid > 0 ? vc + table[first_block + blk] * block_stride + within * kX : vc;
+    cp_async_16(v_s + (within >> vshift) * kVStride + tok, src, valid > 0 ? valid * static_cast<int>(sizeof(T)) : 0);
   }
 }
 
@@ -366,10 +397,18 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(cons
     const T* q_w = q_s + warp * 16 * kQStride;
     float* p_w = p_s + warp * 16 * (kTile + 4);
 
-    for (int tile0 = kv_begin / kTile * kTile; tile0 < kv_end; tile0 += kTile) {
-      __syncthreads();  // the previous tile's K/V (and, the first time, Q's stores) are done with
-      load_kv_tile<T, kHeadSize, kTile>(k_s, v_s, kc, vc, table, block_stride, shift, tile0, kv_begin, kv_end);
-      __syncthreads();
+    // K and V tiles load asynchronously, each behind the other's use: V of a tile while its
+    // scores and softmax are computed, K of the next tile while P V runs.
+    const int first_tile = kv_begin / kTile * kTile;
+    if (first_tile < kv_end) {
+      load_k_tile<T, kHeadSize, kTile>(k_s, kc, table, block_stride, shift, first_tile, kv_begin, kv_end);
+      cp_async_commit();
+    }
+    for (int tile0 = first_tile; tile0 < kv_end; tile0 += kTile) {
+      cp_async_wait_all();
+      __syncthreads();  // this tile's K (and, the first time, Q) in place; every warp done with the last V
+      load_v_tile<T, kHeadSize, kTile>(v_s, vc, table, block_stride, shift, tile0, kv_begin, kv_end);
+      cp_async_commit();
 
       float s[kNT][4];
       tile_qk<T, kHeadSize, kTile>(s, q_w, k_s, g, t);
@@ -425,6 +464,12 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(cons
           o[dt][2 * rh] *= alpha;
           o[dt][2 * rh + 1] *= alpha;
         }
+      }
+      cp_async_wait_all();
+      __syncthreads();  // this tile's V in place; every warp done with its K
+      if (tile0 + kTile < kv_end) {
+        load_k_tile<T, kHeadSize, kTile>(k_s, kc, table, block_stride, shift, tile0 + kTile, kv_begin, kv_end);
+        cp_async_commit();
       }
       tile_pv<T, kHeadSize, kTile>(o, s, v_s, p_w, g, t);
     }
