@@ -89,14 +89,6 @@ __device__ __forceinline__ void block_reduce_group(float (&v)[kGroup], float (*s
   __syncthreads();
 }
 
-/// The 16 raw bytes of one fragment, widened to float where they are used.
-template <typename T>
-__device__ __forceinline__ void widen(const uint4& raw, float (&out)[kPack<T>]) {
-  const T* elems = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < kPack<T>; ++i) out[i] = to_float(elems[i]);
-}
-
 template <typename T, int kHeadSize, int kBlockSize, int kGroup>
 __global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(const AttentionParams p) {
   constexpr int kX = kPack<T>;

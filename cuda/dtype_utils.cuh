@@ -32,13 +32,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
-/// Loads 16 bytes at `ptr` (16-byte aligned) and widens them to float.
+/// The 16 bytes `raw` (one fragment of T) widened to float.
 template <typename T>
-__device__ __forceinline__ void load_pack(const T* ptr, float (&out)[kPack<T>]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+__device__ __forceinline__ void widen(const uint4& raw, float (&out)[kPack<T>]) {
   const T* elems = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < kPack<T>; ++i) out[i] = to_float(elems[i]);
+}
+
+/// Loads 16 bytes at `ptr` (16-byte aligned) and widens them to float.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* ptr, float (&out)[kPack<T>]) {
+  widen<T>(*reinterpret_cast<const uint4*>(ptr), out);
 }
 
 __device__ __forceinline__ float warp_max(float v) {
