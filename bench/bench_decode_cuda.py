@@ -5,8 +5,10 @@
 For each mode (graphs, then --enforce-eager) one engine (max_num_seqs = the largest batch,
 a fixed KV cache) runs, for each batch size N, N requests with 32-token prompts until all of
 them decode, then times --steps whole engine steps (schedule, block moves, forward, sampling,
-outputs) and the forward alone (``ModelRunner.execute``, synchronized). Prints a markdown
-table: median ms per step and per forward, and eager / graphs ratios.
+outputs) and the forward alone (``ModelRunner.execute``, synchronized), then profiles a few
+more steps (torch.profiler, CUDA activity) for the GPU kernels a step launches and the time
+they keep the GPU busy. Prints a markdown table: median ms per step and per forward, eager /
+graphs ratios, kernels per step and GPU-busy ms per step.
 """
 
 from __future__ import annotations
@@ -22,8 +24,27 @@ from vpage import SamplingParams
 from vpage.engine import EngineArgs, LLMEngine
 
 
-def decode_times(engine: LLMEngine, batch: int, steps: int) -> tuple[float, float]:
-    """(median step ms, median forward ms) over ``steps`` decode steps of ``batch`` rows."""
+def kernel_profile(engine: LLMEngine, steps: int = 3) -> tuple[float, float]:
+    """(GPU kernels per step, ms the kernels keep the GPU busy per step) over ``steps`` steps;
+    NaNs when the profiler sees no kernels (CUPTI unavailable)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    if not kernels:
+        return float("nan"), float("nan")
+    return len(kernels) / steps, sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps
+
+
+def decode_times(engine: LLMEngine, batch: int, steps: int) -> tuple[float, float, float, float]:
+    """(median step ms, median forward ms, kernels per step, GPU-busy ms per step) over
+    ``steps`` decode steps of ``batch`` rows."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
@@ -54,8 +75,9 @@ def decode_times(engine: LLMEngine, batch: int, steps: int) -> tuple[float, floa
         engine.step()
         step.append(time.perf_counter() - t0)
     engine.executor.driver_worker.model_runner.execute = execute
+    kernels, busy = kernel_profile(engine)
     engine.abort_request(ids)
-    return 1e3 * statistics.median(step), 1e3 * statistics.median(forward)
+    return 1e3 * statistics.median(step), 1e3 * statistics.median(forward), kernels, busy
 
 
 def main() -> None:
@@ -80,10 +102,12 @@ def main() -> None:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dtype {dtype}, block size 16, "
              f"32-token prompts, median of {args.steps} decode steps", "",
              "| batch | step ms graphs | step ms eager | eager / graphs | forward ms graphs | forward ms eager |"
-             " eager / graphs |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             " eager / graphs | kernels / step | GPU-busy ms / step (graphs, eager) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b in batches:
-        (sg, fg), (se, fe) = results[False, b], results[True, b]
-        lines.append(f"| {b} | {sg:.2f} | {se:.2f} | {se / sg:.2f}x | {fg:.2f} | {fe:.2f} | {fe / fg:.2f}x |")
+        (sg, fg, kg, bg), (se, fe, ke, be) = results[False, b], results[True, b]
+        lines.append(f"| {b} | {sg:.2f} | {se:.2f} | {se / sg:.2f}x | {fg:.2f} | {fe:.2f} | {fe / fg:.2f}x | "
+                     f"{kg:.0f} | {bg:.2f}, {be:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
