@@ -3,12 +3,14 @@ SIGTERM drain, and the engine-core process dying. Each test starts and stops its
 
 from __future__ import annotations
 
+import glob
 import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,6 +153,22 @@ def test_request_timeout_then_killing_the_engine_core_gives_503_and_the_server_e
         assert srv.proc.wait(timeout=30) == 1
     finally:
         srv.stop()
+
+
+def socket_dirs() -> set[str]:
+    """The engine-core socket directories in the temporary folder (core_client's prefix)."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "vpage-core-*")))
+
+
+def test_a_killed_server_leaves_no_socket_directory(tiny_model):
+    before = socket_dirs()
+    srv = tiny_server(tiny_model)
+    try:
+        assert srv.request("POST", "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})[0] == 200
+        assert socket_dirs() <= before  # removed as soon as the engine core was connected
+    finally:
+        srv.stop()  # SIGKILL to both processes: no cleanup code runs
+    assert socket_dirs() <= before
 
 
 def test_serve_reports_a_missing_model(tmp_path):

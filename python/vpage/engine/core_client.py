@@ -124,6 +124,7 @@ class EngineCoreClient:
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.bind(inp)
+        self._push_monitor = self._push.get_monitor_socket(zmq.EVENT_ACCEPTED)
         self._pull = self._actx.socket(zmq.PULL)
         self._pull.bind(out)
         mp = multiprocessing.get_context("spawn")
@@ -143,6 +144,7 @@ class EngineCoreClient:
                     raise ValueError(msg.message)
                 if isinstance(msg, CoreReady):
                     self.info = msg
+                    self._remove_endpoints()
                     break
             if not self._proc.is_alive() or time.monotonic() > deadline:
                 code = self._proc.exitcode
@@ -151,6 +153,19 @@ class EngineCoreClient:
         self.last_message = time.monotonic()
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch())]
         return msg
+
+    def _remove_endpoints(self) -> None:
+        """Removes the sockets' directory once the engine core is connected to both (the
+        output socket carried CoreReady; the input one reports the accepted connection): ipc
+        paths only serve new connections, so none is left behind even if this process is
+        killed. Without the event the directory stays until shutdown."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        if self._push_monitor.poll(int(_WATCH_S * 1000)):
+            recv_monitor_message(self._push_monitor)
+            shutil.rmtree(self._dir, ignore_errors=True)
+        self._push.disable_monitor()
+        self._push_monitor.close(linger=0)
 
     # ------------------------------------------------------------------ requests
 
@@ -256,7 +271,7 @@ class EngineCoreClient:
             if proc.is_alive():
                 proc.kill()
             await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
-        for sock in (getattr(self, "_push", None), getattr(self, "_pull", None)):
+        for sock in (getattr(self, "_push_monitor", None), getattr(self, "_push", None), getattr(self, "_pull", None)):
             if sock is not None:
                 sock.close(linger=0)
         shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
