@@ -102,12 +102,12 @@ def main() -> None:
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dtype {dtype}, block size 16, "
              f"32-token prompts, median of {args.steps} decode steps", "",
              "| batch | step ms graphs | step ms eager | eager / graphs | forward ms graphs | forward ms eager |"
-             " eager / graphs | kernels / step | GPU-busy ms / step (graphs, eager) |",
+             " eager / graphs | kernels / step (graphs, eager) | GPU-busy ms / step (graphs, eager) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for b in batches:
         (sg, fg, kg, bg), (se, fe, ke, be) = results[False, b], results[True, b]
         lines.append(f"| {b} | {sg:.2f} | {se:.2f} | {se / sg:.2f}x | {fg:.2f} | {fe:.2f} | {fe / fg:.2f}x | "
-                     f"{kg:.0f} | {bg:.2f}, {be:.2f} |")
+                     f"{kg:.0f}, {ke:.0f} | {bg:.2f}, {be:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -10,8 +10,8 @@ A seeded synthetic trace with ShareGPT-like lengths (log-normal; prompts 16-512 
 outputs 16-256, ignore_eos) is served by vpage (all requests at once, continuous batching)
 and by transformers' generate in static batches (left-padded, each batch runs to its longest
 output; the best batch size among --hf-batch-sizes is picked on the first --hf-pick-requests
-requests, then run on the whole trace; a single size is run directly). Output tokens/s counts the tokens each request asked
-for. Each system runs in its own process, so peak RSS is its own. KV-cache utilization is
+requests, then run on the whole trace; a single size is run directly). Output tokens/s counts
+the tokens each request asked for. Each system runs in its own process, so peak RSS is its own. KV-cache utilization is
 tokens stored / slots allocated, averaged over vpage's steps, beside what reserving each
 running request's prompt + max_tokens ("oracle") or max_model_len ("max") would have used.
 """

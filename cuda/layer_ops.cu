@@ -1,8 +1,8 @@
 // Per-row layer ops (vpage/cuda/layer_ops.h).
 //
 // Grid and threads: one thread block per row (rms_norm; rms_norm_heads: per (token, head);
-// rotary_embedding and silu_and_mul: per token), blockIdx.x for rows below 65536 * 65535
-// spread over x and y. Threads stride over the row's values; the norms sum squares in
+// rotary_embedding and silu_and_mul: per token), rows spread over grid x (at most 65535)
+// and y. Threads stride over the row's values; the norms sum squares in
 // float32 and meet in a block reduction. Loads and stores are element-wise: these kernels
 // are small next to a layer's matmuls, and their count, not their bandwidth, is what they fix.
 #include "vpage/cuda/layer_ops.h"
@@ -140,8 +140,8 @@ cudaError_t rms_norm(void* out, int64_t out_stride, void* input, int64_t input_s
 
 cudaError_t rms_norm_heads(void* x, int64_t tokens, int64_t row_stride, int32_t num_heads, int32_t head_size,
                            const void* weight, float epsilon, DType dtype, cudaStream_t stream) {
-  if (tokens < 0 || num_heads <= 0 || head_size <= 0 || !(epsilon >= 0.0f)) return cudaErrorInvalidValue;
-  if (tokens == 0) return cudaSuccess;
+  if (tokens < 0 || num_heads < 0 || head_size <= 0 || !(epsilon >= 0.0f)) return cudaErrorInvalidValue;
+  if (tokens == 0 || num_heads == 0) return cudaSuccess;
   const int64_t rows = tokens * num_heads;
   return for_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -154,10 +154,10 @@ cudaError_t rms_norm_heads(void* x, int64_t tokens, int64_t row_stride, int32_t 
 cudaError_t rotary_embedding(void* x, int64_t tokens, int64_t row_stride, const int64_t* positions,
                              const float* cos_sin, int32_t num_heads, int32_t head_size, int32_t rotary_dim,
                              DType dtype, cudaStream_t stream) {
-  if (tokens < 0 || num_heads <= 0 || rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > head_size) {
+  if (tokens < 0 || num_heads < 0 || rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > head_size) {
     return cudaErrorInvalidValue;
   }
-  if (tokens == 0) return cudaSuccess;
+  if (tokens == 0 || num_heads == 0) return cudaSuccess;
   return for_dtype(dtype, [&](auto zero) {
     using T = decltype(zero);
     rotary_kernel<T><<<row_grid(tokens), kThreads, 0, stream>>>(static_cast<T*>(x), tokens, row_stride, positions,

@@ -125,10 +125,7 @@ bool tiled_prefill_fits(const PagedAttentionArgs& a, const DeviceLimits& limits)
 }
 
 /// The tiled prefill kernel: one thread block per (query tile, KV head, head chunk).
-cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, cudaStream_t stream) {
-  DeviceLimits limits;
-  const cudaError_t err = query_device_limits(&limits);
-  if (err != cudaSuccess) return err;
+cudaError_t launch_tiled_prefill(const PagedAttentionArgs& a, const DeviceLimits& limits, cudaStream_t stream) {
   if (!tiled_prefill_fits(a, limits)) return cudaErrorInvalidValue;
   detail::PrefillParams p;
   copy_common_params(a, &p);
@@ -161,15 +158,13 @@ size_t v1_smem_bytes(const PagedAttentionArgs& a) {
   return static_cast<size_t>((std::max(max_read_len(a), 1) + b - 1) / b * b) * sizeof(float);
 }
 
-cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion requested, AttentionVersion* out) {
+cudaError_t resolve_version(const PagedAttentionArgs& a, AttentionVersion requested, const DeviceLimits& limits,
+                            AttentionVersion* out) {
   if (requested == AttentionVersion::kTiled && !is_prefill(a)) return cudaErrorInvalidValue;
   if (requested != AttentionVersion::kAuto) {
     *out = requested;
     return cudaSuccess;
   }
-  DeviceLimits limits;
-  const cudaError_t err = query_device_limits(&limits);
-  if (err != cudaSuccess) return err;
   if (is_prefill(a) && tiled_prefill_fits(a, limits)) {
     *out = AttentionVersion::kTiled;
     return cudaSuccess;
@@ -196,26 +191,24 @@ size_t v2_slots(const PagedAttentionArgs& a, int partition_size) {
   return static_cast<size_t>(num_rows(a)) * a.num_heads * num_partitions(max_read_len(a), partition_size);
 }
 
-cudaError_t workspace_bytes_for(const PagedAttentionArgs& a, AttentionVersion version, size_t* bytes) {
-  *bytes = 0;
-  if (version != AttentionVersion::kV2) return cudaSuccess;
-  DeviceLimits limits;
-  const cudaError_t err = query_device_limits(&limits);
-  if (err != cudaSuccess) return err;
-  const size_t slots = v2_slots(a, v2_partition_size(a, limits.num_sms));
-  *bytes = align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
-  return cudaSuccess;
+/// v2's workspace for partitions of `partition_size`: partial outputs, their maxima and sums.
+size_t v2_workspace_bytes(const PagedAttentionArgs& a, int partition_size) {
+  const size_t slots = v2_slots(a, partition_size);
+  return align_up(slots * a.cache.head_size * sizeof(float)) + 2 * align_up(slots * sizeof(float));
 }
 
 cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspace_bytes,
                    cudaStream_t stream, AttentionVersion requested) {
   if (!supported_shape(a)) return cudaErrorInvalidValue;
+  DeviceLimits limits;
+  cudaError_t err = query_device_limits(&limits);
+  if (err != cudaSuccess) return err;
   AttentionVersion version = AttentionVersion::kV1;
-  cudaError_t err = resolve_version(a, requested, &version);
+  err = resolve_version(a, requested, limits, &version);
   if (err != cudaSuccess) return err;
   const int64_t rows = num_rows(a);
   if (rows == 0) return cudaSuccess;
-  if (version == AttentionVersion::kTiled) return launch_tiled_prefill(a, stream);
+  if (version == AttentionVersion::kTiled) return launch_tiled_prefill(a, limits, stream);
 
   detail::AttentionParams p;
   copy_common_params(a, &p);
@@ -229,19 +222,13 @@ cudaError_t launch(const PagedAttentionArgs& a, void* workspace, size_t workspac
     p.soft_cap = a.logits_soft_cap;
     p.inv_soft_cap = 1.0f / a.logits_soft_cap;
   }
-  DeviceLimits limits;
-  err = query_device_limits(&limits);
-  if (err != cudaSuccess) return err;
   if (version == AttentionVersion::kV1) {
     const size_t smem = v1_smem_bytes(a);
     if (smem * p.heads_per_block > limits.max_smem_bytes) return cudaErrorInvalidValue;
     p.partition_size = static_cast<int32_t>(smem / sizeof(float));
   } else {
-    size_t needed = 0;
-    err = workspace_bytes_for(a, version, &needed);
-    if (err != cudaSuccess) return err;
-    if (workspace == nullptr || workspace_bytes < needed) return cudaErrorInvalidValue;
     const int partition_size = v2_partition_size(a, limits.num_sms);
+    if (workspace == nullptr || workspace_bytes < v2_workspace_bytes(a, partition_size)) return cudaErrorInvalidValue;
     const size_t slots = v2_slots(a, partition_size);
     char* base = static_cast<char*>(workspace);
     p.partial_out = reinterpret_cast<float*>(base);
@@ -278,10 +265,12 @@ AttentionVersion choose_attention_version(int64_t num_rows, int32_t num_heads, i
 }
 
 size_t paged_attention_workspace_bytes(const PagedAttentionArgs& args, AttentionVersion version) {
+  DeviceLimits limits;
   AttentionVersion resolved = AttentionVersion::kV1;
-  if (resolve_version(args, version, &resolved) != cudaSuccess) return 0;
-  size_t bytes = 0;
-  return workspace_bytes_for(args, resolved, &bytes) == cudaSuccess ? bytes : 0;
+  if (query_device_limits(&limits) != cudaSuccess || resolve_version(args, version, limits, &resolved) != cudaSuccess) {
+    return 0;
+  }
+  return resolved == AttentionVersion::kV2 ? v2_workspace_bytes(args, v2_partition_size(args, limits.num_sms)) : 0;
 }
 
 cudaError_t paged_attention_decode(const PagedAttentionArgs& args, void* workspace, size_t workspace_bytes,

@@ -64,6 +64,11 @@ def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def _rows(t: torch.Tensor) -> int:
+    """Row stride of a 2-D tensor with contiguous columns (a single row may report any)."""
+    return max(t.stride(0), t.shape[1])
+
+
 def _cache_geometry(key_cache: torch.Tensor) -> dict:
     # key_cache [num_blocks, num_kv_heads, head_size / x, block_size, x]
     num_blocks, num_kv_heads, packs, block_size, x = key_cache.shape
@@ -164,7 +169,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     with torch.cuda.device(device):
         _cuda.apply_token_bitmask(
             logits=logits.data_ptr(), num_rows=logits.shape[0], vocab=logits.shape[1],
-            row_stride=max(logits.stride(0), logits.shape[1]), bitmask=bitmask.data_ptr(),
+            row_stride=_rows(logits), bitmask=bitmask.data_ptr(),
             bitmask_stride=bitmask.shape[1], stream=_stream(device))
 
 
@@ -184,15 +189,10 @@ def fused_moe(out: torch.Tensor, x: torch.Tensor, router_logits: Optional[torch.
             topk_ids=0 if topk_ids is None else topk_ids.data_ptr(),
             topk_weights=0 if topk_weights is None else topk_weights.data_ptr(), m=m, hidden=hidden,
             intermediate=intermediate, num_experts=w1.shape[0], top_k=top_k, renormalize=renormalize,
-            x_stride=max(x.stride(0), hidden), out_stride=max(out.stride(0), hidden), dtype=_DTYPE_CODES[x.dtype],
+            x_stride=_rows(x), out_stride=_rows(out), dtype=_DTYPE_CODES[x.dtype],
             w1=(w1.data_ptr(), w1.stride(0) * w1.element_size()), w3=(w3.data_ptr(), w3.stride(0) * w3.element_size()),
             w2=(w2.data_ptr(), w2.stride(0) * w2.element_size()), workspace=workspace.data_ptr(),
             workspace_bytes=size, stream=_stream(device))
-
-
-def _rows(t: torch.Tensor) -> int:
-    """Row stride of a 2-D tensor with contiguous columns (a single row may report any)."""
-    return max(t.stride(0), t.shape[1]) if t.shape[0] <= 1 else t.stride(0)
 
 
 def rms_norm(out: torch.Tensor, input: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,

@@ -129,8 +129,7 @@ def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, epsilon: float, num_h
     if x.device.type == "cpu":
         _ops_cpu.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
     elif _cuda_kernels(x):
-        if x.shape[0] and num_heads:
-            _ops_cuda.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
+        _ops_cuda.rms_norm_heads(x, weight, epsilon, num_heads, head_size)
     else:
         heads = x[:, : num_heads * head_size].view(x.shape[0], num_heads, head_size)
         heads.copy_(_torch_rms_norm(heads, weight, epsilon))
