@@ -5,16 +5,26 @@
 # transformers' generate, the engine's swap bandwidth and paged decode against SDPA, and write
 # OUT_DIR/summary.md. Steps run in that order of priority; one that would start with too
 # little time left is skipped with the reason, so a slow step costs only the later ones.
-#   bench/gpu_check.sh OUT_DIR        (PYTHON=... selects the interpreter; default python3)
+#   bench/gpu_check.sh OUT_DIR [STEP...]   (PYTHON=... selects the interpreter; default python3)
+# STEPs (default: all): ops engine attention prefill decode throughput swap sdpa. The build
+# always runs (incrementally), so a short device lease can split the check over several calls.
 # Needs nvcc and cmake; the Python parts run only where torch sees a GPU and pybind11 is
 # importable. Every step runs under `timeout` so the whole check ends within ~8 minutes.
 set -u -o pipefail
 
-if [ $# -ne 1 ]; then
-  echo "usage: $0 OUT_DIR" >&2
+ALL_STEPS="ops engine attention prefill decode throughput swap sdpa"
+if [ $# -lt 1 ]; then
+  echo "usage: $0 OUT_DIR [STEP...]; steps: $ALL_STEPS" >&2
   exit 2
 fi
 OUT=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
+STEPS=" ${*:-$ALL_STEPS} "
+for step in $STEPS; do
+  case " $ALL_STEPS " in *" $step "*) ;; *) echo "unknown step: $step (steps: $ALL_STEPS)" >&2; exit 2;; esac
+done
+# True when step $1 was asked for.
+wants() { [[ "$STEPS" == *" $1 "* ]]; }
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUILD="$SRC/build/gpu-check"
@@ -52,6 +62,10 @@ note "# vpage GPU check"
 note ""
 note "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 note "- nvcc: $(nvcc --version 2>/dev/null | tail -1)"
+# Clocks and power at the start: runs on the same code have differed by ~15% in decode
+# attention at equal copy bandwidth, so each run records the state it ran in.
+note "- clocks SM/max, memory MHz; power W; temperature C: $(nvidia-smi \
+  --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null | head -1)"
 
 HAVE_TORCH_CUDA=0
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -85,14 +99,14 @@ if [ "$PYOK" = 1 ]; then
   rm -rf "$STAGE" && mkdir -p "$STAGE" && cp -r "$SRC/python/vpage" "$STAGE/"
   find "$BUILD/python" -maxdepth 1 -name "_*.so" -exec cp {} "$STAGE/vpage/" \;
   export PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1  # keeps packages carried in by the caller
-  if has_time 30 "CUDA op tests"; then
+  if wants ops && has_time 30 "CUDA op tests"; then
     timeout "$(budget 110)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
       "$SRC/tests/python/test_ops_cuda.py" "$SRC/tests/python/test_ops_bitmask.py" \
       "$SRC/tests/python/test_ops_layer_cuda.py" > "$OUT/pytest.log" 2>&1
     note "- CUDA op tests: rc $? — $(tail -1 "$OUT/pytest.log")"
   fi
   # Graphs vs eager, swap preemption, CUDA vs CPU (float32) and memory profiling.
-  if has_time 30 "engine CUDA tests"; then
+  if wants engine && has_time 30 "engine CUDA tests"; then
     timeout "$(budget 180)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
       "$SRC/tests/python/test_engine_cuda.py" > "$OUT/pytest_engine.log" 2>&1
     note "- engine CUDA tests: rc $? — $(tail -1 "$OUT/pytest_engine.log")"
@@ -104,7 +118,7 @@ fi
 BENCH="$BUILD/bench/vpage-bench-cuda-attention"
 if [ ! -x "$BENCH" ]; then
   note "- benchmark binary missing (see build.log)"
-elif has_time 20 "vpage-bench-cuda-attention"; then
+elif wants attention && has_time 20 "vpage-bench-cuda-attention"; then
   timeout "$(budget 60)" "$BENCH" --batch 1,64,256 --context 2048,16384 --repeats 10 --format md \
     > "$OUT/attention_bench.md" 2> "$OUT/attention_bench.err"
   timeout "$(budget 60)" "$BENCH" --batch 1,16,64,256 --context 512,2048,8192,16384 --repeats 10 \
@@ -121,7 +135,7 @@ fi
 if [ "$PYOK" = 1 ]; then
   # Tiled paged prefill (whole causal prompts) vs SDPA flash on contiguous K/V: the prefill
   # target has no other measurement, so it comes first.
-  if has_time 20 "tiled prefill vs torch SDPA flash"; then
+  if wants prefill && has_time 20 "tiled prefill vs torch SDPA flash"; then
     timeout "$(budget 45)" "$PY" "$SRC/bench/bench_attention_cuda.py" --mode prefill \
       --batch 1,16 --context 512,2048,8192 --repeats 10 --out "$OUT/prefill_sdpa.md" > "$OUT/prefill_sdpa.log" 2>&1
     section "Tiled paged prefill vs torch SDPA flash (contiguous K/V, causal prompts)" "$OUT/prefill_sdpa.md" \
@@ -130,14 +144,14 @@ if [ "$PYOK" = 1 ]; then
     note "Target: SDPA / vpage >= 0.70 (the tiled prefill at least 0.7x the speed of flash attention)."
   fi
 
-  if has_time 30 "decode step time, CUDA graphs vs eager"; then
+  if wants decode && has_time 30 "decode step time, CUDA graphs vs eager"; then
     timeout "$(budget 70)" "$PY" "$SRC/bench/bench_decode_cuda.py" --batch 1,8,64 --steps 30 \
       --out "$OUT/decode_graphs.md" > "$OUT/decode_graphs.log" 2>&1
     section "Decode step time: CUDA graphs vs eager (default model)" "$OUT/decode_graphs.md" decode_graphs.log
   fi
 
   # The 256-request throughput trace; transformers in one static batch of all 256 requests.
-  if has_time 60 "end-to-end throughput vs transformers"; then
+  if wants throughput && has_time 60 "end-to-end throughput vs transformers"; then
     timeout "$(budget 150)" "$PY" "$SRC/bench/bench_throughput.py" --device cuda \
       --systems vpage-bfloat16,transformers-bfloat16 --hf-batch-sizes 256 \
       --json "$OUT/throughput.json" > "$OUT/throughput.md" 2> "$OUT/throughput.log"
@@ -145,7 +159,7 @@ if [ "$PYOK" = 1 ]; then
       throughput.log
   fi
 
-  if has_time 15 "engine swap bandwidth"; then
+  if wants swap && has_time 15 "engine swap bandwidth"; then
     timeout "$(budget 30)" "$PY" "$SRC/bench/bench_swap_cuda.py" --blocks 16,64,256 --repeats 10 \
       --out "$OUT/swap_engine.md" > "$OUT/swap_engine.log" 2>&1
     section "Engine swap bandwidth (CacheEngine, cache stream, pinned pool)" "$OUT/swap_engine.md" swap_engine.log
@@ -153,7 +167,7 @@ if [ "$PYOK" = 1 ]; then
     note "Target: >= 40 GB/s one way for batched transfers of >= 1 MB."
   fi
 
-  if has_time 20 "paged decode vs torch SDPA"; then
+  if wants sdpa && has_time 20 "paged decode vs torch SDPA"; then
     timeout "$(budget 45)" "$PY" "$SRC/bench/bench_attention_cuda.py" --batch 1,16,64 \
       --context 512,2048,8192 --repeats 10 --out "$OUT/sdpa.md" > "$OUT/sdpa.log" 2>&1
     section "Paged decode vs torch SDPA (contiguous K/V)" "$OUT/sdpa.md" sdpa.log
