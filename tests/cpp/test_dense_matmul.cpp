@@ -206,6 +206,27 @@ TEST_CASE("dense_matmul: bfloat16 outputs are the float32 results rounded, bit f
   }
 }
 
+TEST_CASE("dense_matmul: bf16 dot products store whole panels as the per-row store does") {
+  // Without bias, whole panels go out in line; a zero bias sends every row through
+  // dense_store_out. n = 70: two whole panels and one of 6 columns.
+  vpage_test::AutoIsaOnExit restore;
+  std::mt19937 rng(13);
+  for (const std::string& isa : vpage_test::supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    if (std::string(vpage::cpu::dense_matmul_isa()) != "avx512bf16") continue;
+    for (int64_t m : {1, 9, 260}) {
+      const int n = 70, k = 300;
+      const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
+      const Values w = random_values(static_cast<size_t>(n) * k, DType::kBFloat16, rng);
+      const std::vector<float> zero_bias(static_cast<size_t>(n), 0.0f);
+      const std::vector<char> packed = pack(DType::kBFloat16, w, n, k, 2);
+      const std::vector<float> in_line = run(DType::kBFloat16, DType::kBFloat16, x, packed, nullptr, m, n, k, 2);
+      const std::vector<float> per_row = run(DType::kBFloat16, DType::kBFloat16, x, packed, &zero_bias, m, n, k, 2);
+      for (size_t i = 0; i < in_line.size(); ++i) EXPECT(in_line[i] == per_row[i]);
+    }
+  }
+}
+
 TEST_CASE("dense_matmul: bad arguments throw") {
   std::vector<float> buffer(64 * 32, 1.0f);
   vpage::DenseMatmulArgs a;

@@ -7,7 +7,10 @@
 // once for the task's block of x rows; the micro-kernel then broadcasts each x row's pair
 // (x[k], x[k + 1]) as one 32-bit value and runs kRows x 2 accumulators over the tile. An odd
 // last k pairs with a zero. The accumulators go to the same [rows, 32] buffer as the float
-// kernel's between chunks, so a row's result does not depend on its batch.
+// kernel's between chunks, so a row's result does not depend on its batch. Finished rows go
+// back to column order by two permutes and, for whole panels without bias, straight to the
+// output (a dense_store_out call per row and panel was ~12% of
+// the bfloat16 throughput trace on Zen 4: RESULTS-vllm-cpu.md).
 #pragma once
 
 #include <immintrin.h>
@@ -19,6 +22,7 @@
 
 #include "dense_task.h"
 #include "row_blocks.h"
+#include "simd_vec.h"  // Vec, BF16 and the ISA's float32 / bfloat16 stores
 
 #if !defined(__AVX512BF16__)
 #error "dense_bf16_dot.h needs -mavx512bf16"
@@ -86,6 +90,46 @@ inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const __m
   });
 }
 
+// The accumulator lane of each output column (the inverse of lane_column).
+alignas(64) inline constexpr int32_t kColumnLane[kDensePanelRows] = {
+    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+constexpr bool column_lanes_invert_lane_column() {
+  for (int32_t c = 0; c < kDensePanelRows; ++c) {
+    if (lane_column(kColumnLane[c]) != c) return false;
+  }
+  return true;
+}
+static_assert(column_lanes_invert_lane_column(), "kColumnLane must invert lane_column");
+
+// Row `lanes` [32] (in lane_column's order) as columns 0-15 (lo) and 16-31 (hi).
+inline void to_column_order(const float* lanes, __m512& lo, __m512& hi) {
+  const __m512 h0 = _mm512_loadu_ps(lanes);
+  const __m512 h1 = _mm512_loadu_ps(lanes + 16);
+  lo = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane), h1);
+  hi = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane + 16), h1);
+}
+
+// Stores the task's finished rows of panel columns [col0, col0 + cols) from acc [mc, 32]
+// (bfloat16 outputs: this path's x and out are bfloat16).
+inline void store_panel(const DenseMatmulArgs& a, const float* acc, int64_t m0, int64_t mc, int32_t col0,
+                        int32_t cols) {
+  const bool in_line = a.bias == nullptr && cols == kDensePanelRows;
+  for (int64_t i = 0; i < mc; ++i) {
+    __m512 lo, hi;
+    to_column_order(acc + i * kDensePanelRows, lo, hi);
+    if (in_line) {
+      BF16* out = static_cast<BF16*>(a.out) + (m0 + i) * a.out_stride + col0;
+      store(out, Vec{lo});
+      store(out + 16, Vec{hi});
+    } else {
+      alignas(64) float row[kDensePanelRows];
+      _mm512_store_ps(row, lo);
+      _mm512_store_ps(row + 16, hi);
+      dense_store_out(a, m0 + i, col0, cols, row);
+    }
+  }
+}
+
 // Task `task` of `plan` with x the bfloat16 rows args.x (row stride args.x_stride).
 inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, int64_t task) {
   thread_local std::vector<float> buffer;
@@ -105,13 +149,7 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
       dot_chunk(x + k0, a.x_stride, mc, tile, kc, buffer.data(), k0 == 0);
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
-    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
-    float row[kDensePanelRows];
-    for (int64_t i = 0; i < mc; ++i) {
-      const float* lanes = buffer.data() + i * kDensePanelRows;
-      for (int32_t q = 0; q < kDensePanelRows; ++q) row[lane_column(q)] = lanes[q];
-      dense_store_out(a, m0 + i, col0, cols, row);
-    }
+    store_panel(a, buffer.data(), m0, mc, col0, std::min(kDensePanelRows, a.n - col0));
   }
 }
 
