@@ -62,10 +62,6 @@ note "# vpage GPU check"
 note ""
 note "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
 note "- nvcc: $(nvcc --version 2>/dev/null | tail -1)"
-# Clocks and power at the start: runs on the same code have differed by ~15% in decode
-# attention at equal copy bandwidth, so each run records the state it ran in.
-note "- clocks SM/max, memory MHz; power W; temperature C: $(nvidia-smi \
-  --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null | head -1)"
 
 HAVE_TORCH_CUDA=0
 if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -80,6 +76,14 @@ if ! nvidia-smi -L > /dev/null 2>&1; then
   note "- no GPU visible (nvidia-smi -L failed): build, tests and benchmarks skipped"
   exit 0
 fi
+
+# Runs on the same code have differed by ~15% in decode attention at equal copy bandwidth, so
+# utilization, SM clock, power and temperature are sampled every second while the check runs.
+nvidia-smi --query-gpu=utilization.gpu,clocks.sm,clocks.max.sm,power.draw,temperature.gpu \
+  --format=csv,noheader,nounits \
+  -l 1 > "$OUT/clocks.csv" 2>/dev/null &
+CLOCKS_PID=$!
+trap 'kill $CLOCKS_PID 2>/dev/null' EXIT
 
 start=$(date +%s)
 timeout "$(budget 60)" cmake -S "$SRC" -B "$BUILD" -DVPAGE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=native \
@@ -176,5 +180,11 @@ else
   note ""
   note "- engine benchmarks and SDPA comparisons: skipped ($NOPY)"
 fi
+kill $CLOCKS_PID 2>/dev/null
 note ""
+# Samples with the GPU busy (utilization >= 50%): SM clock min / median / max, power max.
+note "- SM clock while busy (MHz; max clock $(head -1 "$OUT/clocks.csv" | cut -d, -f3 | tr -d ' ')): $(awk -F', *' \
+  '$1 >= 50 {print $2}' "$OUT/clocks.csv" | sort -n | awk '{v[NR]=$1} END {if (NR) print v[1] " / " \
+  v[int((NR+1)/2)] " / " v[NR] " in " NR " samples"; else print "no busy samples"}'); power max $(cut -d, -f4 \
+  "$OUT/clocks.csv" | tr -d ' ' | sort -n | tail -1) W"
 note "Total: $(( $(date +%s) - DEADLINE + 470 )) s"

@@ -9,8 +9,8 @@
 // last k pairs with a zero. The accumulators go to the same [rows, 32] buffer as the float
 // kernel's between chunks, so a row's result does not depend on its batch. Finished rows go
 // back to column order by two permutes and, for whole panels without bias, straight to the
-// output (a dense_store_out call per row and panel was ~12% of
-// the bfloat16 throughput trace on Zen 4: RESULTS-vllm-cpu.md).
+// output (a dense_store_out call per row and panel was ~12% of the bfloat16 throughput trace
+// on Zen 4: RESULTS-vllm-cpu.md).
 #pragma once
 
 #include <immintrin.h>
@@ -22,7 +22,7 @@
 
 #include "dense_task.h"
 #include "row_blocks.h"
-#include "simd_vec.h"  // Vec, BF16 and the ISA's float32 / bfloat16 stores
+#include "simd_vec.h"  // Vec, BF16 and the ISA's bfloat16 store
 
 #if !defined(__AVX512BF16__)
 #error "dense_bf16_dot.h needs -mavx512bf16"
