@@ -84,18 +84,15 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
-def wait_http(url: str, timeout_s: float = 180.0, proc: Optional[subprocess.Popen] = None,
-              stderr_tail: Optional[collections.deque] = None) -> None:
-    """Waits for ``url`` to answer 200; when ``proc`` (the server) exits first, raises at once
-    with the last lines of its stderr (a missing shared library, a bad flag)."""
+def wait_http(url: str, timeout_s: float = 180.0, proc: Optional[subprocess.Popen] = None) -> None:
+    """Waits for ``url`` to answer 200; raises ChildProcessError at once when ``proc`` (the
+    server) exits first."""
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            time.sleep(0.2)  # let the reader take the last lines
-            said = "\n".join(stderr_tail or [])
-            raise RuntimeError(f"the server for {url} exited with {proc.returncode} before answering:\n{said}")
+            raise ChildProcessError(f"the server for {url} exited with {proc.returncode} before answering")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -107,13 +104,23 @@ def wait_http(url: str, timeout_s: float = 180.0, proc: Optional[subprocess.Pope
 
 def start_llama_process(cmd: list[str], llama_bin: str, url: str) -> subprocess.Popen:
     """Starts a llama.cpp server (its libraries beside it, as the prebuilt binaries keep them)
-    and waits for ``url``; its stderr is drained into the last 40 lines kept for the error."""
+    and waits for ``url``; a server that exits first (a missing shared library, a bad flag) is
+    reported with the last 40 lines of its stderr, one that never answers is killed."""
     env = dict(os.environ, LD_LIBRARY_PATH=llama_bin)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace",
                             env=env)
     tail: collections.deque = collections.deque(maxlen=40)
-    threading.Thread(target=lambda: tail.extend(line.rstrip() for line in proc.stderr), daemon=True).start()
-    wait_http(url, proc=proc, stderr_tail=tail)
+    reader = threading.Thread(target=lambda: tail.extend(line.rstrip() for line in proc.stderr), daemon=True)
+    reader.start()
+    try:
+        wait_http(url, proc=proc)
+    except ChildProcessError as exited:
+        reader.join(timeout=5)  # stderr ends with the process
+        raise RuntimeError(f"{exited}:\n" + "\n".join(tail)) from None
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc
 
 
