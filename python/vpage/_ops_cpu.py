@@ -192,6 +192,16 @@ def repack_x4(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int,
     return _core._cpu_quant_repack_x4(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)
 
 
+def quant_reads_x8() -> bool:
+    """Whether the selected instruction set's decode kernel reads x8 rows (see vpage.ops.repack_x8)."""
+    return _core.quant_reads_x8()
+
+
+def repack_x8(out: torch.Tensor, qweight: torch.Tensor, type_id: int, rows: int, k: int) -> None:
+    """CPU only; see vpage.ops.repack_x8."""
+    _core._cpu_quant_repack_x8(out.data_ptr(), qweight.data_ptr(), rows, k, type_id)
+
+
 def logsumexp_argmax(logits: torch.Tensor, log_norm: torch.Tensor, argmax: torch.Tensor,
                      want_log_norm: Optional[torch.Tensor], bitmask: Optional[torch.Tensor] = None) -> None:
     """CPU only; see vpage.ops.logsumexp_argmax (``want_log_norm``: contiguous bool or None;

@@ -11,7 +11,7 @@ namespace vpage::cpu::vnni_emulated {
 
 extern const QuantKernels kQuantKernels = {"vnni_emulated", &qmm::run_task, &qmm::dequantize_rows,
                                             &qmm::quantize_rows_q8, &qmm::run_dot_task, &qmm::run_gemm_task,
-                                            qmm::kIntegerX4, qmm::kNr, qmm::kPanel};
+                                            qmm::kIntegerX4, qmm::kIntegerX8, qmm::kNr, qmm::kPanel};
 
 void add_dot4_bytes(const uint8_t* u8, const int8_t* s8, int32_t* acc) {
   const __m256i sum = qmm::add_dot4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc)),

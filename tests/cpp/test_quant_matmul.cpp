@@ -180,37 +180,42 @@ std::vector<uint8_t> x4_source_rows(QuantType type, int n, int k, std::mt19937& 
   return w;
 }
 
-// Q4_1 / Q8_0 rows repacked to their x4 type give bitwise the file type's results on every
-// path: the x4 decode kernels (x86), the integer GEMM, and the other paths, which unpack a
-// task's rows first.
-void check_x4(QuantType type, int n, int k, std::mt19937& rng) {
-  const QuantType x4 = vpage::cpu::quant_x4_type(type);
-  EXPECT(x4 != type && vpage::cpu::quant_file_type(x4) == type);
-  const std::vector<uint8_t> w = x4_source_rows(type, n, k, rng);
+// Q4_1 / Q8_0 rows repacked to their x4 or x8 type give bitwise the file type's results on
+// every path: the x4 decode kernels (x86), the x8 ones (VNNI), the integer GEMM, and the other
+// paths, which unpack a task's rows first.
+void check_repacked(QuantType type, bool x8, int n, int k, std::mt19937& rng) {
+  const QuantType packed_type = x8 ? vpage::cpu::quant_x8_type(type) : vpage::cpu::quant_x4_type(type);
+  EXPECT(packed_type != type && vpage::cpu::quant_file_type(packed_type) == type);
+  // x8 takes any Q8_0 quant; x4 none of -128.
+  const std::vector<uint8_t> w = x8 ? random_rows(type, n, k, rng) : x4_source_rows(type, n, k, rng);
   std::vector<uint8_t> packed(w.size(), 0xAB), unpacked(w.size(), 0xCD);
-  EXPECT(vpage::cpu::quant_repack_x4(type, w.data(), n, k, packed.data()));
+  if (x8) {
+    vpage::cpu::quant_repack_x8(type, w.data(), n, k, packed.data());
+  } else {
+    EXPECT(vpage::cpu::quant_repack_x4(type, w.data(), n, k, packed.data()));
+  }
   EXPECT(packed != w);
-  vpage::cpu::quant_unpack_x4(x4, packed.data(), n, k, unpacked.data());
+  vpage::cpu::quant_unpack_rows(packed_type, packed.data(), n, k, unpacked.data());
   EXPECT(unpacked == w);
-  std::vector<float> dense(static_cast<size_t>(n) * k), dense_x4(dense.size(), -1.0f);
+  std::vector<float> dense(static_cast<size_t>(n) * k), dense_packed(dense.size(), -1.0f);
   vpage::cpu::quant_dequantize_rows(type, w.data(), n, k, dense.data());
-  vpage::cpu::quant_dequantize_rows(x4, packed.data(), n, k, dense_x4.data());
-  EXPECT(dense == dense_x4);
+  vpage::cpu::quant_dequantize_rows(packed_type, packed.data(), n, k, dense_packed.data());
+  EXPECT(dense == dense_packed);
   std::normal_distribution<float> normal;
   for (int64_t gemm_rows : {vpage::cpu::kQuantIntegerGemmMaxRows, int64_t{0}}) {  // 0: float path beyond 16 rows
     vpage::cpu::set_quant_integer_gemm_rows(gemm_rows);
-    for (int64_t m : {1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 64, 131}) {
+    for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13, 16, 17, 64, 131}) {
       std::vector<float> x(static_cast<size_t>(m) * k), out(static_cast<size_t>(m) * n, -1.0f);
-      std::vector<float> out_x4(out.size(), -2.0f);
+      std::vector<float> out_packed(out.size(), -2.0f);
       for (auto& v : x) v = normal(rng);
       vpage::QuantMatmulArgs a = matmul_args(type, w.data(), x.data(), out.data(), m, n, k);
       vpage::cpu::quant_matmul(a, 2);
       a.weight = packed.data();
-      a.type = x4;
+      a.type = packed_type;
       for (int threads : {1, 2, 3}) {
-        a.out = out_x4.data();
+        a.out = out_packed.data();
         vpage::cpu::quant_matmul(a, threads);
-        EXPECT(std::memcmp(out_x4.data(), out.data(), sizeof(float) * out.size()) == 0);
+        EXPECT(std::memcmp(out_packed.data(), out.data(), sizeof(float) * out.size()) == 0);
       }
     }
   }
@@ -224,8 +229,23 @@ TEST_CASE("quant_matmul: x4 rows equal their Q4_1 / Q8_0 rows bitwise, every ISA
     vpage::cpu::set_cpu_isa(isa);
     // One group; groups past a chunk of four; several tasks with a short last one.
     for (const auto& [n, k] : {std::pair{4, 64}, std::pair{36, 576}, std::pair{260, 128}, std::pair{20, 1536}}) {
-      check_x4(QuantType::kQ4_1, n, k, rng);
-      check_x4(QuantType::kQ8_0, n, k, rng);
+      check_repacked(QuantType::kQ4_1, false, n, k, rng);
+      check_repacked(QuantType::kQ8_0, false, n, k, rng);
+    }
+  }
+}
+
+TEST_CASE("quant_matmul: x8 rows equal their Q4_1 / Q8_0 rows bitwise, every ISA and path") {
+  const vpage_test::AutoIsaOnExit restore_isa;
+  std::mt19937 rng(13);
+  for (const std::string& isa : vpage_test::supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    // One group, one block; an odd block count; groups past a step of four streams; several
+    // tasks with a short last one.
+    for (const auto& [n, k] : {std::pair{8, 32}, std::pair{40, 96}, std::pair{72, 576}, std::pair{264, 128},
+                               std::pair{24, 1536}}) {
+      check_repacked(QuantType::kQ4_1, true, n, k, rng);
+      check_repacked(QuantType::kQ8_0, true, n, k, rng);
     }
   }
 }

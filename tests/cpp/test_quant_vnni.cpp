@@ -159,6 +159,31 @@ TEST_CASE("integer paths: the VNNI form is bitwise the AVX2 form (emulated, and 
       }
     }
   }
+  // Rows repacked as x8: the VNNI decode kernel reads them at any m, every SIMD GEMM too.
+  for (QuantType type : {QuantType::kQ4_1, QuantType::kQ8_0}) {
+    const QuantType x8 = vpage::cpu::quant_x8_type(type);
+    for (int32_t k : {96, 576}) {
+      const int32_t n = 72;
+      const std::vector<uint8_t> w = random_rows(type, n, k, rng);
+      std::vector<uint8_t> packed(w.size());
+      vpage::cpu::quant_repack_x8(type, w.data(), n, k, packed.data());
+      for (int64_t m : {1, 2, 5, 9, 17, 70}) {
+        std::vector<float> x(static_cast<size_t>(m) * k);
+        for (auto& v : x) v = normal(rng);
+        for (bool gemm : {false, true}) {
+          const std::vector<float> want = integer_path(vpage::cpu::avx2::kQuantKernels, gemm, type, w, x, m, n, k);
+          for (const QuantKernels* kernels : x4_kernels) {
+            if (!gemm && !kernels->integer_x8) continue;
+            const std::vector<float> got = integer_path(*kernels, gemm, x8, packed, x, m, n, k);
+            EXPECT_MSG(std::memcmp(got.data(), want.data(), sizeof(float) * want.size()) == 0,
+                       std::string(kernels->name) + (gemm ? " gemm" : " decode") + " x8 type " +
+                           std::to_string(static_cast<int>(type)) + " m " + std::to_string(m) + " k " +
+                           std::to_string(k) + ": not bitwise the file layout's result");
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

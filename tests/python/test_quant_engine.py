@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from test_engine_smollm2 import PROMPTS
-from vpage import LLM, SamplingParams
+from vpage import LLM, SamplingParams, _core
 from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
 
 # Logprob gap between the float path's two best tokens that counts as a tie. Every matmul with
@@ -39,9 +39,10 @@ def quantized():
 def test_default_model_is_kept_quantized(quantized):
     net = quantized.engine.executor.driver_worker.loaded.model
     layer = net.model.layers[0]
-    # The file's Q4_1 and Q8_0 rows, regrouped by the worker for the decode kernel.
-    assert layer.self_attn.qkv_proj.qtype == "Q4_1x4" and isinstance(layer.mlp.down_proj, QuantizedLinear)
-    assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0x4"
+    # The file's Q4_1 and Q8_0 rows, regrouped by the worker for the decode kernel (x8 with VNNI).
+    layout = "x8" if _core.quant_reads_x8() else "x4"
+    assert layer.self_attn.qkv_proj.qtype == "Q4_1" + layout and isinstance(layer.mlp.down_proj, QuantizedLinear)
+    assert isinstance(net.lm_head, QuantizedEmbedding) and net.lm_head.qtype == "Q8_0" + layout
     weight_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     assert weight_bytes < 100 * 2**20  # float32 would be ~540 MB
 
@@ -81,7 +82,7 @@ def test_greedy_matches_dequantized_float32_except_near_ties(quantized, floats, 
 
 
 def test_repacked_rows_give_the_file_layouts_outputs(quantized, monkeypatch):
-    # The worker's x4 repacking changes no bit: the same tokens and logprobs as the rows
+    # The worker's x4 or x8 repacking changes no bit: the same tokens and logprobs as the rows
     # as they lie in the file, batched (decode and prefill on the integer paths).
     import vpage.worker.worker as worker
 

@@ -194,31 +194,46 @@ def test_integer_gemm_prefill_chunk():
     assert torch.equal(out[rows], torch.cat([ops.quant_matmul(x[i:i + 1], qweight, "Q4_1", n, k) for i in rows]))
 
 
-# Q4_1 and Q8_0 rows as the worker repacks them for the CPU decode kernel (Q4_1x4, Q8_0x4):
-# every path and instruction set gives the GGUF layout's results bitwise.
+# Q4_1 and Q8_0 rows as the worker repacks them for the CPU decode kernel (Q4_1x4, Q8_0x4, or
+# with VNNI Q4_1x8, Q8_0x8): every path and instruction set gives the GGUF layout's results bitwise.
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_x4_layout_equals_the_file_layout_bitwise(isa, qtype):
-    n, k = 68, 576
-    x4 = qtype + "x4"
+@pytest.mark.parametrize("layout", ["x4", "x8"])
+def test_repacked_layouts_equal_the_file_layout_bitwise(isa, qtype, layout):
+    n, k = 72, 576
+    packed_type = qtype + layout
+    repack = ops.repack_x4 if layout == "x4" else ops.repack_x8
     qweight, _ = _weights(qtype, n, k, seed=12)
-    packed = ops.repack_x4(qweight, qtype, n, k)
+    packed = repack(qweight, qtype, n, k)
     assert packed.shape == qweight.shape and not torch.equal(packed, qweight)
-    assert torch.equal(ops.dequantize_rows(packed, x4, k), ops.dequantize_rows(qweight, qtype, k))
+    assert torch.equal(ops.dequantize_rows(packed, packed_type, k), ops.dequantize_rows(qweight, qtype, k))
     x = torch.randn(131, k, generator=torch.Generator().manual_seed(12))
     try:
         for threads in (1, 2, 3):  # the decode path's head and tail tasks fall differently
             ops.set_num_threads(threads)
-            for m in (1, 3, 5, 16, 17, 131):  # decode path, 1-2 passes of 4 x rows; the GEMM
+            # The decode path, passes of 4 (x4) or up to 8 (x8) x rows; the GEMM (x8 with VNNI:
+            # the decode kernel, chunks of 64 rows).
+            for m in (1, 3, 5, 9, 16, 17, 70, 131):
                 want = ops.quant_matmul(x[:m], qweight, qtype, n, k)
-                assert torch.equal(ops.quant_matmul(x[:m], packed, x4, n, k, out=_poisoned(m, n)), want)
+                assert torch.equal(ops.quant_matmul(x[:m], packed, packed_type, n, k, out=_poisoned(m, n)), want)
     finally:
         ops.set_num_threads(None)
     with float_path():
-        assert torch.equal(ops.quant_matmul(x, packed, x4, n, k), ops.quant_matmul(x, qweight, qtype, n, k))
-    assert ops.repack_x4(qweight[:6], qtype, 6, k) is None  # not whole groups of four rows
-    odd, _ = _weights(qtype, 4, 96, seed=12)
-    assert ops.repack_x4(odd, qtype, 4, 96) is None  # an odd number of blocks per row
+        assert torch.equal(ops.quant_matmul(x, packed, packed_type, n, k),
+                           ops.quant_matmul(x, qweight, qtype, n, k))
+    assert repack(qweight[:4 if layout == "x8" else 6], qtype, 4 if layout == "x8" else 6, k) is None  # partial group
+    if layout == "x4":
+        odd, _ = _weights(qtype, 4, 96, seed=12)
+        assert ops.repack_x4(odd, qtype, 4, 96) is None  # an odd number of blocks per row
+
+
+def test_x8_layout_takes_odd_blocks_and_every_q8_0_quant():
+    qweight, _ = _weights("Q8_0", 16, 96, seed=15)
+    qweight[5, 34 + 2 + 9] = 0x80  # a quant of -128, which x4 refuses
+    packed = ops.repack_x8(qweight, "Q8_0", 16, 96)
+    x = torch.randn(11, 96, generator=torch.Generator().manual_seed(15))
+    assert torch.equal(ops.quant_matmul(x, packed, "Q8_0x8", 16, 96), ops.quant_matmul(x, qweight, "Q8_0", 16, 96))
+    assert ops.repack_x8(_weights("Q4_0", 8, 64, seed=15)[0], "Q4_0", 8, 64) is None  # no x8 layout
 
 
 def test_q8_0_rows_with_a_quant_of_minus_128_stay_as_in_the_file():
@@ -230,10 +245,11 @@ def test_q8_0_rows_with_a_quant_of_minus_128_stay_as_in_the_file():
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_repacked_embedding_lookups_and_logits(qtype):
+@pytest.mark.parametrize("vocab", [12, 16])  # groups of four only; of eight too (x8 with VNNI)
+def test_repacked_embedding_lookups_and_logits(qtype, vocab):
     from vpage.model_executor.layers.quant_linear import QuantizedEmbedding
 
-    vocab, hidden = 12, 64
+    hidden = 64
     qweight, _ = _weights(qtype, vocab, hidden, seed=13)
     table = QuantizedEmbedding(vocab, hidden, torch.float32, qtype)
     table.qweight.data.copy_(qweight)
@@ -241,7 +257,8 @@ def test_repacked_embedding_lookups_and_logits(qtype):
     hidden_rows = torch.randn(3, hidden, generator=torch.Generator().manual_seed(13))
     before = table(ids), table.logits(hidden_rows)
     table.repack()
-    assert table.qtype == qtype + "x4" and not torch.equal(table.qweight.data, qweight)
+    layout = "x8" if vocab % 8 == 0 and _core.quant_reads_x8() else "x4"
+    assert table.qtype == qtype + layout and not torch.equal(table.qweight.data, qweight)
     assert torch.equal(table(ids), before[0]) and torch.equal(table.logits(hidden_rows), before[1])
 
 

@@ -6,6 +6,7 @@
 namespace vpage::cpu::avx2 {
 
 extern const QuantKernels kQuantKernels = {"avx2", &qmm::run_task, &qmm::dequantize_rows, &qmm::quantize_rows_q8,
-                                            &qmm::run_dot_task, &qmm::run_gemm_task, qmm::kIntegerX4, qmm::kNr, qmm::kPanel};
+                                            &qmm::run_dot_task, &qmm::run_gemm_task, qmm::kIntegerX4,
+                                            qmm::kIntegerX8, qmm::kNr, qmm::kPanel};
 
 }  // namespace vpage::cpu::avx2

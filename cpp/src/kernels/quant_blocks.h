@@ -266,7 +266,9 @@ inline void dequantize_range(QuantType type, const uint8_t* row, int64_t first_b
     case QuantType::kQ5_K: return dequant_blocks<256, 176, dequant_q5_k>(row, first_block, num_values, dst);
     case QuantType::kQ6_K: return dequant_blocks<256, 210, dequant_q6_k>(row, first_block, num_values, dst);
     case QuantType::kQ4_1x4:
-    case QuantType::kQ8_0x4: return;  // never: quant_matmul.cpp unpacks x4 rows first
+    case QuantType::kQ8_0x4:
+    case QuantType::kQ4_1x8:
+    case QuantType::kQ8_0x8: return;  // never: quant_matmul.cpp unpacks x4 and x8 rows first
   }
 }
 

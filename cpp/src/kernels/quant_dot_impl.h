@@ -125,12 +125,15 @@ static_assert(kCombos == kDotStreams, "a decode tile's rows fill one vector's co
 // the same arithmetic on AVX2 (tests/cpp/test_quant_vnni.cpp runs that build's code on any x86
 // CPU). Without VNNI the kernels use maddubs (int16 pair sums) instead and widen later.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VPAGE_QMM_DOT4 1  // add_dot4 exists (quant_dot_x8.h builds on it)
 constexpr bool kVnni = true;
 inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
 #elif defined(__AVXVNNI__)
+#define VPAGE_QMM_DOT4 1
 constexpr bool kVnni = true;
 inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
 #elif defined(VPAGE_EMULATE_VNNI)
+#define VPAGE_QMM_DOT4 1
 constexpr bool kVnni = true;
 inline __m256i add_dot4(__m256i acc, __m256i u8, __m256i s8) {
   // Even and odd bytes widened to int16 (u8 zero-, s8 sign-extended); each madd sums 2 of the 4.

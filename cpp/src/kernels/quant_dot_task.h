@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "quant_dot_impl.h"
+#include "quant_dot_x8.h"
 
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 
@@ -194,7 +195,11 @@ inline void run_dot_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t 
     case QuantType::kQ4_1x4: return run_dot_task_x4<QuantType::kQ4_1x4>(a, x, rows_per_task, task);
     case QuantType::kQ8_0x4: return run_dot_task_x4<QuantType::kQ8_0x4>(a, x, rows_per_task, task);
 #endif
-    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and (SIMD) the x4 types here
+#if defined(VPAGE_QMM_X8)
+    case QuantType::kQ4_1x8: return run_dot_task_x8<QuantType::kQ4_1x8>(a, x, rows_per_task, task);
+    case QuantType::kQ8_0x8: return run_dot_task_x8<QuantType::kQ8_0x8>(a, x, rows_per_task, task);
+#endif
+    default: return;  // the dispatcher sends only the 32-value formats, Q4_K, (SIMD) x4 and (VNNI) x8 types here
   }
 }
 

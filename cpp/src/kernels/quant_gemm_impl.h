@@ -129,6 +129,75 @@ inline void unpack_x4_rows(const uint8_t* w, int32_t rows, int32_t blocks, Weigh
   }
 }
 
+// The quant bytes of rows 0-7 of an x8 group's block from four of its vectors (v[j]: bytes 4j ..
+// 4j + 3 of row r in 4-byte lane r), a transpose of 4-byte lanes: rows[i] = [16 bytes of row i |
+// 16 bytes of row i + 4].
+inline void x8_block_rows(const __m256i v[4], __m256i rows[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  rows[0] = _mm256_unpacklo_epi64(t0, t2);
+  rows[1] = _mm256_unpackhi_epi64(t0, t2);
+  rows[2] = _mm256_unpacklo_epi64(t1, t3);
+  rows[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// x8 rows (a multiple of 8; layout: QuantType) unpacked as their file type's rows would be:
+// per group and block pair, both blocks' vectors transposed into rows, each row's two blocks
+// joined as pair_bytes joins them. An odd count's last pair: block b alone (the missing block's
+// bytes zero, Q8_0x8's +128 included, and its scales zero).
+template <QuantType T>
+inline void unpack_x8_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type(T)>* tile) {
+  constexpr bool kQ8 = T == QuantType::kQ8_0x8;
+  constexpr int64_t kBytes = kQ8 ? 272 : 160;
+  constexpr int kHalves = kQ8 ? 2 : 1;  // Q8_0: quants 0-15 and 16-31, four vectors each
+  const int32_t pairs = (blocks + 1) / 2;
+  const __m256i bias = _mm256_set1_epi8(kQ8 ? static_cast<char>(0x80) : 0);
+  const __m256i mask = _mm256_set1_epi8(15);
+  for (int32_t g = 0; g < rows / 8; ++g) {
+    for (int32_t p = 0; p < pairs; ++p) {
+      __m256i block_rows[2][kHalves][4];  // [block of the pair][half][rows i | i + 4]
+      alignas(32) float d[2][8] = {}, m[2][8] = {};
+      for (int h = 0; h < 2; ++h) {
+        const int32_t b = 2 * p + h;
+        const uint8_t* blk = w + (static_cast<int64_t>(g) * blocks + b) * kBytes;
+        for (int half = 0; half < kHalves; ++half) {
+          __m256i v[4];
+          for (int j = 0; j < 4; ++j) {
+            v[j] = b < blocks ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (kQ8 ? 16 : 32) +
+                                                                                    32 * (4 * half + j)))
+                              : bias;
+          }
+          x8_block_rows(v, block_rows[h][half]);
+        }
+        if (b < blocks) {
+          _mm256_store_ps(d[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk))));
+          if (!kQ8) _mm256_store_ps(m[h], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16))));
+        }
+      }
+      for (int r = 0; r < 8; ++r) {
+        const int select = r < 4 ? 0x20 : 0x31;  // low or high 16 bytes of each block's rows
+        auto joined = [&](int half) {
+          return _mm256_xor_si256(
+              _mm256_permute2x128_si256(block_rows[0][half][r % 4], block_rows[1][half][r % 4], select), bias);
+        };
+        WeightPair<quant_file_type(T)>& out = tile[static_cast<int64_t>(8 * g + r) * pairs + p];
+        out.d_w = _mm256_setr_m128(_mm_set1_ps(d[0][r]), _mm_set1_ps(d[1][r]));
+        if constexpr (kQ8) {
+          out.bytes.lo = joined(0);
+          out.bytes.hi = joined(1);
+          out.bytes.abs_lo = _mm256_sign_epi8(out.bytes.lo, out.bytes.lo);
+          out.bytes.abs_hi = _mm256_sign_epi8(out.bytes.hi, out.bytes.hi);
+        } else {
+          const __m256i raw = joined(0);
+          out.bytes.lo = _mm256_and_si256(raw, mask);
+          out.bytes.hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+          out.m_w = _mm256_setr_m128(_mm_set1_ps(m[0][r]), _mm_set1_ps(m[1][r]));
+        }
+      }
+    }
+  }
+}
+
 // out[r + i * out_stride] = dot(tile row r, x row i) for r < NW, i < mr; rows: NW tile rows
 // `pairs` apart; x[0..4): the group's rows (pair order; a short group repeats a row), xp: the
 // group's pair floats. With two weight rows the x rows go two at a time, each meeting both
@@ -195,6 +264,8 @@ inline void run_gemm_task_typed(const QuantMatmulArgs& a, const QuantizedX& x, i
     unpack_q4k_rows(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
   } else if constexpr (quant_is_x4(T)) {
     unpack_x4_rows<T>(a.weight + n0 * row_bytes, rows, blocks, tile.data());
+  } else if constexpr (quant_is_x8(T)) {
+    unpack_x8_rows<T>(a.weight + n0 * row_bytes, rows, blocks, tile.data());
   } else {
     unpack_weight_rows<T>(a.weight + n0 * row_bytes, row_bytes, rows, blocks, tile.data());
   }
@@ -235,7 +306,9 @@ inline void run_gemm_task(const QuantMatmulArgs& a, const QuantizedX& x, int32_t
     case QuantType::kQ4_K: return run_gemm_task_typed<QuantType::kQ4_K>(a, x, rows_per_task, task);
     case QuantType::kQ4_1x4: return run_gemm_task_typed<QuantType::kQ4_1x4>(a, x, rows_per_task, task);
     case QuantType::kQ8_0x4: return run_gemm_task_typed<QuantType::kQ8_0x4>(a, x, rows_per_task, task);
-    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and the x4 types here
+    case QuantType::kQ4_1x8: return run_gemm_task_typed<QuantType::kQ4_1x8>(a, x, rows_per_task, task);
+    case QuantType::kQ8_0x8: return run_gemm_task_typed<QuantType::kQ8_0x8>(a, x, rows_per_task, task);
+    default: return;  // the dispatcher sends only the 32-value formats, Q4_K and the x4 and x8 types here
   }
 }
 #else

@@ -27,6 +27,8 @@ bool quant_type_supported(int32_t ggml_type) {
     case QuantType::kQ6_K:
     case QuantType::kQ4_1x4:
     case QuantType::kQ8_0x4:
+    case QuantType::kQ4_1x8:
+    case QuantType::kQ8_0x8:
       return true;
   }
   return false;
@@ -40,9 +42,11 @@ int32_t quant_block_bytes(QuantType type) {
   switch (type) {
     case QuantType::kQ4_0: return 18;
     case QuantType::kQ4_1:
-    case QuantType::kQ4_1x4: return 20;
+    case QuantType::kQ4_1x4:
+    case QuantType::kQ4_1x8: return 20;
     case QuantType::kQ8_0:
-    case QuantType::kQ8_0x4: return 34;
+    case QuantType::kQ8_0x4:
+    case QuantType::kQ8_0x8: return 34;
     case QuantType::kQ4_K: return 144;
     case QuantType::kQ5_K: return 176;
     case QuantType::kQ6_K: return 210;
@@ -72,13 +76,13 @@ constexpr int64_t kPrefillMChunk = 2048;  // x rows per tile fill (x streams fro
 // only to within a task: with 2 tasks per thread, one thread could wait up to a quarter of a
 // matmul at its end (2-vCPU Zen 3, 1.7B Q4_1 decode: the pool's threads spun 5-10% of their
 // time). So a matmul is cut into head tasks, one per thread, over kDotHeadShare of the rows,
-// then tail tasks of kDotTailShare of the rows each (rows a multiple of 4, at least
-// kDotMinTaskRows): a thread waits at most about one tail task.
+// then tail tasks of kDotTailShare of the rows each (rows a multiple of 8, whole x8 groups, at
+// least kDotMinTaskRows): a thread waits at most about one tail task.
 constexpr double kDotHeadShare = 0.75;
 constexpr double kDotTailShare = 1.0 / 16;
 constexpr int32_t kDotMinTaskRows = 32;
 
-int32_t round_up4(double rows) { return static_cast<int32_t>(std::ceil(rows / 4.0)) * 4; }
+int32_t round_up8(double rows) { return static_cast<int32_t>(std::ceil(rows / 8.0)) * 8; }
 
 struct DotTaskShape {
   int32_t head_tasks, head_rows, tail_rows;
@@ -87,9 +91,9 @@ struct DotTaskShape {
 
 DotTaskShape dot_task_shape(int32_t n, int num_threads) {
   DotTaskShape shape;
-  shape.head_rows = std::max(kDotMinTaskRows, round_up4(n * kDotHeadShare / num_threads));
+  shape.head_rows = std::max(kDotMinTaskRows, round_up8(n * kDotHeadShare / num_threads));
   shape.head_tasks = static_cast<int32_t>(std::min<int64_t>(num_threads, (n + shape.head_rows - 1) / shape.head_rows));
-  shape.tail_rows = std::max(kDotMinTaskRows, round_up4(n * kDotTailShare));
+  shape.tail_rows = std::max(kDotMinTaskRows, round_up8(n * kDotTailShare));
   const int64_t tail = std::max<int64_t>(0, n - static_cast<int64_t>(shape.head_tasks) * shape.head_rows);
   shape.num_tasks = shape.head_tasks + (tail + shape.tail_rows - 1) / shape.tail_rows;
   return shape;
@@ -98,18 +102,26 @@ DotTaskShape dot_task_shape(int32_t n, int num_threads) {
 // The 32-value formats, and Q4_K, whose sub-blocks are Q4_1 blocks with 6-bit scales.
 bool integer_format(const QuantMatmulArgs& a) {
   return a.type == QuantType::kQ4_0 || a.type == QuantType::kQ4_1 || a.type == QuantType::kQ8_0 ||
-         a.type == QuantType::kQ4_K || quant_is_x4(a.type);
+         a.type == QuantType::kQ4_K || quant_is_repacked(a.type);
 }
 
-bool use_dot_path(const QuantMatmulArgs& a) { return integer_format(a) && a.m <= kQuantIntegerPathRows; }
+std::atomic<int64_t> gemm_max_rows{kQuantIntegerGemmMaxRows};
+
+// The VNNI decode kernel also takes x8 rows beyond kQuantIntegerPathRows, up to where the
+// integer GEMM would (per x row it runs 1.6x faster than the GEMM: bench/RESULTS-quant-gemm.md).
+bool use_dot_path(const QuantMatmulArgs& a) {
+  return integer_format(a) &&
+         (a.m <= kQuantIntegerPathRows || (quant_is_x8(a.type) && selected_quant_kernels().integer_x8 &&
+                                           a.m <= gemm_max_rows.load(std::memory_order_relaxed)));
+}
 
 // Integer GEMM path (quant_gemm_impl.h): tasks of kGemmTaskRows weight rows, each unpacked once
 // into a tile (Q4, k = 1536: 32 rows x 24 pairs x 128 bytes = 96 KiB, in L2).
-std::atomic<int64_t> gemm_max_rows{kQuantIntegerGemmMaxRows};
 constexpr int32_t kGemmTaskRows = 32;
 
 bool use_gemm_path(const QuantMatmulArgs& a) {
-  return integer_format(a) && a.m > kQuantIntegerPathRows && a.m <= gemm_max_rows.load(std::memory_order_relaxed);
+  return integer_format(a) && !use_dot_path(a) && a.m > kQuantIntegerPathRows &&
+         a.m <= gemm_max_rows.load(std::memory_order_relaxed);
 }
 
 // Rows of x quantized per parallel_for task (x quantization is a few percent of a GEMM).
@@ -119,7 +131,8 @@ void check_args(const QuantMatmulArgs& a) {
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(a.type)),
               "quant_matmul: unsupported quantization type "
                   << static_cast<int32_t>(a.type)
-                  << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_1x4=259 or Q8_0x4=264)");
+                  << " (expected Q4_0=2, Q4_1=3, Q8_0=8, Q4_K=12, Q5_K=13, Q6_K=14, Q4_1x4=259, Q8_0x4=264, "
+                     "Q4_1x8=515 or Q8_0x8=520)");
   VPAGE_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat16 || a.dtype == DType::kBFloat16,
               "quant_matmul: unknown dtype code " << static_cast<int>(a.dtype));
   const int32_t block = quant_block_values(a.type);
@@ -129,6 +142,8 @@ void check_args(const QuantMatmulArgs& a) {
                                             << ")");
   VPAGE_CHECK(!quant_is_x4(a.type) || quant_repack_x4_fits(quant_file_type(a.type), a.n, a.k),
               "quant_matmul: x4 weights need n a multiple of 4 and k of 64 (n " << a.n << ", k " << a.k << ")");
+  VPAGE_CHECK(!quant_is_x8(a.type) || quant_repack_x8_fits(quant_file_type(a.type), a.n, a.k),
+              "quant_matmul: x8 weights need n a multiple of 8 (n " << a.n << ")");
   VPAGE_CHECK((a.m == 0 || (a.x != nullptr && a.out != nullptr)) && (a.n == 0 || a.weight != nullptr),
               "quant_matmul: null pointer");
 }
@@ -192,7 +207,7 @@ void quant_x_pairs(QuantType type, const float* d, const float* s, int64_t m, in
       float* out = pairs + (i / 4 * num_pairs + b / 2) * kXPairFloats + 4 * (b % 2) + lane;
       const int64_t xb = i * blocks + b;
       out[0] = d[xb];
-      if (type == QuantType::kQ4_1 || type == QuantType::kQ4_1x4 || type == QuantType::kQ4_K) out[8] = s[xb];
+      if (quant_file_type(type) == QuantType::kQ4_1 || type == QuantType::kQ4_K) out[8] = s[xb];
       if (type == QuantType::kQ4_0) out[8] = -8.0f * s[xb];
     }
   }
@@ -216,7 +231,10 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
   tasks.kernels = &selected_quant_kernels();
   num_threads = std::max(num_threads, 1);
   if (quant_integer_path(args)) {
-    tasks.unpack_x4 = quant_is_x4(args.type) && !tasks.kernels->integer_x4;
+    // The SIMD builds' GEMM reads x4 and x8 rows (integer_x4), only VNNI's decode path x8 rows.
+    const bool reads_rows = quant_is_x8(args.type) && use_dot_path(args) ? tasks.kernels->integer_x8
+                                                                         : tasks.kernels->integer_x4;
+    tasks.unpack_rows = quant_is_repacked(args.type) && !reads_rows;
     if (use_dot_path(args)) {
       const DotTaskShape shape = dot_task_shape(args.n, num_threads);
       tasks.integer_task = tasks.kernels->run_dot_task;
@@ -243,7 +261,7 @@ QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x,
     plan.k_major = true;
   }
   tasks.num_tasks = (args.n + plan.rows_per_task - 1) / plan.rows_per_task;
-  tasks.unpack_x4 = quant_is_x4(args.type);
+  tasks.unpack_rows = quant_is_repacked(args.type);
   return tasks;
 }
 
@@ -272,7 +290,7 @@ QuantMatmulArgs QuantMatmulTasks::rows_args(int32_t n0, int32_t rows) const {
 // An integer task runs its rows as task 0 of a matmul of those rows alone (tasks may differ in
 // size; a row's result does not depend on its task).
 void QuantMatmulTasks::run(int64_t task) const {
-  if (unpack_x4) {
+  if (unpack_rows) {
     run_unpacked(task);
   } else if (integer_task != nullptr) {
     int32_t n0, rows;
@@ -283,8 +301,8 @@ void QuantMatmulTasks::run(int64_t task) const {
   }
 }
 
-// The task's x4 rows (every task covers a multiple of 4 rows from a multiple of 4) as the
-// file's rows in this thread's buffer, then that type's kernel on them as task 0 of a matmul
+// The task's x4 or x8 rows (every task covers whole groups: its rows and first row are
+// multiples of 8) as the file's rows in this thread's buffer, then that type's kernel on them as task 0 of a matmul
 // of those rows alone.
 void QuantMatmulTasks::run_unpacked(int64_t task) const {
   int32_t n0, rows;
@@ -292,7 +310,7 @@ void QuantMatmulTasks::run_unpacked(int64_t task) const {
   QuantMatmulArgs part = rows_args(n0, rows);
   thread_local std::vector<uint8_t> unpacked;
   unpacked.resize(static_cast<size_t>(rows) * (args.k / 32) * quant_block_bytes(args.type));
-  quant_unpack_x4(args.type, part.weight, rows, args.k, unpacked.data());
+  quant_unpack_rows(args.type, part.weight, rows, args.k, unpacked.data());
   part.type = quant_file_type(args.type);
   part.weight = unpacked.data();
   if (integer_task != nullptr) {
@@ -318,12 +336,12 @@ void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, 
   VPAGE_CHECK(quant_type_supported(static_cast<int32_t>(type)) && rows >= 0 && k > 0 && k % quant_block_values(type) == 0,
               "quant_dequantize_rows: bad type " << static_cast<int32_t>(type) << " or sizes (rows " << rows << ", k "
                                                  << k << ")");
-  if (!quant_is_x4(type)) {
+  if (!quant_is_repacked(type)) {
     selected_quant_kernels().dequantize_rows(type, weight, rows, k, out);
     return;
   }
   std::vector<uint8_t> unpacked(static_cast<size_t>(rows) * (k / 32) * quant_block_bytes(type));
-  quant_unpack_x4(type, weight, rows, k, unpacked.data());
+  quant_unpack_rows(type, weight, rows, k, unpacked.data());
   selected_quant_kernels().dequantize_rows(quant_file_type(type), unpacked.data(), rows, k, out);
 }
 
@@ -334,14 +352,16 @@ bool quant_repack_x4_fits(QuantType type, int64_t rows, int32_t k) {
 
 namespace {
 
-// Where the three pieces of a file block (d, then m and nibbles or two halves of quants) land
-// in its x4 group's pair (QuantType's layouts): block h (0 or 1) of the pair, row r of the group.
-struct X4Piece {
+// A run of a file block's bytes and where it lands in its repacked group (QuantType's layouts).
+struct LayoutPiece {
   int32_t from, bytes;  // within the file's block
-  int64_t to;           // within the group's pair
+  int64_t to;           // within the group's block pair (x4) or block (x8)
 };
 
-std::array<X4Piece, 3> x4_pieces(QuantType file_type, int r, int h) {
+// The three pieces of a file block (d, then m and nibbles or two halves of quants) in its x4
+// group's pair: block h (0 or 1) of the pair, row r of the group.
+
+std::array<LayoutPiece, 3> x4_pieces(QuantType file_type, int r, int h) {
   const int64_t d = 2 * (4 * h + r);
   if (file_type == QuantType::kQ4_1) return {{{0, 2, d}, {2, 2, d + 16}, {4, 16, 32 + 32 * r + 16 * h}}};
   return {{{0, 2, d}, {2, 16, 16 + 64 * r + 16 * h}, {18, 16, 16 + 64 * r + 32 + 16 * h}}};
@@ -361,13 +381,44 @@ void copy_x4(QuantType file_type, const uint8_t* src, int64_t rows, int32_t k, u
       for (int r = 0; r < 4; ++r) {
         for (int h = 0; h < 2; ++h) {
           const int64_t block = (4 * g + r) * row_bytes + static_cast<int64_t>(2 * p + h) * block_bytes;
-          for (const X4Piece& piece : x4_pieces(file_type, r, h)) {
+          for (const LayoutPiece& piece : x4_pieces(file_type, r, h)) {
             if (to_x4) {
               std::memcpy(dst + pair + piece.to, src + block + piece.from, piece.bytes);
             } else {
               std::memcpy(dst + block + piece.from, src + pair + piece.to, piece.bytes);
             }
           }
+        }
+      }
+    }
+  }
+}
+
+// src -> dst: file rows of `file_type` to its x8 layout (to_x8), or back (QuantType's layouts:
+// per block of a group, the eight d, Q4_1's eight m, then 4-byte runs of quants, row r's run j
+// at 32 * j + 4 * r). A Q8_0x8 quant is the file's plus 128 (its top bit flipped).
+void copy_x8(QuantType file_type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst, bool to_x8) {
+  const bool q4 = file_type == QuantType::kQ4_1;
+  const int32_t blocks = k / 32, block_bytes = quant_block_bytes(file_type);
+  const int32_t headers = q4 ? 2 : 1, runs = q4 ? 4 : 8;
+  const int64_t row_bytes = static_cast<int64_t>(blocks) * block_bytes;
+  // Bytes at file_at of the file's rows <-> group_at of the groups: an f16 (2) or a run (4, xor mask).
+  auto piece = [&](int64_t file_at, int64_t group_at, int32_t bytes, uint32_t mask) {
+    const int64_t from = to_x8 ? file_at : group_at, to = to_x8 ? group_at : file_at;
+    uint32_t word = 0;
+    std::memcpy(&word, src + from, bytes);
+    word ^= mask;
+    std::memcpy(dst + to, &word, bytes);
+  };
+  for (int64_t g = 0; g < rows / 8; ++g) {
+    for (int32_t b = 0; b < blocks; ++b) {
+      const int64_t group_block = (g * blocks + b) * 8 * block_bytes;
+      for (int r = 0; r < 8; ++r) {
+        const int64_t file_block = (8 * g + r) * row_bytes + static_cast<int64_t>(b) * block_bytes;
+        for (int h = 0; h < headers; ++h) piece(file_block + 2 * h, group_block + 16 * h + 2 * r, 2, 0);
+        for (int j = 0; j < runs; ++j) {
+          piece(file_block + 2 * headers + 4 * j, group_block + 16 * headers + 32 * j + 4 * r, 4,
+                q4 ? 0 : 0x80808080u);
         }
       }
     }
@@ -395,10 +446,29 @@ bool quant_repack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k
   return true;
 }
 
-void quant_unpack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
-  VPAGE_CHECK(quant_is_x4(type), "quant_unpack_x4: type " << static_cast<int32_t>(type) << " is not an x4 type");
-  copy_x4(quant_file_type(type), src, rows, k, dst, false);
+bool quant_repack_x8_fits(QuantType type, int64_t rows, int32_t k) {
+  return (type == QuantType::kQ4_1 || type == QuantType::kQ8_0) && rows >= 0 && rows % 8 == 0 && k > 0 &&
+         k % 32 == 0;
 }
+
+void quant_repack_x8(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  VPAGE_CHECK(quant_repack_x8_fits(type, rows, k),
+              "x8 repacking needs Q4_1 or Q8_0 rows, a multiple of 8 of them (type " << static_cast<int32_t>(type)
+                                                                                      << ", rows " << rows << ")");
+  copy_x8(type, src, rows, k, dst, true);
+}
+
+void quant_unpack_rows(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst) {
+  VPAGE_CHECK(quant_is_repacked(type), "quant_unpack_rows: type " << static_cast<int32_t>(type)
+                                                                  << " is not an x4 or x8 type");
+  if (quant_is_x4(type)) {
+    copy_x4(quant_file_type(type), src, rows, k, dst, false);
+  } else {
+    copy_x8(quant_file_type(type), src, rows, k, dst, false);
+  }
+}
+
+bool quant_reads_x8() { return selected_quant_kernels().integer_x8; }
 
 void set_quant_integer_gemm_rows(int64_t max_rows) { gemm_max_rows.store(max_rows, std::memory_order_relaxed); }
 

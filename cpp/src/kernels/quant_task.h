@@ -41,6 +41,12 @@ constexpr int64_t kQ8_0x4PairBytes = 272;
 /// Whether `type` is a layout of four-row groups (kQ4_1x4, kQ8_0x4).
 constexpr bool quant_is_x4(QuantType type) { return type == QuantType::kQ4_1x4 || type == QuantType::kQ8_0x4; }
 
+/// Whether `type` is a layout of eight-row groups (kQ4_1x8, kQ8_0x8).
+constexpr bool quant_is_x8(QuantType type) { return type == QuantType::kQ4_1x8 || type == QuantType::kQ8_0x8; }
+
+/// Whether `type` is a repacked layout of file rows (x4 or x8).
+constexpr bool quant_is_repacked(QuantType type) { return quant_is_x4(type) || quant_is_x8(type); }
+
 /// Floats per block pair and x group in QuantizedX::pairs.
 constexpr int32_t kXPairFloats = 16;
 
@@ -65,8 +71,8 @@ using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_
 
 /// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s (see QuantizedX).
 using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
-/// Integer decode path, Q4_0, Q4_1, Q8_0, Q4_K and (SIMD builds) the x4 types, m <= kQuantIntegerPathRows: task
-/// `task` covers weight rows [task * rows_per_task, ...).
+/// Integer decode path, Q4_0, Q4_1, Q8_0, Q4_K, (SIMD builds) the x4 types, m <= kQuantIntegerPathRows,
+/// and (VNNI) the x8 types, any m: task `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
                                 int64_t task);
 // The integer GEMM path (quant_gemm_impl.h) for more rows has the same signature.
@@ -79,7 +85,8 @@ struct QuantKernels {
   QuantizeXFn quantize_x;
   QuantDotTaskFn run_dot_task;
   QuantDotTaskFn run_gemm_task;
-  bool integer_x4;         // whether the integer paths read x4 rows (else unpacked first)
+  bool integer_x4;         // whether the integer paths read x4 rows and the GEMM x8 rows (else unpacked first)
+  bool integer_x8;         // whether the decode path reads x8 rows (else unpacked first)
   int32_t rows_multiple;   // weight rows per decode micro-kernel column group
   int32_t panel_rows;      // weight rows per prefill micro-kernel panel
 };
@@ -119,7 +126,7 @@ struct QuantMatmulTasks {
   int32_t head_tasks = 0;
   int32_t head_rows = 0;
   int64_t num_tasks = 0;
-  bool unpack_x4 = false;  // x4 rows on a path without a kernel for them
+  bool unpack_rows = false;  // x4 or x8 rows on a path without a kernel for them
 
   /// Runs task `task`.
   void run(int64_t task) const;

@@ -53,6 +53,19 @@ void bind_quant(py::module_& m) {
       "Writes rows Q4_1 or Q8_0 rows of k values (rows a multiple of 4, k of 64) into out in the\n"
       "x4 layout of the CPU decode kernel (Q4_1x4 = 259, Q8_0x4 = 264) and returns True; False,\n"
       "out untouched, for Q8_0 rows holding a quant of -128. out must not overlap weight.");
+  m.def(
+      "_cpu_quant_repack_x8",
+      [](uintptr_t out, uintptr_t weight, int64_t rows, int32_t k, int32_t qtype) {
+        py::gil_scoped_release release;
+        cpu::quant_repack_x8(static_cast<QuantType>(qtype), reinterpret_cast<const uint8_t*>(weight), rows, k,
+                             reinterpret_cast<uint8_t*>(out));
+      },
+      py::arg("out"), py::arg("weight"), py::arg("rows"), py::arg("k"), py::arg("qtype"),
+      "Writes rows Q4_1 or Q8_0 rows of k values (rows a multiple of 8) into out in the x8 layout\n"
+      "of the VNNI decode kernel (Q4_1x8 = 515, Q8_0x8 = 520). out must not overlap weight.");
+  m.def("quant_reads_x8", &cpu::quant_reads_x8,
+        "Whether the selected instruction set's decode kernel reads x8 rows (VNNI builds); elsewhere\n"
+        "they are unpacked task by task, with the same results.");
   m.attr("QUANT_INTEGER_PATH_ROWS") = cpu::kQuantIntegerPathRows;
   m.attr("QUANT_INTEGER_GEMM_MAX_ROWS") = cpu::kQuantIntegerGemmMaxRows;
   m.def("set_quant_integer_gemm_rows", &cpu::set_quant_integer_gemm_rows, py::arg("max_rows"),

@@ -31,8 +31,9 @@ from vpage.ops.kv_cache import (copy_blocks, key_cache_shape, kv_dtypes_supporte
                                 value_cache_shape)
 from vpage.ops.layer import (fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rms_norm_heads_, rotary_embedding,
                              sigmoid_gated_add_, silu_and_mul)
-from vpage.ops.matmul import (DENSE_PANEL_ROWS, QUANT_TYPES, REPACKED_TYPES, dense_matmul, dense_rows,
-                              dequantize_rows, pack_dense_weight, quant_matmul, quant_row_bytes, repack_x4)
+from vpage.ops.matmul import (DENSE_PANEL_ROWS, QUANT_TYPES, REPACK_GROUP_ROWS, REPACKED_TYPES, dense_matmul,
+                              dense_rows, dequantize_rows, pack_dense_weight, quant_matmul, quant_row_bytes,
+                              repack_for_cpu, repack_x4, repack_x8)
 from vpage.ops.moe import fused_moe, pack_expert_weights
 from vpage.ops.sampler import apply_token_bitmask_, logsumexp_argmax, token_bitmask_words
 from vpage.ops.threads import get_num_threads, set_num_threads, set_thread_source
@@ -43,8 +44,9 @@ __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
-    "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "REPACKED_TYPES", "quant_row_bytes",
-    "quant_matmul", "dequantize_rows", "repack_x4", "pack_dense_weight", "dense_matmul", "dense_rows",
+    "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "REPACKED_TYPES", "REPACK_GROUP_ROWS",
+    "quant_row_bytes", "quant_matmul", "dequantize_rows", "repack_x4", "repack_x8", "repack_for_cpu",
+    "pack_dense_weight", "dense_matmul", "dense_rows",
     "pack_expert_weights", "fused_moe",
     "logsumexp_argmax",
     "token_bitmask_words", "apply_token_bitmask_", "trusted_arguments",

@@ -18,9 +18,13 @@ QUANT_TYPES = {
     "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210),
 }
 # Layouts the CPU repacks GGUF rows into at load (not in any file): Q4_1x4 and Q8_0x4 are
-# Q4_1 and Q8_0 rows in groups of four for the decode kernel (repack_x4).
-REPACKED_TYPES = {"Q4_1x4": (259, 32, 20), "Q8_0x4": (264, 32, 34)}
+# Q4_1 and Q8_0 rows in groups of four for the decode kernel (repack_x4), Q4_1x8 and Q8_0x8 in
+# groups of eight for the VNNI one (repack_x8).
+REPACKED_TYPES = {"Q4_1x4": (259, 32, 20), "Q8_0x4": (264, 32, 34),
+                  "Q4_1x8": (515, 32, 20), "Q8_0x8": (520, 32, 34)}
+REPACK_GROUP_ROWS = {"Q4_1x4": 4, "Q8_0x4": 4, "Q4_1x8": 8, "Q8_0x8": 8}  # rows addressable only together
 _X4_OF = {"Q4_1": "Q4_1x4", "Q8_0": "Q8_0x4"}
+_X8_OF = {"Q4_1": "Q4_1x8", "Q8_0": "Q8_0x8"}
 _FORMATS = {**QUANT_TYPES, **REPACKED_TYPES}
 _QUANT_BY_ID = {tid: (name, values, size) for name, (tid, values, size) in _FORMATS.items()}
 
@@ -187,3 +191,29 @@ def repack_x4(qweight: torch.Tensor, qtype: str, rows: int, k: int) -> Optional[
         return None
     out = torch.empty_like(qweight)
     return out if _ops_cpu.repack_x4(out, qweight, QUANT_TYPES[qtype][0], rows, k) else None
+
+
+def repack_x8(qweight: torch.Tensor, qtype: str, rows: int, k: int) -> Optional[torch.Tensor]:
+    """``rows`` Q4_1 or Q8_0 rows of ``k`` values (as :func:`repack_x4` takes them) in the
+    ``"Q4_1x8"`` / ``"Q8_0x8"`` layout of the VNNI decode kernel: eight rows at a time, so that
+    each vector lane holds one row (the same results, bitwise, on every CPU; faster where
+    ``_core.quant_reads_x8()``). None for another type or rows not a multiple of 8."""
+    if qtype not in _X8_OF:
+        return None
+    _check_qweight(qweight, qtype, rows, k)
+    if rows % 8:
+        return None
+    out = torch.empty_like(qweight)
+    _ops_cpu.repack_x8(out, qweight, QUANT_TYPES[qtype][0], rows, k)
+    return out
+
+
+def repack_for_cpu(qweight: torch.Tensor, qtype: str, rows: int, k: int) -> Optional[Tuple[torch.Tensor, str]]:
+    """The layout this CPU's decode kernel reads fastest, as (rows, type name): x8 where the
+    selected instruction set has VNNI, else x4; None when neither takes the rows."""
+    if _ops_cpu.quant_reads_x8():
+        packed = repack_x8(qweight, qtype, rows, k)
+        if packed is not None:
+            return packed, _X8_OF[qtype]
+    packed = repack_x4(qweight, qtype, rows, k)
+    return None if packed is None else (packed, _X4_OF[qtype])

@@ -32,8 +32,17 @@ namespace vpage {
 ///          then quants 16-31 of block 2p and of 2p + 1 (no quant is -128).
 /// A row alone is not addressable: matrices of these types have a multiple of 4 rows and of 64
 /// values per row.
+/// kQ4_1x8 and kQ8_0x8 are the layouts of the VNNI decode kernel (quant_repack_x8): rows in
+/// groups of eight, block by block; per block a group holds the eight d as f16, then
+///   kQ4_1x8 (160 bytes a block): the eight m as f16, then four 32-byte vectors: vector j holds
+///          in its 4-byte lane r row r's nibble bytes 4j .. 4j + 3 (values 4j .. 4j + 3 in the low
+///          nibbles, 16 + 4j .. 19 + 4j in the high ones);
+///   kQ8_0x8 (272 bytes a block): eight 32-byte vectors: vector j holds in lane r row r's quants
+///          4j .. 4j + 3 plus 128, as unsigned bytes.
+/// Matrices of these types have a multiple of 8 rows.
 enum class QuantType : int32_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_1x4 = 259, kQ8_0x4 = 264
+  kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ4_1x4 = 259, kQ8_0x4 = 264,
+  kQ4_1x8 = 515, kQ8_0x8 = 520
 };
 
 /// True when `ggml_type` is one of QuantType's values.
@@ -50,7 +59,7 @@ struct QuantMatmulArgs {
   void* out = nullptr;              // [m, n], row stride out_stride, dtype `dtype`
   const void* x = nullptr;          // [m, k], row stride x_stride, dtype `dtype`
   const uint8_t* weight = nullptr;  // [n, k / block_values * block_bytes] raw GGUF blocks or
-                                    // x4 groups, contiguous
+                                    // x4 or x8 groups, contiguous
   int64_t m = 0;                    // rows of x (tokens)
   int32_t n = 0;                    // rows of W (output features)
   int32_t k = 0;                    // a multiple of quant_block_values(type)
@@ -81,6 +90,8 @@ constexpr int64_t kQuantIntegerPathRows = 16;
 /// and batch-64 decode 1.16x. The price is accuracy: test_quant_engine's greedy outputs equal
 /// the float32 model's for 3 of 8 prompts (4-6 with prefill on the float path), every other
 /// divergence at a near-tie. set_quant_integer_gemm_rows(n) limits the path to n rows (0: off).
+/// x8 rows (kQ4_1x8, kQ8_0x8) take the VNNI decode kernel at any number of rows instead, with
+/// the same results (its passes of 8 x rows outrun the GEMM: bench/RESULTS-quant-gemm.md).
 constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 
 /// Runs the matmul. Besides the integer paths above (and for Q5_K, Q6_K), two paths by m: below 128 rows (decode)
@@ -93,7 +104,7 @@ constexpr int64_t kQuantIntegerGemmMaxRows = int64_t{1} << 40;
 void quant_matmul(const QuantMatmulArgs& args, int num_threads);
 
 /// Dequantizes `rows` contiguous weight rows of `k` values into float32 `out` [rows, k]
-/// (embedding lookups, tests); x4 types: `rows` a multiple of 4 from a group's start.
+/// (embedding lookups, tests); x4 and x8 types: whole groups from a group's start.
 /// Single-threaded. Throws vpage::CheckError on bad sizes.
 void quant_dequantize_rows(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
@@ -103,9 +114,17 @@ constexpr QuantType quant_x4_type(QuantType type) {
   return type == QuantType::kQ4_1 ? QuantType::kQ4_1x4 : type == QuantType::kQ8_0 ? QuantType::kQ8_0x4 : type;
 }
 
-/// The file's type of x4 rows (kQ4_1x4 -> kQ4_1, kQ8_0x4 -> kQ8_0), or `type` itself.
+/// The x8 type of `type` (kQ4_1 -> kQ4_1x8, kQ8_0 -> kQ8_0x8), or `type` itself when it has none.
+constexpr QuantType quant_x8_type(QuantType type) {
+  return type == QuantType::kQ4_1 ? QuantType::kQ4_1x8 : type == QuantType::kQ8_0 ? QuantType::kQ8_0x8 : type;
+}
+
+/// The file's type of x4 or x8 rows (kQ4_1x4, kQ4_1x8 -> kQ4_1; kQ8_0x4, kQ8_0x8 -> kQ8_0), or
+/// `type` itself.
 constexpr QuantType quant_file_type(QuantType type) {
-  return type == QuantType::kQ4_1x4 ? QuantType::kQ4_1 : type == QuantType::kQ8_0x4 ? QuantType::kQ8_0 : type;
+  return type == QuantType::kQ4_1x4 || type == QuantType::kQ4_1x8   ? QuantType::kQ4_1
+         : type == QuantType::kQ8_0x4 || type == QuantType::kQ8_0x8 ? QuantType::kQ8_0
+                                                                     : type;
 }
 
 /// Whether `rows` rows of `k` values of `type` have the sizes quant_repack_x4 takes (Q4_1 or
@@ -119,10 +138,22 @@ bool quant_repack_x4_fits(QuantType type, int64_t rows, int32_t k);
 /// vpage::CheckError unless the sizes fit.
 bool quant_repack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
 
-/// The inverse: x4 rows of `type` (kQ4_1x4 or kQ8_0x4) back into the file's rows (the paths
-/// without an x4 kernel unpack a task's rows, in L2, and run the file type's kernel: the same
-/// results).
-void quant_unpack_x4(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+/// Whether `rows` rows of `k` values of `type` have the sizes quant_repack_x8 takes (Q4_1 or
+/// Q8_0, rows a multiple of 8).
+bool quant_repack_x8_fits(QuantType type, int64_t rows, int32_t k);
+
+/// Writes the x8 layout (quant_x8_type) of `rows` rows of `type` of `k` values from `src` into
+/// `dst` (the same number of bytes; not in place). Throws vpage::CheckError unless the sizes fit.
+void quant_repack_x8(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+
+/// The inverse of quant_repack_x4 and quant_repack_x8: rows of an x4 or x8 type back into the
+/// file's rows (the paths without a kernel for the layout unpack a task's rows, in L2, and run
+/// the file type's kernel: the same results).
+void quant_unpack_rows(QuantType type, const uint8_t* src, int64_t rows, int32_t k, uint8_t* dst);
+
+/// Whether the selected instruction set's decode kernel reads x8 rows (the VNNI builds); where
+/// it does not, x8 rows still give the same results, unpacked task by task.
+bool quant_reads_x8();
 
 /// Sets the most rows the integer GEMM path takes (default kQuantIntegerGemmMaxRows; up to
 /// kQuantIntegerPathRows: none, those rows take the float path): for benchmarks and tests.

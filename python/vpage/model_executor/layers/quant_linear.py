@@ -5,9 +5,10 @@ row's raw GGUF blocks, exactly as in the file (rows of fused projections are the
 stacked, as :class:`~vpage.model_executor.layers.parallel_linear.OutputRows` lays them out).
 It loads only from :class:`QuantizedTensor` rows of the same type. Matmuls dequantize inside
 the kernel (:func:`vpage.ops.quant_matmul`); embedding lookups dequantize only the looked-up
-rows (of a repacked table, their groups of four). Once loaded, Q4_1 and Q8_0 rows are
-regrouped for the CPU decode kernel (:func:`repack_quantized_weights`, called by the worker:
-the ``"Q4_1x4"`` / ``"Q8_0x4"`` layouts, the same bytes and results).
+rows (of a repacked table, their groups). Once loaded, Q4_1 and Q8_0 rows are regrouped for
+the CPU decode kernel (:func:`repack_quantized_weights`, called by the worker: the
+``"Q4_1x4"`` / ``"Q8_0x4"`` layouts, or with VNNI ``"Q4_1x8"`` / ``"Q8_0x8"``, the same bytes
+and results).
 
 Under tensor parallelism a block is never cut: a column-parallel layer keeps whole rows (its
 ``OutputRows``), the embedding whole vocabulary rows (``VocabShard``), and a row-parallel
@@ -65,15 +66,15 @@ class QuantizedWeight(nn.Module):
         self.layout.load(dest, raw, shard_id)
 
     def repack(self) -> None:
-        """After every part is loaded: Q4_1 / Q8_0 rows -> ``"Q4_1x4"`` / ``"Q8_0x4"``
-        (:func:`vpage.ops.repack_x4`) where they allow it, in place (the parameter keeps its
-        storage)."""
+        """After every part is loaded: Q4_1 / Q8_0 rows -> the layout this CPU's decode kernel
+        reads fastest (:func:`vpage.ops.repack_for_cpu`: x8 with VNNI, else x4) where they allow
+        it, in place (the parameter keeps its storage)."""
         if self.qweight.device.type != "cpu":
             return
-        repacked = ops.repack_x4(self.qweight.data, self.qtype, self.rows, self.cols)
+        repacked = ops.repack_for_cpu(self.qweight.data, self.qtype, self.rows, self.cols)
         if repacked is not None:
-            self.qweight.data.copy_(repacked)
-            self.qtype += "x4"
+            self.qweight.data.copy_(repacked[0])
+            self.qtype = repacked[1]
             self.type_id = ops.REPACKED_TYPES[self.qtype][0]
 
     def linear(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,11 +152,11 @@ class QuantizedEmbedding(QuantizedWeight):
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         if self.qtype not in ops.REPACKED_TYPES:
             return ops.dequantize_rows(self.qweight.index_select(0, rows), self.qtype, self.cols).to(self.dtype)
-        # A repacked row is not whole on its own: each row's group of four, then the row.
-        row_bytes = self.qweight.shape[1]
-        groups = self.qweight.view(-1, 4 * row_bytes).index_select(0, rows // 4).view(-1, row_bytes)
-        dense = ops.dequantize_rows(groups, self.qtype, self.cols).view(-1, 4, self.cols)
-        return dense[torch.arange(rows.numel()), rows % 4].to(self.dtype)
+        # A repacked row is not whole on its own: each row's group, then the row.
+        size, row_bytes = ops.REPACK_GROUP_ROWS[self.qtype], self.qweight.shape[1]
+        groups = self.qweight.view(-1, size * row_bytes).index_select(0, rows // size).view(-1, row_bytes)
+        dense = ops.dequantize_rows(groups, self.qtype, self.cols).view(-1, size, self.cols)
+        return dense[torch.arange(rows.numel()), rows % size].to(self.dtype)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None
