@@ -16,7 +16,7 @@ Timing is round-robin (bench_attention.interleaved). Prints the CPU model and in
 --decode-model times the integer decode path on the default model's matrices instead (SmolLM2-135M:
 per layer Q4_1 qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536; Q8_0 output 49152x576),
 each shape cycled over enough copies (at least --decode-bytes) that its weights come from memory,
-both as in the file and repacked as the engine runs them (Q4_1x4, Q8_0x4),
+both as in the file and repacked as the engine runs them (Q4_1x4, Q8_0x4; with VNNI also Q4_1x8, Q8_0x8),
 at each m and thread count: us per call, GB/s of weight bytes, cycles per 32-value block per
 thread at --ghz (an assumed core clock: the machine has no cycle counter to read), and a token's
 total (30 layers plus the output). Calls go straight to the binding (vpage._ops_cpu, as the
@@ -41,7 +41,7 @@ from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
 
 DECODE_ROWS = 16
-INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q4_1x4", "Q8_0x4")  # the integer GEMM's types
+INTEGER_GEMM_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q4_1x4", "Q8_0x4", "Q4_1x8", "Q8_0x8")  # integer paths beyond 16 rows
 FORMATS = {**ops.QUANT_TYPES, **ops.REPACKED_TYPES}
 
 
@@ -51,8 +51,9 @@ def shapes(text):
 
 def random_blocks(qtype, n, k, rng):
     """uint8 [n, row bytes]: random blocks with finite f16 scales (timing only)."""
-    if qtype in ops.REPACKED_TYPES:  # rows as the worker repacks them (n a multiple of 4, k of 64)
-        return ops.repack_x4(random_blocks(qtype[:-2], n, k, rng), qtype[:-2], n, k)
+    if qtype in ops.REPACKED_TYPES:  # rows as the worker repacks them (n a multiple of 4 or 8, k of 64)
+        repack = ops.repack_x8 if qtype.endswith("x8") else ops.repack_x4
+        return repack(random_blocks(qtype[:-2], n, k, rng), qtype[:-2], n, k)
     _, values, size = ops.QUANT_TYPES[qtype]
     blocks = rng.integers(0, 256, size=(n, k // values, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 1e-2, size=(n, k // values, 2)).astype(np.float16).view(np.uint8)
@@ -150,7 +151,8 @@ def bench_decode_model(args, rng):
                     _ops_cpu.quant_matmul(tiny_out, x576, tiny, 3, 64, 576)
 
             fixed_s = interleaved([tiny_run], args.repeats, args.clock)[0][0] / 100
-            total_ms = {"GGUF": 0.0, "x4": 0.0}  # rows as in the file, and as the engine repacks them
+            # Rows as in the file, and as the engine repacks them (x8 where the ISA's kernel reads it).
+            total_ms = {"GGUF": 0.0, "x4": 0.0, **({"x8": 0.0} if _core.quant_reads_x8() else {})}
             fixed_ms = 0.0
             for qtype, n, k, calls in MODEL_SHAPES:
                 one = random_blocks(qtype, n, k, rng)
@@ -158,6 +160,9 @@ def bench_decode_model(args, rng):
                 layouts = [(qtype, ops.QUANT_TYPES[qtype][0], [one.clone() for _ in range(copies)])]
                 layouts.append((qtype + "x4", ops.REPACKED_TYPES[qtype + "x4"][0],
                                 [ops.repack_x4(q, qtype, n, k) for q in layouts[0][2]]))
+                if "x8" in total_ms:
+                    layouts.append((qtype + "x8", ops.REPACKED_TYPES[qtype + "x8"][0],
+                                    [ops.repack_x8(q, qtype, n, k) for q in layouts[0][2]]))
                 xk, outn = x[:, :k], out[:, :n]
 
                 def runner(type_id, qs):

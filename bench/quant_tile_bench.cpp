@@ -188,10 +188,11 @@ double dot_task_cycles(QuantType type, int m, int repeats, std::mt19937& rng) {
   for (float& v : xf) v = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 1000.0f;
   std::vector<int8_t> xq(static_cast<size_t>(m) * quant_x_row_bytes(kK));
   std::vector<float> xd(static_cast<size_t>(m) * kBlocks), xs(xd.size());
+  std::vector<int32_t> sums(xd.size());
   std::vector<float> pairs(static_cast<size_t>((m + 3) / 4) * quant_x_group_floats(kBlocks));
-  quantize_rows_q8(xf.data(), kK, m, kK, xq.data(), xd.data(), xs.data());
+  quantize_rows_q8(xf.data(), kK, m, kK, xq.data(), xd.data(), xs.data(), sums.data());
   quant_x_pairs(type, xd.data(), xs.data(), m, kBlocks, pairs.data());
-  const QuantizedX x{xq.data(), quant_x_row_bytes(kK), xd.data(), xs.data(), pairs.data()};
+  const QuantizedX x{xq.data(), quant_x_row_bytes(kK), xd.data(), xs.data(), pairs.data(), sums.data()};
   std::vector<float> out(static_cast<size_t>(m) * kRows);
   QuantMatmulArgs a;
   a.out = out.data();

@@ -54,10 +54,12 @@ std::vector<float> integer_path(const QuantKernels& kernels, bool gemm, QuantTyp
   const int32_t blocks = k / 32;
   std::vector<int8_t> q(static_cast<size_t>(m) * vpage::cpu::quant_x_row_bytes(k));
   std::vector<float> d(static_cast<size_t>(m) * blocks), s(d.size());
+  std::vector<int32_t> sums(d.size());
   std::vector<float> pairs(static_cast<size_t>((m + 3) / 4 * vpage::cpu::quant_x_group_floats(blocks)));
-  vpage::cpu::avx2::kQuantKernels.quantize_x(x.data(), k, m, k, q.data(), d.data(), s.data());
+  vpage::cpu::avx2::kQuantKernels.quantize_x(x.data(), k, m, k, q.data(), d.data(), s.data(), sums.data());
   vpage::cpu::quant_x_pairs(type, d.data(), s.data(), m, blocks, pairs.data());
-  const vpage::cpu::QuantizedX qx{q.data(), vpage::cpu::quant_x_row_bytes(k), d.data(), s.data(), pairs.data()};
+  const vpage::cpu::QuantizedX qx{q.data(), vpage::cpu::quant_x_row_bytes(k), d.data(), s.data(), pairs.data(),
+                                  sums.data()};
   std::vector<float> out(static_cast<size_t>(m) * n, std::nanf(""));  // poisoned
   const vpage::QuantMatmulArgs a = vpage_test::matmul_args(type, w.data(), x.data(), out.data(), m, n, k);
   const int32_t rows_per_task = 32;  // several tasks for n = 67

@@ -35,10 +35,10 @@ constexpr int kDotStreams = 4;    // weight rows per decode tile, one from each 
 inline int64_t x_byte_offset(int32_t b, int32_t j) { return (b / 2) * 64 + (j / 16) * 32 + (b % 2) * 16 + j % 16; }
 
 /// Quantizes `m` rows of `k` values (k a multiple of 32) into q [m, q_stride] (pair order;
-/// q_stride = quant_x_row_bytes(k), the missing partner of an odd last block zero), d and s
-/// [m, k / 32].
+/// q_stride = quant_x_row_bytes(k), the missing partner of an odd last block zero), d, s and
+/// sums [m, k / 32].
 inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d,
-                             float* s) {
+                             float* s, int32_t* sums) {
   const int32_t blocks = k / 32;
   const int64_t q_stride = quant_x_row_bytes(k);
   for (int64_t i = 0; i < m; ++i) {
@@ -89,6 +89,7 @@ inline void quantize_rows_q8(const float* x, int64_t x_stride, int64_t m, int32_
       const float scale = amax / 127.0f;
       d[i * blocks + b] = scale;
       s[i * blocks + b] = scale * static_cast<float>(sum);
+      sums[i * blocks + b] = sum;
     }
   }
 }

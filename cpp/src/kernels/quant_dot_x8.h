@@ -71,11 +71,10 @@ inline __m256i x8_block_sums(const __m256i w[8], const int8_t* xb, __m256i hi) {
 
 // x rows [0, MR) against all blocks of S groups (groups[s]): row i's results for group s's rows
 // 0-7 into out[s] + i * out_stride (out[s] null: none). xq: row 0's bytes (x_stride apart); xd,
-// xs: row 0's block scales and offsets ([m, blocks]); bias (Q8_0x8): row 0's -128 * sum of each
-// block.
+// xs, sums: row 0's block scales, offsets and sums of q ([m, blocks]; sums: Q8_0x8's correction).
 template <QuantType T, int MR, int S>
 inline void x8_tile(const uint8_t* const groups[S], int32_t blocks, const int8_t* xq, int64_t x_stride,
-                    const float* xd, const float* xs, const int32_t* bias, float* const out[S], int64_t out_stride) {
+                    const float* xd, const float* xs, const int32_t* sums, float* const out[S], int64_t out_stride) {
   constexpr int64_t kBytes = x8_block_bytes<T>();
   __m256 scaled[S][MR][2], offset[S][MR][2];  // [.][.][block parity]
   for (int s = 0; s < S; ++s) {
@@ -108,7 +107,8 @@ inline void x8_tile(const uint8_t* const groups[S], int32_t blocks, const int8_t
       }
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
-        const __m256i hi = T == QuantType::kQ8_0x8 ? _mm256_set1_epi32(bias[i * blocks + b]) : _mm256_setzero_si256();
+        const __m256i hi = T == QuantType::kQ8_0x8 ? _mm256_set1_epi32(-128 * sums[i * blocks + b])
+                                                   : _mm256_setzero_si256();
         const __m256i sums = x8_block_sums(w, xq + i * x_stride + x_at, hi);
         scaled[s][i][h] = _mm256_fmadd_ps(_mm256_mul_ps(d_w, _mm256_set1_ps(xd[i * blocks + b])),
                                           _mm256_cvtepi32_ps(sums), scaled[s][i][h]);
@@ -152,9 +152,9 @@ inline void x8_tile(const uint8_t* const groups[S], int32_t blocks, const int8_t
 // One pass of mr x rows (at most the task's largest pass, for which S was chosen).
 template <QuantType T, int S>
 inline void x8_pass(int mr, const uint8_t* const groups[S], int32_t blocks, const int8_t* xq, int64_t x_stride,
-                    const float* xd, const float* xs, const int32_t* bias, float* const out[S], int64_t out_stride) {
+                    const float* xd, const float* xs, const int32_t* sums, float* const out[S], int64_t out_stride) {
 #define VPAGE_X8_CASE(R) \
-  case R: return x8_tile<T, R, S>(groups, blocks, xq, x_stride, xd, xs, bias, out, out_stride);
+  case R: return x8_tile<T, R, S>(groups, blocks, xq, x_stride, xd, xs, sums, out, out_stride);
   if constexpr (S == 4) {
     switch (mr) { VPAGE_X8_CASE(1) default: VPAGE_X8_CASE(2) }
   } else if constexpr (S == 2) {
@@ -188,18 +188,6 @@ inline void x8_chunk(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows
   if (!direct) out_rows.resize(static_cast<size_t>(mc) * rows_per_task);
   float* out0 = direct ? static_cast<float*>(a.out) + i0 * a.out_stride + n0 : out_rows.data();
   const int64_t out_stride = direct ? a.out_stride : rows_per_task;
-  thread_local std::vector<int32_t> bias;  // Q8_0x8: [mc, blocks] -128 * sum of x's block
-  if constexpr (T == QuantType::kQ8_0x8) {
-    bias.resize(static_cast<size_t>(mc) * blocks);
-    for (int64_t i = 0; i < mc; ++i) {
-      const int8_t* q = x.q + (i0 + i) * x.q_stride;
-      for (int32_t b = 0; b < blocks; ++b) {
-        int32_t sum = 0;
-        for (int32_t j = 0; j < 32; ++j) sum += q[x_byte_offset(b, j)];
-        bias[i * blocks + b] = -128 * sum;
-      }
-    }
-  }
   const int32_t quarter = (groups + S - 1) / S;
   for (int32_t c = 0; c < quarter; ++c) {
     const uint8_t* tile[S];
@@ -214,8 +202,7 @@ inline void x8_chunk(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows
       float* pass_out[S];
       for (int s = 0; s < S; ++s) pass_out[s] = out[s] == nullptr ? nullptr : out[s] + i * out_stride;
       x8_pass<T, S>(mr, tile, blocks, x.q + (i0 + i) * x.q_stride, x.q_stride, x.d + (i0 + i) * blocks,
-                    x.s + (i0 + i) * blocks, bias.data() + (T == QuantType::kQ8_0x8 ? i * blocks : 0), pass_out,
-                    out_stride);
+                    x.s + (i0 + i) * blocks, x.sums + (i0 + i) * blocks, pass_out, out_stride);
       i += mr;
     }
   }

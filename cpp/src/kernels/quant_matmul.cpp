@@ -168,26 +168,29 @@ QuantizedX quant_quantize_x(const QuantMatmulArgs& a, const float* x, int64_t x_
   const QuantKernels& kernels = selected_quant_kernels();
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xd, xs, pairs;
+  thread_local std::vector<int32_t> sums;
   const int32_t blocks = a.k / 32;
   const int64_t q_stride = quant_x_row_bytes(a.k);
   const int64_t group_floats = quant_x_group_floats(blocks);
   xq.resize(static_cast<size_t>(a.m) * q_stride);
   xd.resize(static_cast<size_t>(a.m) * blocks);
   xs.resize(static_cast<size_t>(a.m) * blocks);
+  sums.resize(static_cast<size_t>(a.m) * blocks);
   pairs.resize(static_cast<size_t>((a.m + 3) / 4 * group_floats));
   // The lambda runs on other threads: it must see this thread's buffers, not its own thread_locals.
-  const QuantizedX qx{xq.data(), q_stride, xd.data(), xs.data(), pairs.data()};
+  const QuantizedX qx{xq.data(), q_stride, xd.data(), xs.data(), pairs.data(), sums.data()};
   int8_t* q_out = xq.data();
   float* d_out = xd.data();
   float* s_out = xs.data();
   float* pairs_out = pairs.data();
+  int32_t* sums_out = sums.data();
   const int64_t tasks = (a.m + kQuantizeRowsPerTask - 1) / kQuantizeRowsPerTask;
   ThreadPool::instance().parallel_for(tasks, num_threads, [&](int64_t task, int) {
     const int64_t i0 = task * kQuantizeRowsPerTask;
     const int64_t rows = std::min(kQuantizeRowsPerTask, a.m - i0);
     float* d = d_out + i0 * blocks;
     float* s = s_out + i0 * blocks;
-    kernels.quantize_x(x + i0 * x_stride, x_stride, rows, a.k, q_out + i0 * q_stride, d, s);
+    kernels.quantize_x(x + i0 * x_stride, x_stride, rows, a.k, q_out + i0 * q_stride, d, s, sums_out + i0 * blocks);
     quant_x_pairs(a.type, d, s, rows, blocks, pairs_out + i0 / 4 * group_floats);  // i0: a multiple of 4
   });
   return qx;
@@ -218,7 +221,7 @@ bool quant_integer_path(const QuantMatmulArgs& args) { return use_dot_path(args)
 QuantizedX quant_x_rows(const QuantizedX& qx, int32_t k, int64_t first_row) {
   const int32_t blocks = k / 32;
   return {qx.q + first_row * qx.q_stride, qx.q_stride, qx.d + first_row * blocks, qx.s + first_row * blocks,
-          qx.pairs + first_row / 4 * quant_x_group_floats(blocks)};
+          qx.pairs + first_row / 4 * quant_x_group_floats(blocks), qx.sums + first_row * blocks};
 }
 
 QuantMatmulTasks quant_matmul_tasks(const QuantMatmulArgs& args, const float* x, int64_t x_stride,

@@ -20,14 +20,16 @@ struct QuantPlan {
 
 /// x rows quantized to 8 bits per 32 values for the integer decode path (quant_dot_impl.h):
 /// q [m, q_stride] (each row's blocks in pairs, bytes in the kernel's order), d and s
-/// [m, k / 32] (scale and scale * sum of q of each block), and `pairs`, the same scales laid
-/// out for the SIMD kernels (quant_x_pairs), [ceil(m / 4), (k / 32 + 1) / 2, 16].
+/// [m, k / 32] (scale and scale * sum of q of each block), `pairs`, the same scales laid
+/// out for the SIMD kernels (quant_x_pairs), [ceil(m / 4), (k / 32 + 1) / 2, 16], and sums
+/// [m, k / 32], each block's sum of q.
 struct QuantizedX {
   const int8_t* q = nullptr;
   int64_t q_stride = 0;
   const float* d = nullptr;
   const float* s = nullptr;
   const float* pairs = nullptr;
+  const int32_t* sums = nullptr;
 };
 
 /// Bytes per row of QuantizedX::q: k rounded up to whole block pairs (64 values).
@@ -69,8 +71,9 @@ using QuantTaskFn = void (*)(const QuantMatmulArgs& args, const float* x, int64_
 /// Dequantizes `rows` whole rows of `k` values into out [rows, k].
 using QuantDequantizeFn = void (*)(QuantType type, const uint8_t* weight, int64_t rows, int32_t k, float* out);
 
-/// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s (see QuantizedX).
-using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s);
+/// Quantizes m rows of x (k a multiple of 32) into q [m, quant_x_row_bytes(k)], d, s, sums (see QuantizedX).
+using QuantizeXFn = void (*)(const float* x, int64_t x_stride, int64_t m, int32_t k, int8_t* q, float* d, float* s,
+                             int32_t* sums);
 /// Integer decode path, Q4_0, Q4_1, Q8_0, Q4_K, (SIMD builds) the x4 types, m <= kQuantIntegerPathRows,
 /// and (VNNI) the x8 types, any m: task `task` covers weight rows [task * rows_per_task, ...).
 using QuantDotTaskFn = void (*)(const QuantMatmulArgs& args, const QuantizedX& x, int32_t rows_per_task,
