@@ -175,10 +175,10 @@ inline void unpack_x8_rows(const uint8_t* w, int32_t rows, int32_t blocks, Weigh
         }
       }
       for (int r = 0; r < 8; ++r) {
-        const int select = r < 4 ? 0x20 : 0x31;  // low or high 16 bytes of each block's rows
-        auto joined = [&](int half) {
+        auto joined = [&](int half) {  // row r's 16 bytes of both blocks: low (r < 4) or high halves
+          const __m256i b0 = block_rows[0][half][r % 4], b1 = block_rows[1][half][r % 4];
           return _mm256_xor_si256(
-              _mm256_permute2x128_si256(block_rows[0][half][r % 4], block_rows[1][half][r % 4], select), bias);
+              r < 4 ? _mm256_permute2x128_si256(b0, b1, 0x20) : _mm256_permute2x128_si256(b0, b1, 0x31), bias);
         };
         WeightPair<quant_file_type(T)>& out = tile[static_cast<int64_t>(8 * g + r) * pairs + p];
         out.d_w = _mm256_setr_m128(_mm_set1_ps(d[0][r]), _mm_set1_ps(d[1][r]));
