@@ -28,11 +28,6 @@ namespace vpage::cpu::VPAGE_ISA_NAMESPACE::qmm {
 #define VPAGE_QMM_X8 1
 constexpr bool kIntegerX8 = true;
 
-template <QuantType T>
-constexpr int64_t x8_block_bytes() {
-  return T == QuantType::kQ8_0x8 ? 272 : 160;
-}
-
 constexpr int kX8MaxRows = 8;                // x rows per pass over a step's groups
 // How far ahead in its stream a group is prefetched (Zen 4, SmolLM2-1.7B's Q4_1 matrices from
 // DRAM at one x row: 512 B 31.7-34.4 GB/s, 1 KiB 26.1-32.1, 2 KiB 29.9; the host drifts ~5%).
@@ -77,7 +72,7 @@ inline __m256i x8_block_sums(const __m256i w[8], const int8_t* xb, __m256i hi) {
 template <QuantType T, int MR, int S>
 inline void x8_tile(const uint8_t* const groups[S], int32_t blocks, const int8_t* xq, int64_t x_stride,
                     const float* xd, const float* xs, const int32_t* sums, float* const out[S], int64_t out_stride) {
-  constexpr int64_t kBytes = x8_block_bytes<T>();
+  constexpr int64_t kBytes = quant_x8_block_bytes(T);
   // Q4_1x8's offset chains: beside the scaled ones while registers allow (a second pass over
   // the groups' headers, when they no longer sit in L1, slowed one x row from DRAM by 1.2x).
   constexpr bool kInlineOffsets = T == QuantType::kQ4_1x8 && S * MR <= 4;
@@ -191,7 +186,7 @@ inline void x8_chunk(const QuantMatmulArgs& a, const QuantizedX& x, int32_t rows
   const int32_t n0 = static_cast<int32_t>(task * rows_per_task);  // a multiple of 8, as rows_per_task
   const int32_t groups = std::min(rows_per_task, a.n - n0) / 8;
   const int32_t blocks = a.k / 32;
-  const int64_t group_bytes = blocks * x8_block_bytes<T>();
+  const int64_t group_bytes = blocks * quant_x8_block_bytes(T);
   const uint8_t* first = a.weight + n0 / 8 * group_bytes;
   // float32 results go straight into out; 16-bit ones through out_rows and quant_store_out.
   const bool direct = a.dtype == DType::kFloat32;

@@ -148,7 +148,7 @@ inline void x8_block_rows(const __m256i v[4], __m256i rows[4]) {
 template <QuantType T>
 inline void unpack_x8_rows(const uint8_t* w, int32_t rows, int32_t blocks, WeightPair<quant_file_type(T)>* tile) {
   constexpr bool kQ8 = T == QuantType::kQ8_0x8;
-  constexpr int64_t kBytes = kQ8 ? 272 : 160;
+  constexpr int64_t kBytes = quant_x8_block_bytes(T);
   constexpr int kHalves = kQ8 ? 2 : 1;  // Q8_0: quants 0-15 and 16-31, four vectors each
   const int32_t pairs = (blocks + 1) / 2;
   const __m256i bias = _mm256_set1_epi8(kQ8 ? static_cast<char>(0x80) : 0);

@@ -46,6 +46,9 @@ constexpr bool quant_is_x4(QuantType type) { return type == QuantType::kQ4_1x4 |
 /// Whether `type` is a layout of eight-row groups (kQ4_1x8, kQ8_0x8).
 constexpr bool quant_is_x8(QuantType type) { return type == QuantType::kQ4_1x8 || type == QuantType::kQ8_0x8; }
 
+/// Bytes per block of a kQ4_1x8 / kQ8_0x8 group (eight rows' blocks: d, Q4_1's m, quants).
+constexpr int64_t quant_x8_block_bytes(QuantType type) { return type == QuantType::kQ8_0x8 ? 272 : 160; }
+
 /// Whether `type` is a repacked layout of file rows (x4 or x8).
 constexpr bool quant_is_repacked(QuantType type) { return quant_is_x4(type) || quant_is_x8(type); }
 
