@@ -159,7 +159,7 @@ def dense_matmul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias:
     k = packed.shape[1]
     _core._cpu_dense_matmul(out.data_ptr(), x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                             x.shape[0], n, k, max(x.stride(0), k), max(out.stride(0), n), DTYPE_CODES[x.dtype],
-                            DTYPE_CODES[packed.dtype], get_num_threads())
+                            DTYPE_CODES[packed.dtype], out.dtype != x.dtype, get_num_threads())
 
 
 def _expert_stack(w: torch.Tensor, type_id: Optional[int]) -> tuple:

@@ -62,15 +62,18 @@ float out_value(DType dtype, const std::vector<float>& out32, const std::vector<
   return dtype == DType::kBFloat16 ? vpage::bfloat16_to_float(out16[i]) : vpage::half_to_float(out16[i]);
 }
 
-// out [m, n] with row stride n + 3 (the 3 extra columns poisoned), as float values.
+// out [m, n] with row stride n + 3 (the 3 extra columns poisoned), as float values; in x's
+// dtype, or float32 with float32_out.
 std::vector<float> run(DType dtype, DType weight_dtype, const Values& x, const std::vector<char>& packed,
-                       const std::vector<float>* bias, int64_t m, int n, int k, int threads) {
+                       const std::vector<float>* bias, int64_t m, int n, int k, int threads,
+                       bool float32_out = false) {
+  const DType out_dtype = float32_out ? DType::kFloat32 : dtype;
   const int64_t stride = n + 3;
   const float poison = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> out32(static_cast<size_t>(m * stride), poison);
   std::vector<uint16_t> out16(static_cast<size_t>(m * stride), 0x7fc1);
   vpage::DenseMatmulArgs a;
-  a.out = dtype == DType::kFloat32 ? static_cast<void*>(out32.data()) : out16.data();
+  a.out = out_dtype == DType::kFloat32 ? static_cast<void*>(out32.data()) : out16.data();
   a.x = x.data(dtype);
   a.weight = packed.data();
   a.bias = bias == nullptr ? nullptr : bias->data();
@@ -81,11 +84,12 @@ std::vector<float> run(DType dtype, DType weight_dtype, const Values& x, const s
   a.out_stride = stride;
   a.dtype = dtype;
   a.weight_dtype = weight_dtype;
+  a.float32_out = float32_out;
   vpage::cpu::dense_matmul(a, threads);
   std::vector<float> out(static_cast<size_t>(m * n));
   for (int64_t i = 0; i < m; ++i) {
     for (int j = 0; j < n + 3; ++j) {
-      const float v = out_value(dtype, out32, out16, static_cast<size_t>(i * stride + j));
+      const float v = out_value(out_dtype, out32, out16, static_cast<size_t>(i * stride + j));
       if (j < n) {
         out[static_cast<size_t>(i * n + j)] = v;
       } else {
@@ -96,17 +100,20 @@ std::vector<float> run(DType dtype, DType weight_dtype, const Values& x, const s
   return out;
 }
 
-void check_case(DType dtype, DType weight_dtype, int64_t m, int n, int k, bool with_bias, std::mt19937& rng) {
+void check_case(DType dtype, DType weight_dtype, int64_t m, int n, int k, bool with_bias, std::mt19937& rng,
+                bool float32_out = false) {
   const Values x = random_values(static_cast<size_t>(m * k), dtype, rng);
   const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
   std::vector<float> bias(static_cast<size_t>(n));
   for (float& b : bias) b = std::uniform_real_distribution<float>(-2.0f, 2.0f)(rng);
   const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
   const std::vector<float>* b = with_bias ? &bias : nullptr;
-  const std::vector<float> out = run(dtype, weight_dtype, x, packed, b, m, n, k, 2);
+  const std::vector<float> out = run(dtype, weight_dtype, x, packed, b, m, n, k, 2, float32_out);
   // float32 accumulation of k products: within k * 2^-23 of the sum of |products| (plus the
   // output's rounding to 16 bits).
-  const double out_eps = dtype == DType::kFloat32 ? 0.0 : (dtype == DType::kBFloat16 ? 1.0 / 256 : 1.0 / 2048);
+  const DType out_dtype = float32_out ? DType::kFloat32 : dtype;
+  const double out_eps =
+      out_dtype == DType::kFloat32 ? 0.0 : (out_dtype == DType::kBFloat16 ? 1.0 / 256 : 1.0 / 2048);
   for (int64_t i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
       double ref = with_bias ? bias[j] : 0.0, magnitude = std::fabs(ref);
@@ -123,14 +130,14 @@ void check_case(DType dtype, DType weight_dtype, int64_t m, int n, int k, bool w
     }
   }
   for (int threads : {1, 3}) {
-    EXPECT(run(dtype, weight_dtype, x, packed, b, m, n, k, threads) == out);
+    EXPECT(run(dtype, weight_dtype, x, packed, b, m, n, k, threads, float32_out) == out);
   }
   // Batch invariance: rows 0 and m - 1 alone give the same bits.
   for (int64_t i : {int64_t{0}, m - 1}) {
     Values row;
     row.exact.assign(x.exact.begin() + i * k, x.exact.begin() + (i + 1) * k);
     row.half.assign(x.half.begin() + i * k, x.half.begin() + (i + 1) * k);
-    const std::vector<float> single = run(dtype, weight_dtype, row, packed, b, 1, n, k, 2);
+    const std::vector<float> single = run(dtype, weight_dtype, row, packed, b, 1, n, k, 2, float32_out);
     EXPECT(std::memcmp(single.data(), out.data() + i * n, sizeof(float) * n) == 0);
   }
 }
@@ -172,6 +179,11 @@ TEST_CASE("dense_matmul: every weight and activation dtype, every ISA, awkward s
       check_case(DType::kFloat32, weight_dtype, 11, 70, 520, true, rng);  // three k chunks
       check_case(DType::kBFloat16, weight_dtype, 260, 45, 129, true, rng);  // odd k: a last pair of one
       check_case(DType::kFloat16, weight_dtype, 3, 96, 600, true, rng);
+      // float32 outputs of 16-bit x (a 16-bit model's logits).
+      for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+        check_case(dtype, weight_dtype, 1, 70, 300, false, rng, true);
+        check_case(dtype, weight_dtype, 13, 45, 129, true, rng, true);
+      }
     }
   }
 }
@@ -223,6 +235,31 @@ TEST_CASE("dense_matmul: bf16 dot products store whole panels as the per-row sto
       const std::vector<float> in_line = run(DType::kBFloat16, DType::kBFloat16, x, packed, nullptr, m, n, k, 2);
       const std::vector<float> per_row = run(DType::kBFloat16, DType::kBFloat16, x, packed, &zero_bias, m, n, k, 2);
       for (size_t i = 0; i < in_line.size(); ++i) EXPECT(in_line[i] == per_row[i]);
+    }
+  }
+}
+
+TEST_CASE("dense_matmul: float32 outputs of 16-bit x, rounded, are the 16-bit outputs bit for bit") {
+  // On every path (bf16 dot products included): float32_out changes only the final store.
+  vpage_test::AutoIsaOnExit restore;
+  std::mt19937 rng(17);
+  for (const std::string& isa : vpage_test::supported_isas()) {
+    vpage::cpu::set_cpu_isa(isa);
+    for (DType weight_dtype : {DType::kBFloat16, DType::kFloat32}) {
+      for (int64_t m : {1, 9, 260}) {
+        const int n = 70, k = 300;  // two whole panels (in-line stores) and one of 6 columns
+        const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
+        const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
+        const std::vector<float> bias(static_cast<size_t>(n), 0.25f);
+        const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
+        for (const std::vector<float>* b : {static_cast<const std::vector<float>*>(nullptr), &bias}) {
+          const std::vector<float> wide = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2, true);
+          const std::vector<float> half = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2);
+          for (size_t i = 0; i < wide.size(); ++i) {
+            EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(wide[i])));
+          }
+        }
+      }
     }
   }
 }

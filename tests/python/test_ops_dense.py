@@ -44,6 +44,25 @@ def test_dense_matmul_matches_float64(weight_dtype, dtype, m, n, k):
     _check_close(ops.dense_matmul(x, packed, n), x, w)
 
 
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 300), (13, 45, 129), (260, 64, 64)])
+def test_float32_out_of_16_bit_x(weight_dtype, dtype, m, n, k):
+    """A 16-bit model's logits: float32 outputs, which rounded to x's dtype are its outputs."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    w = torch.randn(n, k, generator=gen).to(weight_dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed = ops.pack_dense_weight(w)
+    for bias in (None, torch.randn(n, generator=gen)):
+        out = ops.dense_matmul(x, packed, n, bias, out_dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (m, n)
+        _check_close(out, x, w, bias)
+        assert torch.equal(out.to(dtype), ops.dense_matmul(x, packed, n, bias))
+        into = torch.full((m, n), float("nan"))
+        assert ops.dense_matmul(x, packed, n, bias, out=into).data_ptr() == into.data_ptr()
+        assert torch.equal(into, out)
+
+
 def test_strided_rows_and_out_buffer():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(70, 48, generator=gen)
@@ -107,6 +126,10 @@ def test_bad_arguments_raise():
         ops.dense_matmul(x, packed, 40, torch.randn(39))
     with pytest.raises(ValueError, match="out must be"):
         ops.dense_matmul(x, packed, 40, out=torch.empty(2, 39))
+    with pytest.raises(ValueError, match="x's dtype .* or float32"):
+        ops.dense_matmul(x, packed, 40, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="x's dtype .* or float32"):
+        ops.dense_matmul(x.bfloat16(), packed, 40, out=torch.empty(2, 40, dtype=torch.float16))
     with pytest.raises(ValueError, match="weight must be"):
         ops.pack_dense_weight(torch.randn(4, 0))
     with pytest.raises(ValueError, match="weight must be"):

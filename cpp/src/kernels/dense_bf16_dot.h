@@ -110,15 +110,19 @@ inline void to_column_order(const float* lanes, __m512& lo, __m512& hi) {
 }
 
 // Stores the task's finished rows of panel columns [col0, col0 + cols) from acc [mc, 32]
-// (bfloat16 outputs: this path's x and out are bfloat16).
+// (this path's x is bfloat16; out is bfloat16, or float32 for a model's logits).
 inline void store_panel(const DenseMatmulArgs& a, const float* acc, int64_t m0, int64_t mc, int32_t col0,
                         int32_t cols) {
   const bool in_line = a.bias == nullptr && cols == kDensePanelRows;
   for (int64_t i = 0; i < mc; ++i) {
     __m512 lo, hi;
     to_column_order(acc + i * kDensePanelRows, lo, hi);
-    if (in_line) {
-      BF16* out = static_cast<BF16*>(a.out) + (m0 + i) * a.out_stride + col0;
+    const int64_t first = (m0 + i) * a.out_stride + col0;
+    if (in_line && a.float32_out) {
+      _mm512_storeu_ps(static_cast<float*>(a.out) + first, lo);
+      _mm512_storeu_ps(static_cast<float*>(a.out) + first + 16, hi);
+    } else if (in_line) {
+      BF16* out = static_cast<BF16*>(a.out) + first;
       store(out, Vec{lo});
       store(out + 16, Vec{hi});
     } else {

@@ -82,8 +82,9 @@ DensePlan dense_plan(const DenseMatmulArgs& a, int num_threads) {
 }
 
 void dense_store_out(const DenseMatmulArgs& a, int64_t row, int32_t col0, int32_t cols, const float* values) {
-  const int64_t offset = (row * a.out_stride + col0) * dtype_size(a.dtype);
-  store_float32_row(a.dtype, static_cast<char*>(a.out) + offset, values, a.bias == nullptr ? nullptr : a.bias + col0,
+  const DType out_dtype = dense_out_dtype(a);
+  const int64_t offset = (row * a.out_stride + col0) * dtype_size(out_dtype);
+  store_float32_row(out_dtype, static_cast<char*>(a.out) + offset, values, a.bias == nullptr ? nullptr : a.bias + col0,
                     cols);
 }
 

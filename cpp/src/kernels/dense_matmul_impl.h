@@ -172,9 +172,9 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
     const int32_t cols = std::min(kDensePanelRows, a.n - col0);
     const bool in_line = a.bias == nullptr && cols == kDensePanelRows;
     const int64_t first = m0 * a.out_stride + col0;
-    if (in_line && a.dtype == DType::kFloat32) {
+    if (in_line && dense_out_dtype(a) == DType::kFloat32) {
       store_panel_rows(acc, mc, static_cast<float*>(a.out) + first, a.out_stride);
-    } else if (in_line && a.dtype == DType::kBFloat16) {
+    } else if (in_line && dense_out_dtype(a) == DType::kBFloat16) {
       store_panel_rows(acc, mc, static_cast<BF16*>(a.out) + first, a.out_stride);
     } else {
       for (int64_t i = 0; i < mc; ++i) dense_store_out(a, m0 + i, col0, cols, acc + i * kDensePanelRows);

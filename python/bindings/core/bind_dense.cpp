@@ -25,7 +25,8 @@ void bind_dense(py::module_& m) {
   m.def(
       "_cpu_dense_matmul",
       [](uintptr_t out, uintptr_t x, uintptr_t weight, uintptr_t bias, int64_t rows, int32_t n, int32_t k,
-         int64_t x_stride, int64_t out_stride, int32_t dtype, int32_t weight_dtype, int num_threads) {
+         int64_t x_stride, int64_t out_stride, int32_t dtype, int32_t weight_dtype, bool float32_out,
+         int num_threads) {
         DenseMatmulArgs args;
         args.out = reinterpret_cast<void*>(out);
         args.x = reinterpret_cast<const void*>(x);
@@ -38,13 +39,16 @@ void bind_dense(py::module_& m) {
         args.out_stride = out_stride;
         args.dtype = static_cast<DType>(dtype);
         args.weight_dtype = static_cast<DType>(weight_dtype);
+        args.float32_out = float32_out;
         py::gil_scoped_release release;
         cpu::dense_matmul(args, num_threads);
       },
       py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("m"), py::arg("n"), py::arg("k"),
-      py::arg("x_stride"), py::arg("out_stride"), py::arg("dtype"), py::arg("weight_dtype"), py::arg("num_threads"),
-      "out [m, n] = x [m, k] @ W^T (+ bias, float32 [n] or 0), W packed by _cpu_dense_pack. dtype\n"
-      "codes: 0 float32, 1 float16, 2 bfloat16; strides in elements.");
+      py::arg("x_stride"), py::arg("out_stride"), py::arg("dtype"), py::arg("weight_dtype"), py::arg("float32_out"),
+      py::arg("num_threads"),
+      "out [m, n] = x [m, k] @ W^T (+ bias, float32 [n] or 0), W packed by _cpu_dense_pack; out in x's\n"
+      "dtype, or float32 when float32_out. dtype codes: 0 float32, 1 float16, 2 bfloat16; strides in\n"
+      "elements.");
   m.attr("DENSE_PANEL_ROWS") = kDensePanelRows;
   m.def("dense_matmul_isa", &cpu::dense_matmul_isa,
         "Instruction set level of the dense matmul (follows set_cpu_isa: avx512, avx2 or generic).");

@@ -62,17 +62,20 @@ def _check_qweight(qweight: object, qtype: object, n: int, k: int) -> Tuple[int,
     return type_id, row_bytes
 
 
-def _checked_matmul_rows(x: torch.Tensor, k: int, n: int, out: Optional[torch.Tensor]) -> torch.Tensor:
+def _checked_matmul_rows(x: torch.Tensor, k: int, n: int, out: Optional[torch.Tensor],
+                         out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Checks a CPU matmul's 2-D x as ``[m, k]`` (float, contiguous columns, rows at least k
-    apart) and ``out`` as ``[m, n]`` of x's dtype and device (None: a new one); returns out."""
+    apart) and ``out`` as ``[m, n]`` of ``out_dtype`` (default x's) on x's device (None: a new
+    one); returns out."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if x.dtype not in _SUPPORTED_DTYPES or x.shape[1] != k or (x.shape[0] > 1 and x.stride(0) < k) or (
             k > 1 and x.stride(1) != 1):
         raise ValueError(f"x must be a float [m, {k}] tensor with contiguous columns, got {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")
     m = x.shape[0]
     if out is None:
-        return torch.empty(m, n, dtype=x.dtype)
-    _check_tensor("out", out, dtype=x.dtype, ndim=2, device=x.device, contiguous=False)
+        return torch.empty(m, n, dtype=out_dtype)
+    _check_tensor("out", out, dtype=out_dtype, ndim=2, device=x.device, contiguous=False)
     if tuple(out.shape) != (m, n) or (n > 1 and out.stride(1) != 1) or (m > 1 and out.stride(0) < n):
         raise ValueError(f"out must be [{m}, {n}] with contiguous columns, got {tuple(out.shape)} "
                          f"strides {out.stride()}")
@@ -147,16 +150,20 @@ def dense_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
-                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``out = x @ W.T (+ bias)`` with ``W`` ``[n, k]`` packed by :func:`pack_dense_weight` (CPU only).
 
     x ``[m, k]`` float32, bfloat16 or float16 (rows may be strided, columns contiguous); bias
-    float32 ``[n]`` or None. Returns out ``[m, n]`` in x's dtype. float32 accumulation, each
-    output summed in k order (a row's result does not depend on its batch); 16-bit weights are
-    widened in registers, so no 16-bit arithmetic is needed."""
+    float32 ``[n]`` or None. Returns out ``[m, n]`` in ``out_dtype``: x's dtype or float32 (a
+    16-bit model's logits; default out's dtype, else x's). float32 accumulation, each output
+    summed in k order (a row's result does not depend on its batch); 16-bit weights are widened
+    in registers, so no 16-bit arithmetic is needed (bfloat16 x and weights use bf16 dot
+    products where the CPU has them: ``dense_matmul_isa``)."""
+    if out_dtype is None:
+        out_dtype = x.dtype if out is None else out.dtype
     if not _checking():
         if out is None:
-            out = torch.empty(x.shape[0], n, dtype=x.dtype)
+            out = torch.empty(x.shape[0], n, dtype=out_dtype)
         _ops_cpu.dense_matmul(out, x, packed, bias, n)
         return out
     _check_tensor("packed", packed, ndim=3, device=torch.device("cpu"))
@@ -172,7 +179,9 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[t
         _check_tensor("bias", bias, dtype=torch.float32, ndim=1, device=torch.device("cpu"))
         if bias.shape[0] != n:
             raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    out = _checked_matmul_rows(x, k, n, out)
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"dense_matmul writes x's dtype ({x.dtype}) or float32, not {out_dtype}")
+    out = _checked_matmul_rows(x, k, n, out, out_dtype)
     _ops_cpu.dense_matmul(out, x, packed, bias, n)
     return out
 

@@ -30,9 +30,13 @@ struct DenseMatmulArgs {
   int32_t k = 0;                  // columns of x and W
   int64_t x_stride = 0;           // elements between rows of x (>= k)
   int64_t out_stride = 0;         // elements between rows of out (>= n)
-  DType dtype = DType::kFloat32;         // of x and out
+  DType dtype = DType::kFloat32;         // of x, and of out unless float32_out
   DType weight_dtype = DType::kFloat32;  // of the packed weight
+  bool float32_out = false;              // out is float32 whatever dtype is (a 16-bit model's logits)
 };
+
+/// The dtype of args.out.
+inline DType dense_out_dtype(const DenseMatmulArgs& a) { return a.float32_out ? DType::kFloat32 : a.dtype; }
 
 namespace cpu {
 

@@ -38,13 +38,16 @@ class DenseWeight(nn.Module):
         self.packed_bias = None if self.bias is None else self.bias.data.float()
         self.weight = None
 
-    def matmul(self, x: torch.Tensor, with_bias: bool = True, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """x ``[n, cols]`` -> ``x @ weight.T`` (``+ bias`` when ``with_bias``) ``[n, rows]``, x's
-        dtype (into ``out`` when given, packed weights only)."""
+    def matmul(self, x: torch.Tensor, with_bias: bool = True, out: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """x ``[n, cols]`` -> ``x @ weight.T`` (``+ bias`` when ``with_bias``) ``[n, rows]``, in
+        ``out_dtype`` (default x's; float32 for logits) and, packed weights only, into ``out``
+        when given."""
         if self.packed is not None:
             bias = self.packed_bias if with_bias else None
-            return ops.dense_matmul(x, self.packed, self.weight_shape[0], bias, out)
-        return F.linear(x, self.weight, self.bias if with_bias else None)
+            return ops.dense_matmul(x, self.packed, self.weight_shape[0], bias, out, out_dtype)
+        y = F.linear(x, self.weight, self.bias if with_bias else None)
+        return y if out_dtype is None else y.to(out_dtype)
 
     def weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64) of the weight, ``[len(ids), cols]`` (embedding lookups)."""

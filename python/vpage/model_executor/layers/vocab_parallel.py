@@ -82,8 +82,9 @@ class VocabParallelEmbedding(Embedding):
         """hidden ``[n, hidden_size]`` -> float32 logits ``[n, vocab_size]`` on rank 0, None elsewhere;
         written into ``out`` (float32 ``[n, vocab_size]``) on one rank with packed or float32 weights."""
         one_rank = self.shard.size == 1
-        if self.packed is not None:  # float32 logits straight from the kernel, whatever the weights' dtype
-            return self.shard.gather_logits(self.matmul(hidden.float(), out=out if one_rank else None))
+        if self.packed is not None:  # float32 logits straight from the kernel, whatever the dtypes
+            out = out if one_rank else None
+            return self.shard.gather_logits(self.matmul(hidden, out=out, out_dtype=torch.float32))
         if out is not None and one_rank and self.weight.dtype == hidden.dtype == torch.float32:
             return torch.matmul(hidden, self.weight.t(), out=out)  # what F.linear computes, in place
         return self.shard.gather_logits(self.matmul(hidden).float())
