@@ -1,6 +1,8 @@
 // The layer ops the Gemma, Qwen3 and Phi-4-mini families add, against double: GELU(tanh)-and-
 // multiply, per-head RMSNorm on strided rows, partial rotary. Odd sizes (vector remainders),
-// 2 threads, NaN-poisoned outputs and columns that must stay untouched; bad sizes throw.
+// 2 threads, NaN-poisoned outputs and columns that must stay untouched; bad sizes throw. And
+// the bfloat16 rows of RMSNorm and the gated activations against their float32 formulas with
+// torch's roundings, bit for bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,7 +11,9 @@
 #include <vector>
 
 #include "check.h"
+#include "kernels/exp_approx.h"
 #include "vpage/common.h"
+#include "vpage/kernels/half.h"
 #include "vpage/kernels/layer_ops.h"
 #include "vpage/kernels/rotary.h"
 
@@ -25,7 +29,96 @@ std::vector<float> random_values(size_t n, float scale, uint32_t seed) {
   return v;
 }
 
+std::vector<uint16_t> random_bf16(size_t n, float scale, uint32_t seed) {
+  std::vector<uint16_t> v(n);
+  const std::vector<float> values = random_values(n, scale, seed);
+  for (size_t i = 0; i < n; ++i) v[i] = vpage::float_to_bfloat16(values[i]);
+  return v;
+}
+
+float bf(uint16_t v) { return vpage::bfloat16_to_float(v); }
+float rounded(float v) { return bf(vpage::float_to_bfloat16(v)); }
+
+// sum of x^2 in the kernel's order: 16 partial sums over whole vectors, the tail, then the partials.
+float sum_of_squares(const std::vector<float>& x) {
+  float acc[16] = {};
+  size_t i = 0;
+  for (; i + 16 <= x.size(); i += 16) {
+    for (size_t l = 0; l < 16; ++l) acc[l] += x[i + l] * x[i + l];
+  }
+  float total = 0.0f;
+  for (; i < x.size(); ++i) total += x[i] * x[i];
+  for (float a : acc) total += a;
+  return total;
+}
+
 }  // namespace
+
+TEST_CASE("bfloat16 rms_norm (+ residual): the float32 formula rounded where torch stores, bit for bit") {
+  const int64_t tokens = 9;
+  for (const int32_t hidden : {1, 17, 576, 4099}) {
+    for (const bool with_residual : {false, true}) {
+      const std::vector<uint16_t> x = random_bf16(tokens * hidden, 3.0f, hidden);
+      const std::vector<uint16_t> weight = random_bf16(hidden, 2.0f, hidden + 1);
+      const std::vector<uint16_t> residual_before = random_bf16(tokens * hidden, 3.0f, hidden + 2);
+      std::vector<uint16_t> residual = residual_before, out(tokens * hidden, 0x7fc1);
+      vpage::RmsNormArgs a;
+      a.out = out.data();
+      a.x = x.data();
+      a.residual = with_residual ? residual.data() : nullptr;
+      a.weight = weight.data();
+      a.num_tokens = tokens;
+      a.hidden_size = hidden;
+      a.eps = 1e-5f;
+      a.dtype = vpage::DType::kBFloat16;
+      vpage::cpu::rms_norm(a, 2);
+      bool exact = true;
+      for (int64_t t = 0; t < tokens; ++t) {
+        std::vector<float> src(hidden);
+        for (int32_t i = 0; i < hidden; ++i) {
+          const size_t j = t * hidden + i;
+          src[i] = with_residual ? rounded(bf(x[j]) + bf(residual_before[j])) : bf(x[j]);
+          if (with_residual) exact = exact && residual[j] == vpage::float_to_bfloat16(src[i]);
+        }
+        const float inv = 1.0f / std::sqrt(sum_of_squares(src) / static_cast<float>(hidden) + a.eps);
+        for (int32_t i = 0; i < hidden; ++i) {
+          exact = exact && out[t * hidden + i] == vpage::float_to_bfloat16(rounded(src[i] * inv) * bf(weight[i]));
+        }
+      }
+      EXPECT_MSG(exact, "bfloat16 rms_norm, hidden " + std::to_string(hidden) +
+                            (with_residual ? " with residual" : ""));
+    }
+  }
+}
+
+TEST_CASE("bfloat16 silu_and_mul and gelu_tanh_and_mul: the float32 formulas rounded once between, bit for bit") {
+  const int64_t tokens = 7;
+  constexpr float kLinear = static_cast<float>(-2.0 * 0.79788456080286535588);
+  constexpr float kCubic = static_cast<float>(-2.0 * 0.79788456080286535588 * 0.044715);
+  for (const int32_t d : {1, 33, 1536, 4099}) {
+    const std::vector<uint16_t> gate_up = random_bf16(tokens * 2 * d, 6.0f, d);
+    for (const bool gelu : {false, true}) {
+      std::vector<uint16_t> out(tokens * d, 0x7fc1);
+      vpage::SiluAndMulArgs a;
+      a.out = out.data();
+      a.x = gate_up.data();
+      a.num_tokens = tokens;
+      a.d = d;
+      a.dtype = vpage::DType::kBFloat16;
+      gelu ? vpage::cpu::gelu_tanh_and_mul(a, 2) : vpage::cpu::silu_and_mul(a, 2);
+      bool exact = true;
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int32_t i = 0; i < d; ++i) {
+          const float g = bf(gate_up[t * 2 * d + i]), u = bf(gate_up[t * 2 * d + d + i]);
+          const float e = gelu ? 1.0f + vpage::cpu::exp_clamped(g * (kLinear + kCubic * (g * g)))
+                               : 1.0f + vpage::cpu::exp_clamped(-g);
+          exact = exact && out[t * d + i] == vpage::float_to_bfloat16(rounded(g / e) * u);
+        }
+      }
+      EXPECT_MSG(exact, std::string(gelu ? "gelu_tanh" : "silu") + "_and_mul bfloat16, d " + std::to_string(d));
+    }
+  }
+}
 
 TEST_CASE("gelu_tanh_and_mul against double") {
   const int64_t tokens = 11;

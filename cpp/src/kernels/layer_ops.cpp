@@ -126,6 +126,29 @@ void round_row<BFloat16>(float* row, uint16_t* stored, int32_t n) {
   round_bf16_row(row, stored, n);
 }
 
+// Fused bfloat16 row passes: each element goes through the same operations and roundings as
+// in the one-operation-per-pass loops of the 16-bit path, in fewer passes over the row (those
+// passes' conversions were ~4% of the bfloat16 throughput trace on Zen 4).
+
+// src = float(bf16(x + residual)), the rounded sum also stored into residual (fused add).
+VPAGE_TARGET_CLONES
+void add_round_bf16_row(float* src, const uint16_t* x, uint16_t* residual, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const uint16_t sum = float_to_bfloat16(bfloat16_to_float(x[i]) + bfloat16_to_float(residual[i]));
+    residual[i] = sum;
+    src[i] = bfloat16_to_float(sum);
+  }
+}
+
+// out = bf16(float(bf16(src * inv)) * weight): RMSNorm's scaling, then its weight.
+VPAGE_TARGET_CLONES
+void scale_round_bf16_row(uint16_t* out, const float* src, float inv, const uint16_t* weight, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const float scaled = bfloat16_to_float(float_to_bfloat16(src[i] * inv));
+    out[i] = float_to_bfloat16(scaled * bfloat16_to_float(weight[i]));
+  }
+}
+
 std::vector<float>& row_buffer(int which, size_t floats) {
   thread_local std::vector<float> buffers[3];
   if (buffers[which].size() < floats) buffers[which].resize(floats);
@@ -177,6 +200,20 @@ void rms_norm_16(const RmsNormArgs& a, int64_t t) {
   normalize_row_16<Codec>(static_cast<uint16_t*>(a.out) + t * n, src, other, n, a.eps);
 }
 
+template <>
+void rms_norm_16<BFloat16>(const RmsNormArgs& a, int64_t t) {
+  const int32_t n = a.hidden_size;
+  float* src = row_buffer(0, n).data();
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + t * n;
+  if (a.residual != nullptr) {
+    add_round_bf16_row(src, x, static_cast<uint16_t*>(a.residual) + t * n, n);
+  } else {
+    load_bf16_row(src, x, n);
+  }
+  const float inv = 1.0f / std::sqrt(sum_of_squares(src, n) / static_cast<float>(n) + a.eps);
+  scale_round_bf16_row(static_cast<uint16_t*>(a.out) + t * n, src, inv, static_cast<const uint16_t*>(a.weight), n);
+}
+
 void rms_norm_heads_f32(const RmsNormHeadsArgs& a, int64_t t) {
   float* row = static_cast<float*>(a.x) + t * a.row_stride;
   for (int32_t h = 0; h < a.num_heads; ++h) {
@@ -219,6 +256,43 @@ void silu_and_mul_16(const SiluAndMulArgs& a, int64_t t) {
   round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
 }
 
+// The gated activations' bfloat16 rows in two passes: `denominator` (the activation's first
+// pass, of float(gate)), then out = bf16(float(bf16(float(gate) / denominator)) * float(up)).
+VPAGE_TARGET_CLONES
+void silu_denominator_bf16(float* out, const uint16_t* gate, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) out[i] = 1.0f + exp_clamped(-bfloat16_to_float(gate[i]));
+}
+
+VPAGE_TARGET_CLONES
+void gelu_tanh_denominator_bf16(float* out, const uint16_t* gate, int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const float a = bfloat16_to_float(gate[i]);
+    out[i] = 1.0f + exp_clamped(a * (kGeluLinear + kGeluCubic * (a * a)));
+  }
+}
+
+VPAGE_TARGET_CLONES
+void gated_product_bf16(uint16_t* out, const uint16_t* gate, const float* denominator, const uint16_t* up,
+                        int32_t n) {
+  for (int32_t i = 0; i < n; ++i) {
+    const float activated = bfloat16_to_float(float_to_bfloat16(bfloat16_to_float(gate[i]) / denominator[i]));
+    out[i] = float_to_bfloat16(activated * bfloat16_to_float(up[i]));
+  }
+}
+
+template <void (*Denominator)(float*, const uint16_t*, int32_t), class Args>
+void gated_bf16(const Args& a, int64_t t) {
+  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
+  float* denominator = row_buffer(0, a.d).data();
+  Denominator(denominator, gate, a.d);
+  gated_product_bf16(static_cast<uint16_t*>(a.out) + t * a.d, gate, denominator, gate + a.d, a.d);
+}
+
+template <>
+void silu_and_mul_16<BFloat16>(const SiluAndMulArgs& a, int64_t t) {
+  gated_bf16<silu_denominator_bf16>(a, t);
+}
+
 void gelu_tanh_and_mul_f32(const GeluTanhAndMulArgs& a, int64_t t) {
   const float* gate = static_cast<const float*>(a.x) + t * 2 * a.d;
   float* out = static_cast<float*>(a.out) + t * a.d;
@@ -237,6 +311,11 @@ void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, int64_t t) {
   load_row<Codec>(in, gate + a.d, a.d);
   mul_into(out, in, a.d);
   round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
+}
+
+template <>
+void gelu_tanh_and_mul_16<BFloat16>(const GeluTanhAndMulArgs& a, int64_t t) {
+  gated_bf16<gelu_tanh_denominator_bf16>(a, t);
 }
 
 float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
