@@ -1,6 +1,7 @@
 // CPU kernels against a float64 reference: random caches written with reshape_and_cache
 // through shuffled block tables, poisoned (NaN) outputs and unused cache slots, decode and
-// chunked prefill, every instruction set this CPU has; bit-exact copy/swap; bad arguments;
+// chunked prefill, every instruction set this CPU has (each decode row bitwise what its sequence
+// gets alone); bit-exact copy/swap; bad arguments;
 // the fused layer ops (RMSNorm with residual add, SiLU-and-multiply).
 #include <algorithm>
 #include <cmath>
@@ -177,6 +178,23 @@ void run_case(const AttentionCase& c, std::mt19937& rng, const std::string& isa)
                 decode ? "decode" : "prefill", static_cast<int>(c.dtype), c.float_io ? " (float32 io)" : "", c.num_heads,
                 nkv, hs, bs, num_seqs, max_len, worst, tol);
   EXPECT_MSG(worst <= tol, what);
+
+  // Decode: each sequence alone gives the bits it got in the batch (batch invariance).
+  if (!decode) return;
+  const size_t row_bytes = static_cast<size_t>(c.num_heads) * hs * vpage::dtype_size(io);
+  bool same = true;
+  for (int s = 0; s < num_seqs; ++s) {
+    Buffer alone(io, static_cast<size_t>(c.num_heads) * hs);
+    vpage::PagedAttentionArgs one = a;
+    one.out = alone.data();
+    one.query = static_cast<const uint8_t*>(a.query) + s * row_bytes;
+    one.block_tables = tables.data() + static_cast<size_t>(s) * max_blocks;
+    one.context_lens = c.context_lens.data() + s;
+    one.num_seqs = one.num_query_tokens = 1;
+    vpage::cpu::paged_attention(one, 2);
+    same = same && std::memcmp(alone.bytes.data(), out.bytes.data() + s * row_bytes, row_bytes) == 0;
+  }
+  EXPECT_MSG(same, std::string(what) + ": a sequence alone differs from its row in the batch");
 }
 
 }  // namespace
@@ -205,6 +223,11 @@ TEST_CASE("paged_attention: decode and chunked prefill against float64 in every 
       {vpage::DType::kBFloat16, 8, 2, 64, 12, {40, 5}, {}, true},
       {vpage::DType::kFloat16, 9, 3, 64, 16, {17, 60}, {17, 7}, true},
       {vpage::DType::kBFloat16, 4, 1, 128, 32, {33, 70}, {33, 1}, true},
+      // Batches of 8 and more sequences (fast path: block 16 or 32; the general kernel: block
+      // 12), context partitions, groups of 3 and 8.
+      {vpage::DType::kBFloat16, 9, 3, 64, 16, {1, 16, 17, 40, 63, 64, 65, 300, 600, 1100}, {}},
+      {vpage::DType::kFloat32, 16, 2, 64, 32, {5, 31, 33, 90, 129, 513, 700, 20, 9}, {}},
+      {vpage::DType::kFloat16, 6, 3, 64, 12, {2, 13, 24, 25, 100, 530, 7, 61}, {}, true},
   };
   for (const std::string& isa : supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);
