@@ -190,15 +190,18 @@ TEST_CASE("dense_matmul: every weight and activation dtype, every ISA, awkward s
 
 TEST_CASE("dense_matmul: bfloat16 outputs are the float32 results rounded, bit for bit") {
   // Full panels (stored in line) and a partial one, with and without bias (through
-  // dense_store_out): both stores round as float_to_bfloat16 does.
+  // dense_store_out): both stores round as float_to_bfloat16 does. The float32 results: of the
+  // same values as float32 x, and (on every path, bf16 dot products included) of bfloat16 x
+  // with float32_out, which changes only the final store.
   vpage_test::AutoIsaOnExit restore;
   std::mt19937 rng(11);
   for (const std::string& isa : vpage_test::supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);
     for (DType weight_dtype : {DType::kFloat32, DType::kBFloat16}) {
-      // bf16 x bf16 runs bf16 dot products there, not the float32 path.
-      if (weight_dtype == DType::kBFloat16 && std::string(vpage::cpu::dense_matmul_isa()) == "avx512bf16") continue;
-      for (int64_t m : {9, 260}) {
+      // bf16 x bf16 runs bf16 dot products there, not float32 x's path.
+      const bool bf16_dot =
+          weight_dtype == DType::kBFloat16 && std::string(vpage::cpu::dense_matmul_isa()) == "avx512bf16";
+      for (int64_t m : {1, 9, 260}) {
         const int n = 70, k = 300;
         const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
         const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
@@ -207,10 +210,13 @@ TEST_CASE("dense_matmul: bfloat16 outputs are the float32 results rounded, bit f
         const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
         for (bool with_bias : {false, true}) {
           const std::vector<float>* b = with_bias ? &bias : nullptr;
-          const std::vector<float> wide = run(DType::kFloat32, weight_dtype, x, packed, b, m, n, k, 2);
           const std::vector<float> half = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2);
-          for (size_t i = 0; i < wide.size(); ++i) {
-            EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(wide[i])));
+          const std::vector<float> out32 = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2, true);
+          const std::vector<float> wide =
+              bf16_dot ? std::vector<float>{} : run(DType::kFloat32, weight_dtype, x, packed, b, m, n, k, 2);
+          for (size_t i = 0; i < half.size(); ++i) {
+            EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(out32[i])));
+            if (!bf16_dot) EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(wide[i])));
           }
         }
       }
@@ -235,31 +241,6 @@ TEST_CASE("dense_matmul: bf16 dot products store whole panels as the per-row sto
       const std::vector<float> in_line = run(DType::kBFloat16, DType::kBFloat16, x, packed, nullptr, m, n, k, 2);
       const std::vector<float> per_row = run(DType::kBFloat16, DType::kBFloat16, x, packed, &zero_bias, m, n, k, 2);
       for (size_t i = 0; i < in_line.size(); ++i) EXPECT(in_line[i] == per_row[i]);
-    }
-  }
-}
-
-TEST_CASE("dense_matmul: float32 outputs of 16-bit x, rounded, are the 16-bit outputs bit for bit") {
-  // On every path (bf16 dot products included): float32_out changes only the final store.
-  vpage_test::AutoIsaOnExit restore;
-  std::mt19937 rng(17);
-  for (const std::string& isa : vpage_test::supported_isas()) {
-    vpage::cpu::set_cpu_isa(isa);
-    for (DType weight_dtype : {DType::kBFloat16, DType::kFloat32}) {
-      for (int64_t m : {1, 9, 260}) {
-        const int n = 70, k = 300;  // two whole panels (in-line stores) and one of 6 columns
-        const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
-        const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
-        const std::vector<float> bias(static_cast<size_t>(n), 0.25f);
-        const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
-        for (const std::vector<float>* b : {static_cast<const std::vector<float>*>(nullptr), &bias}) {
-          const std::vector<float> wide = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2, true);
-          const std::vector<float> half = run(DType::kBFloat16, weight_dtype, x, packed, b, m, n, k, 2);
-          for (size_t i = 0; i < wide.size(); ++i) {
-            EXPECT(half[i] == vpage::bfloat16_to_float(vpage::float_to_bfloat16(wide[i])));
-          }
-        }
-      }
     }
   }
 }

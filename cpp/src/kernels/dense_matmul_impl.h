@@ -131,7 +131,7 @@ inline void widen_chunk(const W* src, int32_t kc, float* dst) {
 
 // out rows [0, mc) (row stride out_stride), 32 columns each = acc [mc, 32], in line for
 // float32 and bfloat16 outputs without bias (a dense_store_out call per row, a 128-byte memcpy
-// for float32, made the float32 throughput trace 1-4% slower: RESULTS-vllm-cpu.md). The
+// for float32, made the float32 throughput trace 1-4% slower: RESULTS-vllm-cpu-zen3.md). The
 // vectors' bfloat16 rounding is float_to_bfloat16's, so the same bits as the call.
 template <typename O>
 inline void store_panel_rows(const float* acc, int64_t mc, O* out, int64_t out_stride) {
