@@ -11,9 +11,12 @@ per call: what decode streams), with each vpage column's ratio to torch float32.
 
     python bench/bench_dense_matmul.py --model-sequence --rows 1,16,64,256,2048
 
-times instead one forward's matmuls of the default model in float32 (30 layers of qkv, o,
-gate_up and down, each layer its own weights, then the logits), so the weights come from DRAM
-as in the engine rather than from a cache that one repeated matmul keeps warm.
+times instead one forward's matmuls of the default model (30 layers of qkv, o, gate_up and
+down, each layer its own weights, then the logits) in --dtype, so the weights come from DRAM as
+in the engine rather than from a cache that one repeated matmul keeps warm; torch's side is
+F.linear in the same dtype (bfloat16: vpage's logits in float32, as the engine asks for them).
+--isa LEVEL (any level vpage._core.set_cpu_isa takes, e.g. avx2) times another build of the
+kernels on the same CPU.
 """
 
 from __future__ import annotations
@@ -58,29 +61,33 @@ MODEL_LOGITS = (49152, 576)
 
 
 def model_sequence(args) -> None:
-    """One forward's float32 matmuls of the default model per call, vpage against torch."""
+    """One forward's matmuls of the default model per call, vpage against torch."""
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k) / k ** 0.5 for n, k in MODEL_SHAPES] for _ in range(MODEL_LAYERS)]
-    logits = torch.randn(*MODEL_LOGITS) / MODEL_LOGITS[1] ** 0.5
+    dtype = getattr(torch, args.dtype)
+    weights = [[(torch.randn(n, k) / k ** 0.5).to(dtype) for n, k in MODEL_SHAPES] for _ in range(MODEL_LAYERS)]
+    logits = (torch.randn(*MODEL_LOGITS) / MODEL_LOGITS[1] ** 0.5).to(dtype)
     packed = [[ops.pack_dense_weight(w) for w in layer] for layer in weights]
     packed_logits = ops.pack_dense_weight(logits)
-    print("| m | torch f32 ms | vpage f32 ms | torch GFLOP/s | vpage GFLOP/s | vpage vs torch |")
+    print(f"| m | torch {args.dtype} ms | vpage ms | torch GFLOP/s | vpage GFLOP/s | vpage vs torch |")
     print("|---:|---:|---:|---:|---:|---:|")
     for m in (int(v) for v in args.rows.split(",")):
-        xs = {k: torch.randn(m, k) for k in (576, 1536)}
-        outs = {n: torch.empty(m, n) for n, _ in MODEL_SHAPES + [MODEL_LOGITS]}
+        xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
+        outs = {n: torch.empty(m, n, dtype=dtype) for n, _ in MODEL_SHAPES}
+        outs[MODEL_LOGITS[0]] = torch.empty(m, MODEL_LOGITS[0])
+        torch_logits = torch.empty(m, MODEL_LOGITS[0], dtype=dtype)
 
         def run_torch():
             for layer in weights:
                 for w in layer:
                     torch.mm(xs[w.shape[1]], w.t(), out=outs[w.shape[0]])
-            torch.mm(xs[576], logits.t(), out=outs[MODEL_LOGITS[0]])
+            torch.mm(xs[576], logits.t(), out=torch_logits)
 
         def run_vpage():
             for layer in packed:
                 for (n, k), w in zip(MODEL_SHAPES, layer):
                     ops.dense_matmul(xs[k], w, n, out=outs[n])
-            ops.dense_matmul(xs[576], packed_logits, MODEL_LOGITS[0], out=outs[MODEL_LOGITS[0]])
+            ops.dense_matmul(xs[576], packed_logits, MODEL_LOGITS[0], out=outs[MODEL_LOGITS[0]],
+                             out_dtype=torch.float32)
 
         flops = 2 * m * (MODEL_LAYERS * sum(n * k for n, k in MODEL_SHAPES) + MODEL_LOGITS[0] * MODEL_LOGITS[1])
         times = {"torch": [], "vpage": []}
@@ -102,7 +109,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=0.05, help="per timing")
     p.add_argument("--model-sequence", action="store_true",
                    help="time one forward's matmuls of the default model (weights from DRAM) instead")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="--model-sequence: weights and activations")
+    p.add_argument("--isa", default="auto", help="the kernels' instruction set level (vpage._core.set_cpu_isa)")
     args = p.parse_args()
+    _core.set_cpu_isa(args.isa)
     torch.set_num_threads(args.threads)
     ops.set_num_threads(args.threads)
     print(f"{cpu_name()}, {args.threads} threads, dense_matmul ISA {_core.dense_matmul_isa()}, "

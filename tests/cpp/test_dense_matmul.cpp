@@ -179,6 +179,10 @@ TEST_CASE("dense_matmul: every weight and activation dtype, every ISA, awkward s
       check_case(DType::kFloat32, weight_dtype, 11, 70, 520, true, rng);  // three k chunks
       check_case(DType::kBFloat16, weight_dtype, 260, 45, 129, true, rng);  // odd k: a last pair of one
       check_case(DType::kFloat16, weight_dtype, 3, 96, 600, true, rng);
+      // Tasks of three panels of two chunks each (the next chunk a task fetches: inside a panel,
+      // then the next panel's), and widened chunks, three per panel.
+      check_case(DType::kBFloat16, weight_dtype, 3, 620, 300, true, rng);
+      check_case(DType::kBFloat16, weight_dtype, 40, 100, 600, false, rng);
       // float32 outputs of 16-bit x (a 16-bit model's logits).
       for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
         check_case(dtype, weight_dtype, 1, 70, 300, false, rng, true);

@@ -40,13 +40,15 @@ constexpr int64_t kPrefetchFromRows = 2;
 constexpr int64_t kWidenRows = 4 * kRows;
 
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
-// `first`: the accumulators start at zero instead of acc. kPrefetch: also fetch the panel's
-// row k + kPrefetchRows (all 32 columns) into L1, for the first pass over a chunk, whose
-// weights come from DRAM: with a few rows the hardware prefetchers fall behind (measured on a
-// Zen 1 EPYC, one thread: the default model's matmuls took 2x as long at 6 rows as at 4).
+// `first`: the accumulators start at zero instead of acc. kPrefetch: also fetch the packed
+// row ahead[k * 32] (all 32 columns) into L1, for the first pass over a chunk: ahead is the
+// chunk's row kPrefetchRows, whose weights come from DRAM (with a few rows the hardware
+// prefetchers fall behind: measured on a Zen 1 EPYC, one thread, the default model's matmuls
+// took 2x as long at 6 rows as at 4), or for a widened chunk the next 16-bit chunk.
 // NV: weight vectors per k (kSubVecs, or a whole panel row for up to three x rows).
-template <int MR, bool kPrefetch, int NV = kSubVecs, typename W>
-inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first) {
+template <int MR, bool kPrefetch, int NV = kSubVecs, typename W, typename A>
+inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+                      const A* ahead) {
   Vec c[MR][NV];
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
@@ -54,8 +56,8 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
   for (int32_t k = 0; k < kc; ++k) {
     const W* wk = w + static_cast<int64_t>(k) * kDensePanelRows;
     if constexpr (kPrefetch) {
-      const char* ahead = reinterpret_cast<const char*>(wk + kPrefetchRows * kDensePanelRows);
-      for (size_t line = 0; line < kDensePanelRows * sizeof(W); line += 64) __builtin_prefetch(ahead + line, 0, 3);
+      const char* row = reinterpret_cast<const char*>(ahead + static_cast<int64_t>(k) * kDensePanelRows);
+      for (size_t line = 0; line < kDensePanelRows * sizeof(A); line += 64) __builtin_prefetch(row + line, 0, 3);
     }
     if constexpr (NV == kSubVecs) {
       Vec b[NV];
@@ -81,30 +83,33 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
 }
 
 // MR rows of x against a whole panel chunk (every sub-panel); the first sub-panel of the
-// chunk's first rows prefetches the rows ahead (past the chunk's end: the next chunk's).
-template <int MR, typename W>
+// chunk's first rows prefetches from `ahead` (nullptr: nothing).
+template <int MR, typename W, typename A>
 inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
-                       bool first_rows) {
+                       const A* ahead) {
   if constexpr (MR <= 3) {
     // One to three x rows: the whole panel row per k (its accumulators and weights fit the
     // registers), so that the weights are read in one ordered pass.
     constexpr int kPanelVecs = kDensePanelRows / kLanes;
-    if (first_rows) return sub_panel<MR, true, kPanelVecs>(x, x_stride, w, kc, acc, first);
-    return sub_panel<MR, false, kPanelVecs>(x, x_stride, w, kc, acc, first);
+    if (ahead != nullptr) return sub_panel<MR, true, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead);
+    return sub_panel<MR, false, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead);
   }
-  if (first_rows) {
-    sub_panel<MR, true>(x, x_stride, w, kc, acc, first);
+  if (ahead != nullptr) {
+    sub_panel<MR, true>(x, x_stride, w, kc, acc, first, ahead);
   } else {
-    sub_panel<MR, false>(x, x_stride, w, kc, acc, first);
+    sub_panel<MR, false>(x, x_stride, w, kc, acc, first, ahead);
   }
-  for (int s = kSub; s < kDensePanelRows; s += kSub) sub_panel<MR, false>(x, x_stride, w + s, kc, acc + s, first);
+  for (int s = kSub; s < kDensePanelRows; s += kSub) {
+    sub_panel<MR, false>(x, x_stride, w + s, kc, acc + s, first, ahead);
+  }
 }
 
 // Rows [0, mc) of x against a panel chunk; the last mc % kRows rows take a smaller kernel.
-template <typename W>
+// The first rows' pass prefetches from `ahead` (sub_panel), from kPrefetchFromRows rows.
+template <typename W, typename A>
 inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
-                        bool first) {
-  const bool prefetch = mc >= kPrefetchFromRows;
+                        bool first, const A* ahead) {
+  if (mc < kPrefetchFromRows) ahead = nullptr;
   if (kSub < kDensePanelRows && mc <= 2 * kRows) {
     // Up to 12 rows (decode batches, speculative steps) go three at a time over whole panel rows:
     // each pass reads the chunk in order (the first from memory, the others from L1). The
@@ -113,13 +118,13 @@ inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w
     // model; 8 rows: 53 -> 50).
     for_row_blocks<3>(mc, [&](auto rows, int64_t i) {
       panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                        prefetch && i == 0);
+                                        i == 0 ? ahead : nullptr);
     });
     return;
   }
   for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
     panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                      prefetch && i == 0);
+                                      i == 0 ? ahead : nullptr);
   });
 }
 
@@ -149,11 +154,10 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
   const int64_t mc = std::min(plan.m_block, a.m - m0);
   const int64_t p0 = task % plan.panel_groups * plan.panels_per_task;
   const int64_t p1 = std::min<int64_t>(p0 + plan.panels_per_task, plan.num_panels);
-  buffer.resize(static_cast<size_t>(mc) * kDensePanelRows);
-  float* acc = buffer.data();
+  float* acc = aligned_scratch(buffer, static_cast<size_t>(mc) * kDensePanelRows);
   constexpr bool kSixteenBit = !std::is_same_v<W, float>;
   const bool widen = kSixteenBit && mc >= kWidenRows;
-  if (widen) widened.resize(static_cast<size_t>(kKChunk) * kDensePanelRows);
+  float* tile = widen ? aligned_scratch(widened, static_cast<size_t>(kKChunk) * kDensePanelRows) : nullptr;
   const W* weight = static_cast<const W*>(a.weight);
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = weight + p * a.k * kDensePanelRows;
@@ -162,10 +166,14 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
       const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;
       const float* xc = x + m0 * x_stride + k0;
       if (widen) {
-        widen_chunk(chunk, kc, widened.data());
-        panel_chunk(xc, x_stride, mc, static_cast<const float*>(widened.data()), kc, acc, k0 == 0);
+        // Widening is the chunk's first read: the first pass over the widened chunk fetches
+        // the next 16-bit chunk (past this one; in the task's next panel after a last chunk).
+        widen_chunk(chunk, kc, tile);
+        const bool last = k0 + kc == a.k && p + 1 == p1;
+        panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, acc, k0 == 0,
+                    last ? nullptr : chunk + static_cast<int64_t>(kc) * kDensePanelRows);
       } else {
-        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0);
+        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0, chunk + kPrefetchRows * kDensePanelRows);
       }
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);

@@ -1,10 +1,11 @@
-// Row blocking shared by the dense matmul micro-kernels: whole blocks of a kernel's row count,
-// then one smaller kernel for the rest. Include it inside an ISA namespace (like simd_vec.h),
+// Row blocking shared by the dense matmul micro-kernels (whole blocks of a kernel's row count,
+// then one smaller kernel for the rest) and their aligned scratch. Include it inside an ISA namespace (like simd_vec.h),
 // so builds with different flags never share an instantiation.
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #ifndef VPAGE_ISA_NAMESPACE
 #error "define VPAGE_ISA_NAMESPACE before including row_blocks.h"
@@ -30,6 +31,13 @@ inline void for_row_blocks(int64_t rows, Fn&& fn) {
   int64_t i = 0;
   for (; i + kRows <= rows; i += kRows) fn(std::integral_constant<int, kRows>{}, i);
   last_row_block<kRows - 1>(rows - i, i, fn);
+}
+
+/// n floats of `scratch` from a 64-byte boundary, so that no vector load splits a cache line
+/// (a widened tile at malloc's 16 bytes made the AVX2 bfloat16 matmuls ~5% slower at 256 rows).
+inline float* aligned_scratch(std::vector<float>& scratch, size_t n) {
+  scratch.resize(n + 64 / sizeof(float));
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
 }
 
 }  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE
