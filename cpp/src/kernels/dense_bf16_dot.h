@@ -4,13 +4,13 @@
 //
 // Per panel chunk of 256 values of k, the packed [k, 32] bfloat16 rows are interleaved by pairs
 // of k into a tile [kc / 2][32 columns][2] (two zmm per pair, columns in lane_column's order),
-// once for the task's block of x rows; the micro-kernel then broadcasts each x row's pair
-// (x[k], x[k + 1]) as one 32-bit value and runs kRows x 2 accumulators over the tile. An odd
-// last k pairs with a zero. The accumulators go to the same [rows, 32] buffer as the float
-// kernel's between chunks, so a row's result does not depend on its batch. Finished rows go
-// back to column order by two permutes and, for whole panels without bias, straight to the
-// output (a dense_store_out call per row and panel was ~12% of the bfloat16 throughput trace
-// on Zen 4: RESULTS-vllm-cpu.md).
+// once for the task's block of x rows (with one row block, in registers as the pairs are used);
+// the micro-kernel then broadcasts each x row's pair (x[k], x[k + 1]) as one 32-bit value and
+// runs kRows x 2 accumulators over the pairs. An odd last k pairs with a zero. The
+// accumulators go to the same [rows, 32] buffer as the float kernel's between chunks, so a
+// row's result does not depend on its batch. Finished rows go back to column order by two
+// permutes and, for whole panels without bias, straight to the output (a dense_store_out call
+// per row and panel was ~12% of the bfloat16 throughput trace on Zen 4: RESULTS-vllm-cpu.md).
 #pragma once
 
 #include <immintrin.h>
@@ -33,18 +33,47 @@ namespace vpage::cpu::avx512bf16 {
 constexpr int kDotRows = 8;          // 16 accumulators + 2 tile vectors + 1 broadcast
 constexpr int32_t kDotKChunk = 256;  // tile: 128 pairs x 32 columns x 4 bytes = 16 KiB
 
-// tile[2 p + h] = pairs (w[2p][c], w[2p + 1][c]) of the packed rows w [kc, 32] (a missing row
-// 2p + 1 of an odd kc is zeros), interleaved by unpacking within 128-bit lanes, so the columns
-// come in kLaneColumn's order: h = 0 holds 0-3, 8-11, 16-19, 24-27; h = 1 the others.
-inline void interleave_pairs(const uint16_t* w, int32_t kc, __m512i* tile) {
-  for (int32_t p = 0; 2 * p < kc; ++p) {
-    const __m512i r0 = _mm512_loadu_si512(w + static_cast<int64_t>(2 * p) * kDensePanelRows);
-    const __m512i r1 = 2 * p + 1 < kc ? _mm512_loadu_si512(w + static_cast<int64_t>(2 * p + 1) * kDensePanelRows)
-                                      : _mm512_setzero_si512();
-    tile[2 * p] = _mm512_unpacklo_epi16(r0, r1);
-    tile[2 * p + 1] = _mm512_unpackhi_epi16(r0, r1);
-  }
+// Pair p of the packed rows w [kc, 32]: (w[2p][c], w[2p + 1][c]) for every column c (a missing
+// row 2p + 1 of an odd kc is zeros), interleaved by unpacking within 128-bit lanes, so the
+// columns come in lane_column's order: lo holds 0-3, 8-11, 16-19, 24-27; hi the others.
+inline void row_pair(const uint16_t* w, int32_t kc, int32_t p, __m512i& lo, __m512i& hi) {
+  const __m512i r0 = _mm512_loadu_si512(w + static_cast<int64_t>(2 * p) * kDensePanelRows);
+  const __m512i r1 = 2 * p + 1 < kc ? _mm512_loadu_si512(w + static_cast<int64_t>(2 * p + 1) * kDensePanelRows)
+                                    : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(r0, r1);
+  hi = _mm512_unpackhi_epi16(r0, r1);
 }
+
+// tile[2 p], tile[2 p + 1] = row_pair p of w [kc, 32], for every pair.
+inline void interleave_pairs(const uint16_t* w, int32_t kc, __m512i* tile) {
+  for (int32_t p = 0; 2 * p < kc; ++p) row_pair(w, kc, p, tile[2 * p], tile[2 * p + 1]);
+}
+
+// Where dot_rows takes pair p's weight vectors: a tile interleaved once for the task's block
+// of rows (every row block reads it) ...
+struct TilePairs {
+  const __m512i* tile;
+  void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
+    lo = tile[2 * p];
+    hi = tile[2 * p + 1];
+  }
+};
+
+// ... or, for a single row block (decode batches of up to kDotRows, one stream), the packed
+// rows themselves, paired in registers as they are used: a tile would be written and read
+// back once. Each pair also prefetches the rows kAheadPairs pairs on, past the chunk's end
+// into the next one, as the float kernel's first pass does (3 KiB ahead).
+constexpr int32_t kAheadPairs = 24;
+struct RowPairs {
+  const uint16_t* w;
+  int32_t kc;
+  void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
+    const char* ahead = reinterpret_cast<const char*>(w + static_cast<int64_t>(2 * (p + kAheadPairs)) * kDensePanelRows);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    row_pair(w, kc, p, lo, hi);
+  }
+};
 
 // The output column of accumulator lane q (acc [rows, 32] rows are in this order).
 constexpr int32_t lane_column(int32_t q) { return 8 * (q % 16 / 4) + 4 * (q / 16) + q % 4; }
@@ -58,11 +87,12 @@ struct NextChunk {
   int32_t pairs = 0;               // ceil(kc / 2): one pair of rows is 128 bytes, two lines
 };
 
-// acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the pair tile of kc
-// values; `first`: the accumulators start at zero. kPrefetch: fetch `next` too, spread over
-// the pair steps (a pair of its rows per step when it is no longer than this chunk).
-template <int MR, bool kPrefetch>
-inline void dot_rows(const uint16_t* x, int64_t x_stride, const __m512i* tile, int32_t kc, float* acc, bool first,
+// acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the kc values of k
+// whose pairs `pairs` gives (TilePairs, RowPairs: the same vectors, so the same bits); `first`:
+// the accumulators start at zero. kPrefetch: fetch `next` too, spread over the pair steps (a
+// pair of its rows per step when it is no longer than this chunk).
+template <int MR, bool kPrefetch, typename Pairs>
+inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, int32_t kc, float* acc, bool first,
                      const NextChunk& next) {
   __m512 c[MR][2];
   for (int i = 0; i < MR; ++i) {
@@ -80,8 +110,10 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const __m512i* tile, i
         _mm_prefetch(line + 64, _MM_HINT_T1);
       }
     }
-    const __m512bh b0 = reinterpret_cast<__m512bh>(tile[2 * p]);
-    const __m512bh b1 = reinterpret_cast<__m512bh>(tile[2 * p + 1]);
+    __m512i lo, hi;
+    pairs(p, lo, hi);
+    const __m512bh b0 = reinterpret_cast<__m512bh>(lo);
+    const __m512bh b1 = reinterpret_cast<__m512bh>(hi);
     for (int i = 0; i < MR; ++i) {
       const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(x_pair(i)));
       c[i][0] = _mm512_dpbf16_ps(c[i][0], a, b0);
@@ -102,16 +134,17 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const __m512i* tile, i
   }
 }
 
-// All mc rows over the tile; the first row block fetches `next`.
-inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const __m512i* tile, int32_t kc, float* acc,
+// All mc rows over the chunk's pairs; the first row block fetches `next`.
+template <typename Pairs>
+inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const Pairs& pairs, int32_t kc, float* acc,
                       bool first, const NextChunk& next) {
   for_row_blocks<kDotRows>(mc, [&](auto rows, int64_t i) {
     constexpr int kRowsHere = decltype(rows)::value;
     float* rows_acc = acc + i * kDensePanelRows;
     if (i == 0 && next.rows != nullptr) {
-      dot_rows<kRowsHere, true>(x + i * x_stride, x_stride, tile, kc, rows_acc, first, next);
+      dot_rows<kRowsHere, true>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next);
     } else {
-      dot_rows<kRowsHere, false>(x + i * x_stride, x_stride, tile, kc, rows_acc, first, next);
+      dot_rows<kRowsHere, false>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next);
     }
   });
 }
@@ -175,14 +208,19 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
     const uint16_t* panel = weight + p * a.k * kDensePanelRows;
     for (int32_t k0 = 0; k0 < a.k; k0 += kDotKChunk) {
       const int32_t kc = std::min(kDotKChunk, a.k - k0);
-      interleave_pairs(panel + static_cast<int64_t>(k0) * kDensePanelRows, kc, tile);
+      const uint16_t* rows = panel + static_cast<int64_t>(k0) * kDensePanelRows;
+      if (mc <= kDotRows) {
+        dot_chunk(x + k0, a.x_stride, mc, RowPairs{rows, kc}, kc, acc, k0 == 0, NextChunk{});
+        continue;
+      }
+      interleave_pairs(rows, kc, tile);
       NextChunk next;  // the panel's next chunk, else the task's next panel's first
       if (k0 + kc < a.k) {
         next = {panel + static_cast<int64_t>(k0 + kc) * kDensePanelRows, (std::min(kDotKChunk, a.k - k0 - kc) + 1) / 2};
       } else if (p + 1 < p1) {
         next = {panel + static_cast<int64_t>(a.k) * kDensePanelRows, (std::min(kDotKChunk, a.k) + 1) / 2};
       }
-      dot_chunk(x + k0, a.x_stride, mc, tile, kc, acc, k0 == 0, next);
+      dot_chunk(x + k0, a.x_stride, mc, TilePairs{tile}, kc, acc, k0 == 0, next);
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
     store_panel(a, acc, m0, mc, col0, std::min(kDensePanelRows, a.n - col0));
