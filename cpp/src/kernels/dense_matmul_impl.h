@@ -39,25 +39,54 @@ constexpr int64_t kPrefetchFromRows = 2;
 // the same bits either way).
 constexpr int64_t kWidenRows = 4 * kRows;
 
+// What a micro-kernel call fetches besides its own work (sub_panel).
+enum class Fetch {
+  kNone,
+  kRowsAhead,  // the packed row ahead[k * 32] per k, into L1
+  kNextChunk,  // lines of the task's next chunk, into L2 (NextChunkLines)
+};
+
+// The task's next panel chunk, fetched into L2 a line every `every` values of k by the
+// passes over the current chunk after its first, so that DRAM streams while those passes
+// compute. Otherwise the chunk's whole first read falls in one pass (its first rows), which
+// asks several times one core's DRAM bandwidth of it when the rows are many (16-96: with the
+// AVX2 build ~10-20% of those matmuls' time).
+struct NextChunkLines {
+  const char* at = nullptr;  // the next line to fetch
+  const char* end = nullptr;
+  int32_t every = 1;
+};
+
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
-// `first`: the accumulators start at zero instead of acc. kPrefetch: also fetch the packed
-// row ahead[k * 32] (all 32 columns) into L1, for the first pass over a chunk: ahead is the
-// chunk's row kPrefetchRows, whose weights come from DRAM (with a few rows the hardware
-// prefetchers fall behind: measured on a Zen 1 EPYC, one thread, the default model's matmuls
-// took 2x as long at 6 rows as at 4), or for a widened chunk the next 16-bit chunk.
+// `first`: the accumulators start at zero instead of acc. kFetch kRowsAhead is for the first
+// pass over a chunk: ahead is the chunk's row kPrefetchRows, whose weights come from DRAM or
+// L2 (with a few rows the hardware prefetchers fall behind: measured on a Zen 1 EPYC, one
+// thread, the default model's matmuls took 2x as long at 6 rows as at 4), or for a widened
+// chunk the next 16-bit chunk. kNextChunk takes its lines from `next` and advances it.
 // NV: weight vectors per k (kSubVecs, or a whole panel row for up to three x rows).
-template <int MR, bool kPrefetch, int NV = kSubVecs, typename W, typename A>
+template <int MR, Fetch kFetch, int NV = kSubVecs, typename W, typename A>
 inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
-                      const A* ahead) {
+                      const A* ahead, NextChunkLines* next) {
   Vec c[MR][NV];
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
   }
+  const char* line = kFetch == Fetch::kNextChunk ? next->at : nullptr;
+  const char* const line_end = kFetch == Fetch::kNextChunk ? next->end : nullptr;
+  const int32_t every = kFetch == Fetch::kNextChunk ? next->every : 1;
+  int32_t line_due = 0;  // the k that fetches `line`
   for (int32_t k = 0; k < kc; ++k) {
     const W* wk = w + static_cast<int64_t>(k) * kDensePanelRows;
-    if constexpr (kPrefetch) {
+    if constexpr (kFetch == Fetch::kRowsAhead) {
       const char* row = reinterpret_cast<const char*>(ahead + static_cast<int64_t>(k) * kDensePanelRows);
-      for (size_t line = 0; line < kDensePanelRows * sizeof(A); line += 64) __builtin_prefetch(row + line, 0, 3);
+      for (size_t byte = 0; byte < kDensePanelRows * sizeof(A); byte += 64) __builtin_prefetch(row + byte, 0, 3);
+    }
+    if constexpr (kFetch == Fetch::kNextChunk) {
+      if (k == line_due && line < line_end) {
+        __builtin_prefetch(line, 0, 2);
+        line += 64;
+        line_due += every;
+      }
     }
     if constexpr (NV == kSubVecs) {
       Vec b[NV];
@@ -80,37 +109,55 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v) store(acc + i * kDensePanelRows + v * kLanes, c[i][v]);
   }
+  if constexpr (kFetch == Fetch::kNextChunk) next->at = line;
+}
+
+// sub_panel with the fetch chosen at run time: rows ahead when `ahead` is set, else the next
+// chunk's lines when `next` is set.
+template <int MR, int NV = kSubVecs, typename W, typename A>
+inline void sub_panel_fetching(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+                               const A* ahead, NextChunkLines* next) {
+  if (ahead != nullptr) return sub_panel<MR, Fetch::kRowsAhead, NV>(x, x_stride, w, kc, acc, first, ahead, next);
+  if (next != nullptr) return sub_panel<MR, Fetch::kNextChunk, NV>(x, x_stride, w, kc, acc, first, ahead, next);
+  sub_panel<MR, Fetch::kNone, NV>(x, x_stride, w, kc, acc, first, ahead, next);
 }
 
 // MR rows of x against a whole panel chunk (every sub-panel); the first sub-panel of the
-// chunk's first rows prefetches from `ahead` (nullptr: nothing).
+// chunk's first rows prefetches from `ahead` (nullptr: nothing), the other sub-panels from
+// `next` (nullptr: nothing).
 template <int MR, typename W, typename A>
 inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
-                       const A* ahead) {
+                       const A* ahead, NextChunkLines* next) {
   if constexpr (MR <= 3) {
     // One to three x rows: the whole panel row per k (its accumulators and weights fit the
     // registers), so that the weights are read in one ordered pass.
     constexpr int kPanelVecs = kDensePanelRows / kLanes;
-    if (ahead != nullptr) return sub_panel<MR, true, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead);
-    return sub_panel<MR, false, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead);
+    return sub_panel_fetching<MR, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead, next);
   }
-  if (ahead != nullptr) {
-    sub_panel<MR, true>(x, x_stride, w, kc, acc, first, ahead);
-  } else {
-    sub_panel<MR, false>(x, x_stride, w, kc, acc, first, ahead);
-  }
+  sub_panel_fetching<MR>(x, x_stride, w, kc, acc, first, ahead, next);
   for (int s = kSub; s < kDensePanelRows; s += kSub) {
-    sub_panel<MR, false>(x, x_stride, w + s, kc, acc + s, first, ahead);
+    sub_panel_fetching<MR>(x, x_stride, w + s, kc, acc + s, first, static_cast<const A*>(nullptr), next);
   }
 }
 
 // Rows [0, mc) of x against a panel chunk; the last mc % kRows rows take a smaller kernel.
-// The first rows' pass prefetches from `ahead` (sub_panel), from kPrefetchFromRows rows.
+// From kPrefetchFromRows rows the first rows' pass prefetches from `ahead` (sub_panel) and
+// the later passes fetch the next chunk's next_bytes from `next` (nullptr: none).
 template <typename W, typename A>
 inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
-                        bool first, const A* ahead) {
+                        bool first, const A* ahead, const char* next = nullptr, int64_t next_bytes = 0) {
   if (mc < kPrefetchFromRows) ahead = nullptr;
-  if (kSub < kDensePanelRows && mc <= 2 * kRows) {
+  const bool by_threes = kSub < kDensePanelRows && mc <= 2 * kRows;
+  const int64_t passes =
+      by_threes ? (mc + 2) / 3 : (mc + kRows - 1) / kRows * (kDensePanelRows / kSub);  // micro-kernel calls
+  NextChunkLines lines;
+  NextChunkLines* fetch_next = nullptr;
+  if (next != nullptr && ahead != nullptr && passes > 1) {
+    const int64_t lines_per_pass = ((next_bytes + 63) / 64 + passes - 2) / (passes - 1);
+    lines = {next, next + next_bytes, static_cast<int32_t>(std::max<int64_t>(1, kc / lines_per_pass))};
+    fetch_next = &lines;
+  }
+  if (by_threes) {
     // Up to 12 rows (decode batches, speculative steps) go three at a time over whole panel rows:
     // each pass reads the chunk in order (the first from memory, the others from L1). The
     // first pass's FMAs hide under its wait for memory; the later passes' do not, so the
@@ -118,13 +165,13 @@ inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w
     // model; 8 rows: 53 -> 50).
     for_row_blocks<3>(mc, [&](auto rows, int64_t i) {
       panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                        i == 0 ? ahead : nullptr);
+                                        i == 0 ? ahead : nullptr, i == 0 ? nullptr : fetch_next);
     });
     return;
   }
   for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
     panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                      i == 0 ? ahead : nullptr);
+                                      i == 0 ? ahead : nullptr, fetch_next);
   });
 }
 
@@ -165,15 +212,19 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
       const int32_t kc = std::min(kKChunk, a.k - k0);
       const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;
       const float* xc = x + m0 * x_stride + k0;
+      // The task's next chunk follows this one: the panel's next, or after a last chunk the
+      // next panel's first (packed panels are contiguous).
+      const bool task_last = k0 + kc == a.k && p + 1 == p1;
+      const W* next = task_last ? nullptr : chunk + static_cast<int64_t>(kc) * kDensePanelRows;
       if (widen) {
         // Widening is the chunk's first read: the first pass over the widened chunk fetches
-        // the next 16-bit chunk (past this one; in the task's next panel after a last chunk).
+        // the next 16-bit chunk.
         widen_chunk(chunk, kc, tile);
-        const bool last = k0 + kc == a.k && p + 1 == p1;
-        panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, acc, k0 == 0,
-                    last ? nullptr : chunk + static_cast<int64_t>(kc) * kDensePanelRows);
+        panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, acc, k0 == 0, next);
       } else {
-        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0, chunk + kPrefetchRows * kDensePanelRows);
+        const int32_t next_kc = k0 + kc < a.k ? std::min(kKChunk, a.k - k0 - kc) : std::min(kKChunk, a.k);
+        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0, chunk + kPrefetchRows * kDensePanelRows,
+                    reinterpret_cast<const char*>(next), static_cast<int64_t>(next_kc) * kDensePanelRows * sizeof(W));
       }
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
