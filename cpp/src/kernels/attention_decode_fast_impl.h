@@ -72,16 +72,23 @@ inline int64_t fast_scratch_floats(int32_t rows, int32_t head_size, int32_t bloc
 // QK of key vectors [v0, v0 + V) of one block row for R rows. The V accumulators of a row
 // are reduced by min(V, x) levels of pair_sum to V / min(V, x) vectors, stored at
 // out + r * out_stride + (v0 / min(V, x)) * kLanes (in token order).
+// next_key (nullptr: none): a key block of the next group, fetched into L2 a chunk's bytes
+// per chunk, so that its DRAM reads overlap this QK instead of waiting for PV (NextValues).
 template <int R, int V, typename T>
 inline void fast_qk_tile(const T* key_block, const float* qrep, int64_t q_stride, float* out, int64_t out_stride,
-                         int num_chunks, int row_len, int v0) {
+                         int num_chunks, int row_len, int v0, const T* next_key) {
   constexpr int x = 16 / static_cast<int>(sizeof(T));
   constexpr int kReduce = V < x ? V : x;
   Vec acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = zero();
   const T* src = key_block + static_cast<int64_t>(v0) * kLanes;
+  const int64_t chunk_bytes = static_cast<int64_t>(row_len) * sizeof(T);
   for (int c = 0; c < num_chunks; ++c) {
+    if (next_key != nullptr) {
+      const char* chunk = reinterpret_cast<const char*>(next_key) + c * chunk_bytes;
+      for (int64_t b = 0; b < chunk_bytes; b += 64) VPAGE_PREFETCH_L2(chunk + b);
+    }
     Vec q[R];
     for (int r = 0; r < R; ++r) q[r] = load(qrep + r * q_stride + c * kLanes);
     for (int v = 0; v < V; ++v) {
@@ -101,18 +108,20 @@ inline void fast_qk_tile(const T* key_block, const float* qrep, int64_t q_stride
   }
 }
 
-// QK logits of one block for R rows: logits[r * logits_stride + t], t < block_size.
+// QK logits of one block for R rows: logits[r * logits_stride + t], t < block_size. The
+// first tile fetches next_key (fast_qk_tile).
 template <int R, int V, typename T>
 inline void fast_qk_block_v(const T* key_block, const float* qrep, int64_t q_stride, float* logits,
                             int64_t logits_stride, float* part, int64_t part_stride, int num_chunks, int row_len,
-                            int row_vecs) {
+                            int row_vecs, const T* next_key) {
   constexpr int x = 16 / static_cast<int>(sizeof(T));
   constexpr int kReduce = V < x ? V : x;
   constexpr int kLeft = ilog2(x) - ilog2(kReduce);  // pair_sum levels left after the tiles
   float* out = kLeft == 0 ? logits : part;
   const int64_t out_stride = kLeft == 0 ? logits_stride : part_stride;
   for (int v0 = 0; v0 < row_vecs; v0 += V) {
-    fast_qk_tile<R, V>(key_block, qrep, q_stride, out, out_stride, num_chunks, row_len, v0);
+    fast_qk_tile<R, V>(key_block, qrep, q_stride, out, out_stride, num_chunks, row_len, v0,
+                       v0 == 0 ? next_key : nullptr);
   }
   if (kLeft > 0) {
     for (int r = 0; r < R; ++r) {
@@ -132,26 +141,28 @@ inline void fast_qk_block_v(const T* key_block, const float* qrep, int64_t q_str
 template <int R, typename T>
 inline void fast_qk_block(const T* key_block, const float* qrep, int64_t q_stride, float* logits,
                           int64_t logits_stride, float* part, int64_t part_stride, int num_chunks, int row_len,
-                          int row_vecs) {
+                          int row_vecs, const T* next_key) {
   // row_vecs = (block_size / kLanes) * x is a multiple of x >= 4: the tile (<= 8) or its
   // half divides it.
   constexpr int kTile = fast_tile<R>();
   if (row_vecs % kTile == 0) {
     fast_qk_block_v<R, kTile>(key_block, qrep, q_stride, logits, logits_stride, part, part_stride, num_chunks,
-                              row_len, row_vecs);
+                              row_len, row_vecs, next_key);
   } else if (kTile > 1 && row_vecs % (kTile > 1 ? kTile / 2 : 1) == 0) {
     fast_qk_block_v<R, (kTile > 1 ? kTile / 2 : 1)>(key_block, qrep, q_stride, logits, logits_stride, part,
-                                                    part_stride, num_chunks, row_len, row_vecs);
+                                                    part_stride, num_chunks, row_len, row_vecs, next_key);
   } else {
     fast_qk_block_v<R, 1>(key_block, qrep, q_stride, logits, logits_stride, part, part_stride, num_chunks, row_len,
-                          row_vecs);
+                          row_vecs, next_key);
   }
 }
 
-// Prefetch (into L2) of the next group's K/V blocks, spread over PV: the call for dims
-// [d0, d0 + D) requests the lines of the same byte range of every next block.
+// Prefetch (into L2) of the next group's V blocks, spread over PV: the call for dims
+// [d0, d0 + D) requests the lines of the same byte range of every next block. (Its K blocks
+// are fetched during this group's QK, fast_qk_tile: fetched here too, the group's QK
+// waited on them, 5-18% of decode attention's time.)
 struct FastPrefetch {
-  const char* blocks[2 * kFastMaxGroupBlocks];  // the first count are set
+  const char* blocks[kFastMaxGroupBlocks];  // the first count are set
   int count = 0;
   int64_t row_bytes = 0;  // bytes of one value dim row (block_size elements)
   void add(const void* block) { blocks[count++] = static_cast<const char*>(block); }
@@ -322,7 +333,6 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
     FastPrefetch next;
     next.row_bytes = static_cast<int64_t>(bs) * sizeof(T);
     for (int b = b0 + group_blocks; b < end_block && b < b0 + 2 * group_blocks; ++b) {
-      next.add(key_cache + table[b] * block_stride + head_offset);
       next.add(value_cache + table[b] * block_stride + head_offset);
     }
 
@@ -331,14 +341,17 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
       const int64_t physical = table[b0 + g];
       const T* key_block = key_cache + physical * block_stride + head_offset;
       vblocks[g] = value_cache + physical * block_stride + head_offset;
+      const int next_block = b0 + group_blocks + g;  // its counterpart in the next group
+      const T* next_key = next_block < end_block ? key_cache + table[next_block] * block_stride + head_offset : nullptr;
       for_row_passes(rows, [&](int r0, int n) {
         const float* q = qrep + r0 * q_stride;
         float* lg = logits + r0 * logits_stride + g * bs;
+        const T* nk = r0 == 0 ? next_key : nullptr;
         switch (n) {
-          case 1: fast_qk_block<1>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs); break;
-          case 2: fast_qk_block<2>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs); break;
-          case 3: fast_qk_block<3>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs); break;
-          default: fast_qk_block<4>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs); break;
+          case 1: fast_qk_block<1>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;
+          case 2: fast_qk_block<2>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;
+          case 3: fast_qk_block<3>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;
+          default: fast_qk_block<4>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;
         }
       });
     }
