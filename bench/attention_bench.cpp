@@ -6,7 +6,9 @@
 // For each case: median, p10 and p90 of the wall time, KV bytes read per second and its
 // fraction of the machine's copy bandwidth (memcpy of a --copy-mib MiB buffer, read + write
 // bytes, measured in the same run; --copy-mib 0 skips it, e.g. under a profiler). Block
-// tables are shuffled (physical blocks not in order). --layers N gives every case N caches
+// tables are shuffled (physical blocks not in order), or with --tables ordered each
+// sequence's blocks follow each other, as the engine's allocator mostly leaves a batch's
+// sequences (the hardware prefetchers then help). --layers N gives every case N caches
 // and times one call per cache in turn, as a decode step calls one per layer: with enough
 // layers the K/V come from DRAM, as in the engine, instead of from the L3 one cache can stay
 // in (times and rates are per call).
@@ -40,6 +42,7 @@ struct Options {
   std::string isa = "auto";
   int copy_mib = 512;
   int layers = 1;
+  bool shuffled = true;  // --tables shuffled|ordered
 };
 
 using vpage_bench::int_list;
@@ -52,7 +55,8 @@ Options parse(int argc, char** argv) {
     if (flag == "--help" || i + 1 >= argc) {
       std::printf("usage: %s [--batch L] [--context L] [--heads Q:KV,...] [--head-size L] [--block-size L]\n"
                   "          [--dtype f32,f16,bf16] [--repeats N] [--threads N] [--format md|json]\n"
-                  "          [--isa auto|avx512|avx2|generic] [--copy-mib N (0: skip)] [--layers N]\n", argv[0]);
+                  "          [--isa auto|avx512|avx2|generic] [--copy-mib N (0: skip)] [--layers N]\n"
+                  "          [--tables shuffled|ordered]\n", argv[0]);
       std::exit(flag == "--help" ? 0 : 2);
     }
     const std::string value = argv[++i];
@@ -67,7 +71,10 @@ Options parse(int argc, char** argv) {
     else if (flag == "--isa") o.isa = value;
     else if (flag == "--copy-mib") o.copy_mib = std::stoi(value);
     else if (flag == "--layers") o.layers = std::max(1, std::stoi(value));
-    else if (flag == "--heads") {
+    else if (flag == "--tables") {
+      if (value != "shuffled" && value != "ordered") throw std::invalid_argument("--tables wants shuffled or ordered");
+      o.shuffled = value == "shuffled";
+    } else if (flag == "--heads") {
       o.heads.clear();
       for (const std::string& pair : split_list(value)) {
         const size_t colon = pair.find(':');
@@ -137,7 +144,7 @@ int main(int argc, char** argv) {
               }
               std::vector<int32_t> tables(num_blocks);
               std::iota(tables.begin(), tables.end(), 0);
-              std::shuffle(tables.begin(), tables.end(), rng);
+              if (o.shuffled) std::shuffle(tables.begin(), tables.end(), rng);
               std::vector<int32_t> lens(batch, context);
               std::vector<uint8_t> query(static_cast<size_t>(batch) * heads * hs * elem, 0);
               std::vector<uint8_t> out(query.size());
