@@ -49,8 +49,8 @@ enum class Fetch {
 // The task's next panel chunk, fetched into L2 a line every `every` values of k by the
 // passes over the current chunk after its first, so that DRAM streams while those passes
 // compute. Otherwise the chunk's whole first read falls in one pass (its first rows), which
-// asks several times one core's DRAM bandwidth of it when the rows are many (16-96: with the
-// AVX2 build ~10-20% of those matmuls' time).
+// asks several times one core's DRAM bandwidth of it, and the later passes leave DRAM idle
+// (8-48 rows: up to 15% of those matmuls' time with the AVX2 build).
 struct NextChunkLines {
   const char* at = nullptr;  // the next line to fetch
   const char* end = nullptr;
