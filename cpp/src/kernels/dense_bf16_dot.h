@@ -218,12 +218,9 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
         continue;
       }
       interleave_pairs(rows, kc, tile);
-      NextChunk next;  // the panel's next chunk, else the task's next panel's first
-      if (k0 + kc < a.k) {
-        next = {panel + static_cast<int64_t>(k0 + kc) * kDensePanelRows, (std::min(kDotKChunk, a.k - k0 - kc) + 1) / 2};
-      } else if (p + 1 < p1) {
-        next = {panel + static_cast<int64_t>(a.k) * kDensePanelRows, (std::min(kDotKChunk, a.k) + 1) / 2};
-      }
+      const int32_t next_kc = next_chunk_values(a.k, k0, kc, kDotKChunk, p + 1 == p1);
+      const NextChunk next =
+          next_kc > 0 ? NextChunk{rows + static_cast<int64_t>(kc) * kDensePanelRows, (next_kc + 1) / 2} : NextChunk{};
       dot_chunk(x + k0, a.x_stride, mc, TilePairs{tile}, kc, acc, k0 == 0, next);
     }
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);

@@ -212,17 +212,14 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
       const int32_t kc = std::min(kKChunk, a.k - k0);
       const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;
       const float* xc = x + m0 * x_stride + k0;
-      // The task's next chunk follows this one: the panel's next, or after a last chunk the
-      // next panel's first (packed panels are contiguous).
-      const bool task_last = k0 + kc == a.k && p + 1 == p1;
-      const W* next = task_last ? nullptr : chunk + static_cast<int64_t>(kc) * kDensePanelRows;
+      const int32_t next_kc = next_chunk_values(a.k, k0, kc, kKChunk, p + 1 == p1);
+      const W* next = next_kc > 0 ? chunk + static_cast<int64_t>(kc) * kDensePanelRows : nullptr;
       if (widen) {
         // Widening is the chunk's first read: the first pass over the widened chunk fetches
         // the next 16-bit chunk.
         widen_chunk(chunk, kc, tile);
         panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, acc, k0 == 0, next);
       } else {
-        const int32_t next_kc = k0 + kc < a.k ? std::min(kKChunk, a.k - k0 - kc) : std::min(kKChunk, a.k);
         panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0, chunk + kPrefetchRows * kDensePanelRows,
                     reinterpret_cast<const char*>(next), static_cast<int64_t>(next_kc) * kDensePanelRows * sizeof(W));
       }

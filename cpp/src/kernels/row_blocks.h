@@ -1,8 +1,10 @@
 // Row blocking shared by the dense matmul micro-kernels (whole blocks of a kernel's row count,
-// then one smaller kernel for the rest) and their aligned scratch. Include it inside an ISA namespace (like simd_vec.h),
-// so builds with different flags never share an instantiation.
+// then one smaller kernel for the rest), their aligned scratch and the chunk a task reads
+// next. Include it inside an ISA namespace (like simd_vec.h), so builds with different flags
+// never share an instantiation.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -38,6 +40,14 @@ inline void for_row_blocks(int64_t rows, Fn&& fn) {
 inline float* aligned_scratch(std::vector<float>& scratch, size_t n) {
   scratch.resize(n + 64 / sizeof(float));
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+}
+
+/// Values of k in the chunk a task reads after [k0, k0 + kc) of a panel of k values (chunks of
+/// `chunk` values): the panel's next chunk, or after its last the next panel's first, which
+/// starts right after it (packed panels are contiguous); 0 after the task's last panel.
+inline int32_t next_chunk_values(int32_t k, int32_t k0, int32_t kc, int32_t chunk, bool last_panel) {
+  if (k0 + kc < k) return std::min(chunk, k - k0 - kc);
+  return last_panel ? 0 : std::min(chunk, k);
 }
 
 }  // namespace vpage::cpu::VPAGE_ISA_NAMESPACE
