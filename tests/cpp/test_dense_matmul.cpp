@@ -228,23 +228,35 @@ TEST_CASE("dense_matmul: bfloat16 outputs are the float32 results rounded, bit f
   }
 }
 
-TEST_CASE("dense_matmul: bf16 dot products store whole panels as the per-row store does") {
-  // Without bias, whole panels go out in line; a zero bias sends every row through
-  // dense_store_out. n = 70: two whole panels and one of 6 columns.
+TEST_CASE("dense_matmul: whole panels stored from the accumulators equal the per-row store") {
+  // Without bias, the last k chunk stores whole panels from its accumulators; a zero bias sends
+  // every row through dense_store_out. n = 70: two whole panels and one of 6 columns; one,
+  // two and three k chunks; row counts for every row blocking (by threes, whole kernels and a
+  // rest, widened 16-bit chunks); float32 and bfloat16 outputs (bf16 x bf16: bf16 dot
+  // products where the CPU has them), float32 outputs of bfloat16 x.
   vpage_test::AutoIsaOnExit restore;
   std::mt19937 rng(13);
   for (const std::string& isa : vpage_test::supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);
-    if (std::string(vpage::cpu::dense_matmul_isa()) != "avx512bf16") continue;
-    for (int64_t m : {1, 9, 260}) {
-      const int n = 70, k = 300;
-      const Values x = random_values(static_cast<size_t>(m * k), DType::kBFloat16, rng);
-      const Values w = random_values(static_cast<size_t>(n) * k, DType::kBFloat16, rng);
-      const std::vector<float> zero_bias(static_cast<size_t>(n), 0.0f);
-      const std::vector<char> packed = pack(DType::kBFloat16, w, n, k, 2);
-      const std::vector<float> in_line = run(DType::kBFloat16, DType::kBFloat16, x, packed, nullptr, m, n, k, 2);
-      const std::vector<float> per_row = run(DType::kBFloat16, DType::kBFloat16, x, packed, &zero_bias, m, n, k, 2);
-      for (size_t i = 0; i < in_line.size(); ++i) EXPECT(in_line[i] == per_row[i]);
+    for (DType weight_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        for (int64_t m : {1, 5, 9, 40, 260}) {
+          for (int k : {200, 300, 600}) {
+            const int n = 70;
+            const Values x = random_values(static_cast<size_t>(m * k), dtype, rng);
+            const Values w = random_values(static_cast<size_t>(n) * k, weight_dtype, rng);
+            const std::vector<float> zero_bias(static_cast<size_t>(n), 0.0f);
+            const std::vector<char> packed = pack(weight_dtype, w, n, k, 2);
+            for (bool float32_out : {false, true}) {
+              if (float32_out && dtype == DType::kFloat32) continue;
+              const std::vector<float> in_line = run(dtype, weight_dtype, x, packed, nullptr, m, n, k, 2, float32_out);
+              const std::vector<float> per_row =
+                  run(dtype, weight_dtype, x, packed, &zero_bias, m, n, k, 2, float32_out);
+              EXPECT_MSG(in_line == per_row, isa + " m " + std::to_string(m) + " k " + std::to_string(k));
+            }
+          }
+        }
+      }
     }
   }
 }

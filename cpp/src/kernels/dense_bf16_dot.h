@@ -9,8 +9,9 @@
 // runs kRows x 2 accumulators over the pairs. An odd last k pairs with a zero. The
 // accumulators go to the same [rows, 32] buffer as the float kernel's between chunks, so a
 // row's result does not depend on its batch. Finished rows go back to column order by two
-// permutes and, for whole panels without bias, straight to the output (a dense_store_out call
-// per row and panel was ~12% of the bfloat16 throughput trace on Zen 4: RESULTS-vllm-cpu.md).
+// permutes and, for whole panels without bias, from the last chunk's accumulators straight to
+// the output (a dense_store_out call per row and panel was ~12% of the bfloat16 throughput
+// trace on Zen 4: RESULTS-vllm-cpu.md).
 #pragma once
 
 #include <immintrin.h>
@@ -36,7 +37,7 @@ constexpr int32_t kDotKChunk = 256;  // tile: 128 pairs x 32 columns x 4 bytes =
 // Pair p of the packed rows w [kc, 32]: (w[2p][c], w[2p + 1][c]) for every column c (a missing
 // row 2p + 1 of an odd kc is zeros), interleaved by unpacking within 128-bit lanes, so the
 // columns come in lane_column's order: lo holds 0-3, 8-11, 16-19, 24-27; hi the others.
-inline void row_pair(const uint16_t* w, int32_t kc, int32_t p, __m512i& lo, __m512i& hi) {
+VPAGE_ALWAYS_INLINE void row_pair(const uint16_t* w, int32_t kc, int32_t p, __m512i& lo, __m512i& hi) {
   const __m512i r0 = _mm512_loadu_si512(w + static_cast<int64_t>(2 * p) * kDensePanelRows);
   const __m512i r1 = 2 * p + 1 < kc ? _mm512_loadu_si512(w + static_cast<int64_t>(2 * p + 1) * kDensePanelRows)
                                     : _mm512_setzero_si512();
@@ -53,7 +54,7 @@ inline void interleave_pairs(const uint16_t* w, int32_t kc, __m512i* tile) {
 // of rows (every row block reads it) ...
 struct TilePairs {
   const __m512i* tile;
-  void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
+  VPAGE_ALWAYS_INLINE void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
     lo = tile[2 * p];
     hi = tile[2 * p + 1];
   }
@@ -71,7 +72,7 @@ constexpr int32_t kAheadPairs = 24;
 struct RowPairs {
   const uint16_t* w;
   int32_t kc;
-  void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
+  VPAGE_ALWAYS_INLINE void operator()(int32_t p, __m512i& lo, __m512i& hi) const {
     const char* ahead = reinterpret_cast<const char*>(w + static_cast<int64_t>(2 * (p + kAheadPairs)) * kDensePanelRows);
     _mm_prefetch(ahead, _MM_HINT_T0);
     _mm_prefetch(ahead + 64, _MM_HINT_T0);
@@ -91,13 +92,52 @@ struct NextChunk {
   int32_t pairs = 0;               // ceil(kc / 2): one pair of rows is 128 bytes, two lines
 };
 
+// The accumulator lane of each output column (the inverse of lane_column).
+alignas(64) inline constexpr int32_t kColumnLane[kDensePanelRows] = {
+    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+constexpr bool column_lanes_invert_lane_column() {
+  for (int32_t c = 0; c < kDensePanelRows; ++c) {
+    if (lane_column(kColumnLane[c]) != c) return false;
+  }
+  return true;
+}
+static_assert(column_lanes_invert_lane_column(), "kColumnLane must invert lane_column");
+
+// A row's accumulators h0, h1 (lanes in lane_column's order) as columns 0-15 (lo) and 16-31 (hi).
+VPAGE_ALWAYS_INLINE void to_column_order(__m512 h0, __m512 h1, __m512& lo, __m512& hi) {
+  lo = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane), h1);
+  hi = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane + 16), h1);
+}
+
+// Where a row block's finished rows go on a chunk that ends k: a whole panel without bias
+// stores them from the accumulators, in column order, straight to the output (bfloat16, or
+// float32 for a model's logits), so that the stores leave while the next rows compute;
+// otherwise (out == nullptr) they stay in acc for store_panel.
+struct DirectOut {
+  char* out = nullptr;  // row 0 of the block, column col0
+  int64_t row_bytes = 0;
+  bool float32 = false;
+
+  DirectOut rows_from(int64_t i) const { return {out + i * row_bytes, row_bytes, float32}; }
+  VPAGE_ALWAYS_INLINE void store_row(int64_t i, __m512 lo, __m512 hi) const {
+    if (float32) {
+      float* row = reinterpret_cast<float*>(out + i * row_bytes);
+      _mm512_storeu_ps(row, lo);
+      return _mm512_storeu_ps(row + 16, hi);
+    }
+    BF16* row = reinterpret_cast<BF16*>(out + i * row_bytes);
+    store(row, Vec{lo});
+    store(row + 16, Vec{hi});
+  }
+};
+
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the kc values of k
 // whose pairs `pairs` gives (TilePairs, RowPairs: the same vectors, so the same bits); `first`:
 // the accumulators start at zero. kPrefetch: fetch `next` too, spread over the pair steps (a
 // pair of its rows per step when it is no longer than this chunk).
 template <int MR, bool kPrefetch, typename Pairs>
 inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, int32_t kc, float* acc, bool first,
-                     const NextChunk& next) {
+                     const NextChunk& next, const DirectOut& direct) {
   __m512 c[MR][2];
   for (int i = 0; i < MR; ++i) {
     for (int h = 0; h < 2; ++h) {
@@ -133,6 +173,14 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, in
     });
   }
   if (kc % 2) step(full, [&](int i) { return static_cast<int32_t>(x[i * x_stride + kc - 1]); });
+  if (direct.out != nullptr) {
+    for (int i = 0; i < MR; ++i) {
+      __m512 lo, hi;
+      to_column_order(c[i][0], c[i][1], lo, hi);
+      direct.store_row(i, lo, hi);
+    }
+    return;
+  }
   for (int i = 0; i < MR; ++i) {
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + i * kDensePanelRows + 16 * h, c[i][h]);
   }
@@ -141,59 +189,31 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, in
 // All mc rows over the chunk's pairs; the first row block fetches `next`.
 template <typename Pairs>
 inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const Pairs& pairs, int32_t kc, float* acc,
-                      bool first, const NextChunk& next) {
+                      bool first, const NextChunk& next, const DirectOut& direct) {
   for_row_blocks<kDotRows>(mc, [&](auto rows, int64_t i) {
     constexpr int kRowsHere = decltype(rows)::value;
     float* rows_acc = acc + i * kDensePanelRows;
+    const DirectOut rows_out = direct.out != nullptr ? direct.rows_from(i) : direct;
     if (i == 0 && next.rows != nullptr) {
-      dot_rows<kRowsHere, true>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next);
+      dot_rows<kRowsHere, true>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next, rows_out);
     } else {
-      dot_rows<kRowsHere, false>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next);
+      dot_rows<kRowsHere, false>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next, rows_out);
     }
   });
 }
 
-// The accumulator lane of each output column (the inverse of lane_column).
-alignas(64) inline constexpr int32_t kColumnLane[kDensePanelRows] = {
-    0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-constexpr bool column_lanes_invert_lane_column() {
-  for (int32_t c = 0; c < kDensePanelRows; ++c) {
-    if (lane_column(kColumnLane[c]) != c) return false;
-  }
-  return true;
-}
-static_assert(column_lanes_invert_lane_column(), "kColumnLane must invert lane_column");
-
-// Row `lanes` [32] (in lane_column's order) as columns 0-15 (lo) and 16-31 (hi).
-inline void to_column_order(const float* lanes, __m512& lo, __m512& hi) {
-  const __m512 h0 = _mm512_loadu_ps(lanes);
-  const __m512 h1 = _mm512_loadu_ps(lanes + 16);
-  lo = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane), h1);
-  hi = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane + 16), h1);
-}
-
 // Stores the task's finished rows of panel columns [col0, col0 + cols) from acc [mc, 32]
-// (this path's x is bfloat16; out is bfloat16, or float32 for a model's logits).
+// through dense_store_out (a panel with bias, or the last, partial one).
 inline void store_panel(const DenseMatmulArgs& a, const float* acc, int64_t m0, int64_t mc, int32_t col0,
                         int32_t cols) {
-  const bool in_line = a.bias == nullptr && cols == kDensePanelRows;
   for (int64_t i = 0; i < mc; ++i) {
     __m512 lo, hi;
-    to_column_order(acc + i * kDensePanelRows, lo, hi);
-    const int64_t first = (m0 + i) * a.out_stride + col0;
-    if (in_line && a.float32_out) {
-      _mm512_storeu_ps(static_cast<float*>(a.out) + first, lo);
-      _mm512_storeu_ps(static_cast<float*>(a.out) + first + 16, hi);
-    } else if (in_line) {
-      BF16* out = static_cast<BF16*>(a.out) + first;
-      store(out, Vec{lo});
-      store(out + 16, Vec{hi});
-    } else {
-      alignas(64) float row[kDensePanelRows];
-      _mm512_store_ps(row, lo);
-      _mm512_store_ps(row + 16, hi);
-      dense_store_out(a, m0 + i, col0, cols, row);
-    }
+    const float* lanes = acc + i * kDensePanelRows;
+    to_column_order(_mm512_loadu_ps(lanes), _mm512_loadu_ps(lanes + 16), lo, hi);
+    alignas(64) float row[kDensePanelRows];
+    _mm512_store_ps(row, lo);
+    _mm512_store_ps(row + 16, hi);
+    dense_store_out(a, m0 + i, col0, cols, row);
   }
 }
 
@@ -210,21 +230,29 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
   const uint16_t* weight = static_cast<const uint16_t*>(a.weight);
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t* panel = weight + p * a.k * kDensePanelRows;
+    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
+    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
+    const int out_size = a.float32_out ? 4 : 2;
+    const DirectOut direct =
+        a.bias == nullptr && cols == kDensePanelRows
+            ? DirectOut{static_cast<char*>(a.out) + (m0 * a.out_stride + col0) * out_size, a.out_stride * out_size,
+                        a.float32_out}
+            : DirectOut{};
     for (int32_t k0 = 0; k0 < a.k; k0 += kDotKChunk) {
       const int32_t kc = std::min(kDotKChunk, a.k - k0);
       const uint16_t* rows = panel + static_cast<int64_t>(k0) * kDensePanelRows;
+      const DirectOut chunk_out = k0 + kc == a.k ? direct : DirectOut{};
       if (mc <= kRowPairsRows) {
-        dot_chunk(x + k0, a.x_stride, mc, RowPairs{rows, kc}, kc, acc, k0 == 0, NextChunk{});
+        dot_chunk(x + k0, a.x_stride, mc, RowPairs{rows, kc}, kc, acc, k0 == 0, NextChunk{}, chunk_out);
         continue;
       }
       interleave_pairs(rows, kc, tile);
       const int32_t next_kc = next_chunk_values(a.k, k0, kc, kDotKChunk, p + 1 == p1);
       const NextChunk next =
           next_kc > 0 ? NextChunk{rows + static_cast<int64_t>(kc) * kDensePanelRows, (next_kc + 1) / 2} : NextChunk{};
-      dot_chunk(x + k0, a.x_stride, mc, TilePairs{tile}, kc, acc, k0 == 0, next);
+      dot_chunk(x + k0, a.x_stride, mc, TilePairs{tile}, kc, acc, k0 == 0, next, chunk_out);
     }
-    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
-    store_panel(a, acc, m0, mc, col0, std::min(kDensePanelRows, a.n - col0));
+    if (direct.out == nullptr) store_panel(a, acc, m0, mc, col0, cols);
   }
 }
 

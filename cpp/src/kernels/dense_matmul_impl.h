@@ -6,9 +6,9 @@
 // micro-kernel multiplies kRows x rows with one sub-panel of kSub columns: per k, kSubVecs
 // weight vectors (widened from 16 bits when the weights are) times kRows broadcast x values
 // into kRows x kSubVecs float32 accumulators (an outer product, no reductions). The
-// accumulators go to a [rows, 32] buffer between k chunks, so every output is a chain of
-// FMAs in k order whatever the row's place in the batch. With many rows a 16-bit panel chunk
-// is widened to float32 once (kWidenRows).
+// accumulators go to a [rows, 32] buffer between k chunks (and from the last chunk to the
+// output), so every output is a chain of FMAs in k order whatever the row's place in the
+// batch. With many rows a 16-bit panel chunk is widened to float32 once (kWidenRows).
 #pragma once
 
 #include <algorithm>
@@ -57,19 +57,46 @@ struct NextChunkLines {
   int32_t every = 1;
 };
 
-// acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k * 32 + c] for i < MR, c < kSub;
-// `first`: the accumulators start at zero instead of acc. kFetch kRowsAhead is for the first
-// pass over a chunk: ahead is the chunk's row kPrefetchRows, whose weights come from DRAM or
-// L2 (with a few rows the hardware prefetchers fall behind: measured on a Zen 1 EPYC, one
-// thread, the default model's matmuls took 2x as long at 6 rows as at 4), or for a widened
-// chunk the next 16-bit chunk. kNextChunk takes its lines from `next` and advances it.
+// Where a micro-kernel's accumulators start and end: loaded from acc [rows, 32] (zero when
+// `first`), stored to out (row stride out_stride): acc itself, or on a chunk that ends k (of
+// a whole panel without bias) the output rows, float32 or bfloat16 (rounded as
+// float_to_bfloat16), so that the stores and their write misses leave while the next rows
+// compute instead of in one burst per panel (Zen 4, one forward's matmuls of the default
+// model: 48-256 rows 1.03-1.06x, the AVX2 build 16-48 rows 1.09-1.18x; RESULTS-vllm-cpu.md).
+struct AccRows {
+  float* acc;
+  void* out;
+  int64_t out_stride;
+  bool bf16_out;
+  bool first;
+
+  AccRows at(int64_t row, int col) const {
+    const int64_t offset = row * out_stride + col;
+    void* o = bf16_out ? static_cast<void*>(static_cast<BF16*>(out) + offset)
+                       : static_cast<void*>(static_cast<float*>(out) + offset);
+    return {acc + row * kDensePanelRows + col, o, out_stride, bf16_out, first};
+  }
+  VPAGE_ALWAYS_INLINE void store_row(int64_t row, int col, Vec v) const {
+    const int64_t offset = row * out_stride + col;
+    if (bf16_out) return store(static_cast<BF16*>(out) + offset, v);
+    store(static_cast<float*>(out) + offset, v);
+  }
+};
+
+// out[i * out_stride + c] = (first ? 0 : acc[i * 32 + c]) + sum_k x[i * x_stride + k] * w[k * 32 + c]
+// for i < MR and the NV vectors' columns c (`rows` gives acc, out, out_stride and first).
+// kFetch kRowsAhead is for the first pass over a chunk: ahead is the chunk's row
+// kPrefetchRows, whose weights come from DRAM or L2 (with a few rows the hardware prefetchers
+// fall behind: measured on a Zen 1 EPYC, one thread, the default model's matmuls took 2x as
+// long at 6 rows as at 4), or for a widened chunk the next 16-bit chunk. kNextChunk takes its
+// lines from `next` and advances it.
 // NV: weight vectors per k (kSubVecs, or a whole panel row for up to three x rows).
 template <int MR, Fetch kFetch, int NV = kSubVecs, typename W, typename A>
-inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, const AccRows& rows,
                       const A* ahead, NextChunkLines* next) {
   Vec c[MR][NV];
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < NV; ++v) c[i][v] = first ? zero() : load(acc + i * kDensePanelRows + v * kLanes);
+    for (int v = 0; v < NV; ++v) c[i][v] = rows.first ? zero() : load(rows.acc + i * kDensePanelRows + v * kLanes);
   }
   const char* line = kFetch == Fetch::kNextChunk ? next->at : nullptr;
   const char* const line_end = kFetch == Fetch::kNextChunk ? next->end : nullptr;
@@ -107,7 +134,7 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < NV; ++v) store(acc + i * kDensePanelRows + v * kLanes, c[i][v]);
+    for (int v = 0; v < NV; ++v) rows.store_row(i, v * kLanes, c[i][v]);
   }
   if constexpr (kFetch == Fetch::kNextChunk) next->at = line;
 }
@@ -115,28 +142,28 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
 // sub_panel with the fetch chosen at run time: rows ahead when `ahead` is set, else the next
 // chunk's lines when `next` is set.
 template <int MR, int NV = kSubVecs, typename W, typename A>
-inline void sub_panel_fetching(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+inline void sub_panel_fetching(const float* x, int64_t x_stride, const W* w, int32_t kc, const AccRows& rows,
                                const A* ahead, NextChunkLines* next) {
-  if (ahead != nullptr) return sub_panel<MR, Fetch::kRowsAhead, NV>(x, x_stride, w, kc, acc, first, ahead, next);
-  if (next != nullptr) return sub_panel<MR, Fetch::kNextChunk, NV>(x, x_stride, w, kc, acc, first, ahead, next);
-  sub_panel<MR, Fetch::kNone, NV>(x, x_stride, w, kc, acc, first, ahead, next);
+  if (ahead != nullptr) return sub_panel<MR, Fetch::kRowsAhead, NV>(x, x_stride, w, kc, rows, ahead, next);
+  if (next != nullptr) return sub_panel<MR, Fetch::kNextChunk, NV>(x, x_stride, w, kc, rows, ahead, next);
+  sub_panel<MR, Fetch::kNone, NV>(x, x_stride, w, kc, rows, ahead, next);
 }
 
 // MR rows of x against a whole panel chunk (every sub-panel); the first sub-panel of the
 // chunk's first rows prefetches from `ahead` (nullptr: nothing), the other sub-panels from
 // `next` (nullptr: nothing).
 template <int MR, typename W, typename A>
-inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, float* acc, bool first,
+inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc, const AccRows& rows,
                        const A* ahead, NextChunkLines* next) {
   if constexpr (MR <= 3) {
     // One to three x rows: the whole panel row per k (its accumulators and weights fit the
     // registers), so that the weights are read in one ordered pass.
     constexpr int kPanelVecs = kDensePanelRows / kLanes;
-    return sub_panel_fetching<MR, kPanelVecs>(x, x_stride, w, kc, acc, first, ahead, next);
+    return sub_panel_fetching<MR, kPanelVecs>(x, x_stride, w, kc, rows, ahead, next);
   }
-  sub_panel_fetching<MR>(x, x_stride, w, kc, acc, first, ahead, next);
+  sub_panel_fetching<MR>(x, x_stride, w, kc, rows, ahead, next);
   for (int s = kSub; s < kDensePanelRows; s += kSub) {
-    sub_panel_fetching<MR>(x, x_stride, w + s, kc, acc + s, first, static_cast<const A*>(nullptr), next);
+    sub_panel_fetching<MR>(x, x_stride, w + s, kc, rows.at(0, s), static_cast<const A*>(nullptr), next);
   }
 }
 
@@ -144,8 +171,8 @@ inline void panel_rows(const float* x, int64_t x_stride, const W* w, int32_t kc,
 // From kPrefetchFromRows rows the first rows' pass prefetches from `ahead` (sub_panel) and
 // the later passes fetch the next chunk's next_bytes from `next` (nullptr: none).
 template <typename W, typename A>
-inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, float* acc,
-                        bool first, const A* ahead, const char* next = nullptr, int64_t next_bytes = 0) {
+inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w, int32_t kc, const AccRows& rows,
+                        const A* ahead, const char* next = nullptr, int64_t next_bytes = 0) {
   if (mc < kPrefetchFromRows) ahead = nullptr;
   const bool by_threes = kSub < kDensePanelRows && mc <= 2 * kRows;
   const int64_t passes =
@@ -163,15 +190,15 @@ inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w
     // first pass's FMAs hide under its wait for memory; the later passes' do not, so the
     // fewer passes the better (Zen 1, 5 rows: 41 -> 38 ms of matmuls per forward of the default
     // model; 8 rows: 53 -> 50).
-    for_row_blocks<3>(mc, [&](auto rows, int64_t i) {
-      panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                        i == 0 ? ahead : nullptr, i == 0 ? nullptr : fetch_next);
+    for_row_blocks<3>(mc, [&](auto mr, int64_t i) {
+      panel_rows<decltype(mr)::value>(x + i * x_stride, x_stride, w, kc, rows.at(i, 0), i == 0 ? ahead : nullptr,
+                                      i == 0 ? nullptr : fetch_next);
     });
     return;
   }
-  for_row_blocks<kRows>(mc, [&](auto rows, int64_t i) {
-    panel_rows<decltype(rows)::value>(x + i * x_stride, x_stride, w, kc, acc + i * kDensePanelRows, first,
-                                      i == 0 ? ahead : nullptr, fetch_next);
+  for_row_blocks<kRows>(mc, [&](auto mr, int64_t i) {
+    panel_rows<decltype(mr)::value>(x + i * x_stride, x_stride, w, kc, rows.at(i, 0), i == 0 ? ahead : nullptr,
+                                    fetch_next);
   });
 }
 
@@ -179,18 +206,6 @@ inline void panel_chunk(const float* x, int64_t x_stride, int64_t mc, const W* w
 template <typename W>
 inline void widen_chunk(const W* src, int32_t kc, float* dst) {
   for (int64_t i = 0; i < static_cast<int64_t>(kc) * kDensePanelRows; i += kLanes) store(dst + i, load(src + i));
-}
-
-// out rows [0, mc) (row stride out_stride), 32 columns each = acc [mc, 32], in line for
-// float32 and bfloat16 outputs without bias (a dense_store_out call per row, a 128-byte memcpy
-// for float32, made the float32 throughput trace 1-4% slower: RESULTS-vllm-cpu-zen3.md). The
-// vectors' bfloat16 rounding is float_to_bfloat16's, so the same bits as the call.
-template <typename O>
-inline void store_panel_rows(const float* acc, int64_t mc, O* out, int64_t out_stride) {
-  for (int64_t i = 0; i < mc; ++i) {
-    const float* row = acc + i * kDensePanelRows;
-    for (int c = 0; c < kDensePanelRows; c += kLanes) store(out + i * out_stride + c, load(row + c));
-  }
 }
 
 template <typename W>
@@ -206,33 +221,37 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
   const bool widen = kSixteenBit && mc >= kWidenRows;
   float* tile = widen ? aligned_scratch(widened, static_cast<size_t>(kKChunk) * kDensePanelRows) : nullptr;
   const W* weight = static_cast<const W*>(a.weight);
+  const DType out_dtype = dense_out_dtype(a);
   for (int64_t p = p0; p < p1; ++p) {
     const W* panel = weight + p * a.k * kDensePanelRows;
+    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
+    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
+    // A whole panel without bias in float32 or bfloat16 goes to the output from the last
+    // chunk's accumulators (AccRows); otherwise through acc and dense_store_out.
+    const bool direct = a.bias == nullptr && cols == kDensePanelRows &&
+                        (out_dtype == DType::kFloat32 || out_dtype == DType::kBFloat16);
+    const AccRows to_acc{acc, acc, kDensePanelRows, false, true};
+    const AccRows to_out{acc, static_cast<char*>(a.out) + (m0 * a.out_stride + col0) * dtype_size(out_dtype),
+                         a.out_stride, out_dtype == DType::kBFloat16, false};
     for (int32_t k0 = 0; k0 < a.k; k0 += kKChunk) {
       const int32_t kc = std::min(kKChunk, a.k - k0);
       const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;
       const float* xc = x + m0 * x_stride + k0;
       const int32_t next_kc = next_chunk_values(a.k, k0, kc, kKChunk, p + 1 == p1);
       const W* next = next_kc > 0 ? chunk + static_cast<int64_t>(kc) * kDensePanelRows : nullptr;
+      AccRows rows = direct && k0 + kc == a.k ? to_out : to_acc;
+      rows.first = k0 == 0;
       if (widen) {
         // Widening is the chunk's first read: the first pass over the widened chunk fetches
         // the next 16-bit chunk.
         widen_chunk(chunk, kc, tile);
-        panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, acc, k0 == 0, next);
+        panel_chunk(xc, x_stride, mc, static_cast<const float*>(tile), kc, rows, next);
       } else {
-        panel_chunk(xc, x_stride, mc, chunk, kc, acc, k0 == 0, chunk + kPrefetchRows * kDensePanelRows,
+        panel_chunk(xc, x_stride, mc, chunk, kc, rows, chunk + kPrefetchRows * kDensePanelRows,
                     reinterpret_cast<const char*>(next), static_cast<int64_t>(next_kc) * kDensePanelRows * sizeof(W));
       }
     }
-    const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
-    const int32_t cols = std::min(kDensePanelRows, a.n - col0);
-    const bool in_line = a.bias == nullptr && cols == kDensePanelRows;
-    const int64_t first = m0 * a.out_stride + col0;
-    if (in_line && dense_out_dtype(a) == DType::kFloat32) {
-      store_panel_rows(acc, mc, static_cast<float*>(a.out) + first, a.out_stride);
-    } else if (in_line && dense_out_dtype(a) == DType::kBFloat16) {
-      store_panel_rows(acc, mc, static_cast<BF16*>(a.out) + first, a.out_stride);
-    } else {
+    if (!direct) {
       for (int64_t i = 0; i < mc; ++i) dense_store_out(a, m0 + i, col0, cols, acc + i * kDensePanelRows);
     }
   }
