@@ -62,7 +62,7 @@ struct NextChunkLines {
 // a whole panel without bias) the output rows, float32 or bfloat16 (rounded as
 // float_to_bfloat16), so that the stores and their write misses leave while the next rows
 // compute instead of in one burst per panel (Zen 4, one forward's matmuls of the default
-// model: 48-256 rows 1.03-1.06x, the AVX2 build 16-48 rows 1.09-1.18x; RESULTS-vllm-cpu.md).
+// model: 48-256 rows 1.03-1.06x, the AVX2 build 16-32 rows 1.05-1.2x; RESULTS-vllm-cpu.md).
 struct AccRows {
   float* acc;
   void* out;
