@@ -133,8 +133,9 @@ struct DirectOut {
 
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the kc values of k
 // whose pairs `pairs` gives (TilePairs, RowPairs: the same vectors, so the same bits); `first`:
-// the accumulators start at zero. kPrefetch: fetch `next` too, spread over the pair steps (a
-// pair of its rows per step when it is no longer than this chunk).
+// the accumulators start at zero; with direct.out set the rows go to the output instead of
+// acc. kPrefetch: fetch `next` too, spread over the pair steps (a pair of its rows per step
+// when it is no longer than this chunk).
 template <int MR, bool kPrefetch, typename Pairs>
 inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, int32_t kc, float* acc, bool first,
                      const NextChunk& next, const DirectOut& direct) {
