@@ -109,36 +109,16 @@ VPAGE_ALWAYS_INLINE void to_column_order(__m512 h0, __m512 h1, __m512& lo, __m51
   hi = _mm512_permutex2var_ps(h0, _mm512_load_si512(kColumnLane + 16), h1);
 }
 
-// Where a row block's finished rows go on a chunk that ends k: a whole panel without bias
-// stores them from the accumulators, in column order, straight to the output (bfloat16, or
-// float32 for a model's logits), so that the stores leave while the next rows compute;
-// otherwise (out == nullptr) they stay in acc for store_panel.
-struct DirectOut {
-  char* out = nullptr;  // row 0 of the block, column col0
-  int64_t row_bytes = 0;
-  bool float32 = false;
-
-  DirectOut rows_from(int64_t i) const { return {out + i * row_bytes, row_bytes, float32}; }
-  VPAGE_ALWAYS_INLINE void store_row(int64_t i, __m512 lo, __m512 hi) const {
-    if (float32) {
-      float* row = reinterpret_cast<float*>(out + i * row_bytes);
-      _mm512_storeu_ps(row, lo);
-      return _mm512_storeu_ps(row + 16, hi);
-    }
-    BF16* row = reinterpret_cast<BF16*>(out + i * row_bytes);
-    store(row, Vec{lo});
-    store(row + 16, Vec{hi});
-  }
-};
-
 // acc[i * 32 + c] (+)= sum_k x[i * x_stride + k] * w[k][c] for i < MR over the kc values of k
 // whose pairs `pairs` gives (TilePairs, RowPairs: the same vectors, so the same bits); `first`:
-// the accumulators start at zero; with direct.out set the rows go to the output instead of
-// acc. kPrefetch: fetch `next` too, spread over the pair steps (a pair of its rows per step
+// the accumulators start at zero. With direct.data set (a chunk that ends k, of a whole
+// panel without bias) the rows go in column order straight to the output (bfloat16, or
+// float32 for a model's logits) instead of to acc, so that the stores leave while the next
+// rows compute. kPrefetch: fetch `next` too, spread over the pair steps (a pair of its rows per step
 // when it is no longer than this chunk).
 template <int MR, bool kPrefetch, typename Pairs>
 inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, int32_t kc, float* acc, bool first,
-                     const NextChunk& next, const DirectOut& direct) {
+                     const NextChunk& next, const OutRows& direct) {
   __m512 c[MR][2];
   for (int i = 0; i < MR; ++i) {
     for (int h = 0; h < 2; ++h) {
@@ -174,11 +154,12 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, in
     });
   }
   if (kc % 2) step(full, [&](int i) { return static_cast<int32_t>(x[i * x_stride + kc - 1]); });
-  if (direct.out != nullptr) {
+  if (direct.data != nullptr) {
     for (int i = 0; i < MR; ++i) {
       __m512 lo, hi;
       to_column_order(c[i][0], c[i][1], lo, hi);
-      direct.store_row(i, lo, hi);
+      direct.store_vec(i, 0, Vec{lo});
+      direct.store_vec(i, kLanes, Vec{hi});
     }
     return;
   }
@@ -190,11 +171,11 @@ inline void dot_rows(const uint16_t* x, int64_t x_stride, const Pairs& pairs, in
 // All mc rows over the chunk's pairs; the first row block fetches `next`.
 template <typename Pairs>
 inline void dot_chunk(const uint16_t* x, int64_t x_stride, int64_t mc, const Pairs& pairs, int32_t kc, float* acc,
-                      bool first, const NextChunk& next, const DirectOut& direct) {
+                      bool first, const NextChunk& next, const OutRows& direct) {
   for_row_blocks<kDotRows>(mc, [&](auto rows, int64_t i) {
     constexpr int kRowsHere = decltype(rows)::value;
     float* rows_acc = acc + i * kDensePanelRows;
-    const DirectOut rows_out = direct.out != nullptr ? direct.rows_from(i) : direct;
+    const OutRows rows_out = direct.data != nullptr ? direct.from(i, 0) : direct;
     if (i == 0 && next.rows != nullptr) {
       dot_rows<kRowsHere, true>(x + i * x_stride, x_stride, pairs, kc, rows_acc, first, next, rows_out);
     } else {
@@ -233,16 +214,12 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
     const uint16_t* panel = weight + p * a.k * kDensePanelRows;
     const int32_t col0 = static_cast<int32_t>(p * kDensePanelRows);
     const int32_t cols = std::min(kDensePanelRows, a.n - col0);
-    const int out_size = a.float32_out ? 4 : 2;
-    const DirectOut direct =
-        a.bias == nullptr && cols == kDensePanelRows
-            ? DirectOut{static_cast<char*>(a.out) + (m0 * a.out_stride + col0) * out_size, a.out_stride * out_size,
-                        a.float32_out}
-            : DirectOut{};
+    const OutRows out{static_cast<char*>(a.out), a.out_stride * (a.float32_out ? 4 : 2), !a.float32_out};
+    const OutRows direct = a.bias == nullptr && cols == kDensePanelRows ? out.from(m0, col0) : OutRows{};
     for (int32_t k0 = 0; k0 < a.k; k0 += kDotKChunk) {
       const int32_t kc = std::min(kDotKChunk, a.k - k0);
       const uint16_t* rows = panel + static_cast<int64_t>(k0) * kDensePanelRows;
-      const DirectOut chunk_out = k0 + kc == a.k ? direct : DirectOut{};
+      const OutRows chunk_out = k0 + kc == a.k ? direct : OutRows{};
       if (mc <= kRowPairsRows) {
         dot_chunk(x + k0, a.x_stride, mc, RowPairs{rows, kc}, kc, acc, k0 == 0, NextChunk{}, chunk_out);
         continue;
@@ -253,7 +230,7 @@ inline void run_bf16_dot_task(const DenseMatmulArgs& a, const DensePlan& plan, i
           next_kc > 0 ? NextChunk{rows + static_cast<int64_t>(kc) * kDensePanelRows, (next_kc + 1) / 2} : NextChunk{};
       dot_chunk(x + k0, a.x_stride, mc, TilePairs{tile}, kc, acc, k0 == 0, next, chunk_out);
     }
-    if (direct.out == nullptr) store_panel(a, acc, m0, mc, col0, cols);
+    if (direct.data == nullptr) store_panel(a, acc, m0, mc, col0, cols);
   }
 }
 

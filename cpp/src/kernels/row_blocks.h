@@ -1,6 +1,6 @@
 // Row blocking shared by the dense matmul micro-kernels (whole blocks of a kernel's row count,
-// then one smaller kernel for the rest), their aligned scratch and the chunk a task reads
-// next. Include it inside an ISA namespace (like simd_vec.h), so builds with different flags
+// then one smaller kernel for the rest), the output rows they store to, their aligned scratch
+// and the chunk a task reads next. Include it inside an ISA namespace (like simd_vec.h), so builds with different flags
 // never share an instantiation.
 #pragma once
 
@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "simd_vec.h"  // Vec, BF16 and store, in namespace VPAGE_ISA_NAMESPACE
 
 #ifndef VPAGE_ISA_NAMESPACE
 #error "define VPAGE_ISA_NAMESPACE before including row_blocks.h"
@@ -34,6 +36,24 @@ inline void for_row_blocks(int64_t rows, Fn&& fn) {
   for (; i + kRows <= rows; i += kRows) fn(std::integral_constant<int, kRows>{}, i);
   last_row_block<kRows - 1>(rows - i, i, fn);
 }
+
+/// Rows a micro-kernel stores its results to: row i at data + i * row_bytes, float32 values or
+/// bfloat16 ones (rounded as float_to_bfloat16).
+struct OutRows {
+  char* data = nullptr;
+  int64_t row_bytes = 0;
+  bool bf16 = false;
+
+  /// The same rows from row `row`, column `col` on.
+  OutRows from(int64_t row, int64_t col) const {
+    return {data + row * row_bytes + col * (bf16 ? 2 : 4), row_bytes, bf16};
+  }
+  VPAGE_ALWAYS_INLINE void store_vec(int64_t row, int64_t col, Vec v) const {
+    char* p = data + row * row_bytes + col * (bf16 ? 2 : 4);
+    if (bf16) return store(reinterpret_cast<BF16*>(p), v);
+    store(reinterpret_cast<float*>(p), v);
+  }
+};
 
 /// n floats of `scratch` from a 64-byte boundary, so that no vector load splits a cache line
 /// (a widened tile at malloc's 16 bytes made the AVX2 bfloat16 matmuls ~5% slower at 256 rows).
