@@ -40,6 +40,11 @@ served    (--served) vLLM's OpenAI server (what ``vllm serve`` runs) and ``vpage
           tok/s, the ratio, TTFT and TPOT P50 / P99. Servers are stopped (process group,
           then any survivor) even on error.
 
+--isa avx2 runs both systems as an AVX2-only CPU would (AMD Zen 2/3, older Intel), on a CPU
+with AVX-512: vpage with VPAGE_CPU_ISA=avx2; vLLM with ONEDNN_MAX_CPU_ISA=AVX2 (its matmuls),
+ATEN_CPU_CAPABILITY=avx2 (torch's kernels and inductor's generated code) and torch.cpu's
+AVX-512/AMX probes answering False (vLLM then loads its _C_AVX2 kernels and their paths).
+
 --vpage-env / --vllm-env KEY=VALUE add environment variables to one side (e.g.
 OMP_WAIT_POLICY=PASSIVE for vpage, to see how much OpenMP spin-waiting costs it on a busy
 machine). Every subprocess is bounded by --timeout seconds. Prints the CPU, its ISA flags and
@@ -62,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from vllm_cpu_env import cpu_info, hide_broken_extras, versions, vllm_env, vpage_env
+from vllm_cpu_env import broken_extras, cpu_info, versions, vllm_env, vpage_env, write_vllm_shim
 
 HERE = Path(__file__).resolve().parent
 MAX_NUM_SEQS = 256
@@ -406,6 +411,8 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="offline rounds, each vLLM then vpage")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache of each system, GiB")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="avx2: cap both systems at AVX2, as on an AVX2-only CPU (see the docstring)")
     p.add_argument("--served", action="store_true", help="also compare the two HTTP servers")
     p.add_argument("--served-rounds", type=int, default=1)
     p.add_argument("--no-offline", action="store_true", help="only the served part")
@@ -446,7 +453,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logs = work / "logs" / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True)
     cpu, isa = cpu_info()
-    hidden = hide_broken_extras(args, work)
+    hidden = broken_extras(args)
+    write_vllm_shim(args, work, hidden)
     env = vllm_env(args)
     ver = versions(args, env)
     header = [f"machine: {cpu}, {os.cpu_count()} logical CPUs, ISA flags {' '.join(isa) or 'none of interest'}; "
@@ -456,6 +464,9 @@ def main(argv: Optional[list[str]] = None) -> None:
               f"vLLM env: LD_PRELOAD={' '.join(os.path.basename(p) for p in env['LD_PRELOAD'].split(':') if p)}, "
               f"VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}, "
               f"VLLM_CPU_KVCACHE_SPACE={env['VLLM_CPU_KVCACHE_SPACE']}"
+              + ("; both capped at AVX2 (vpage: VPAGE_CPU_ISA=avx2; vLLM: ONEDNN_MAX_CPU_ISA=AVX2, "
+                 "ATEN_CPU_CAPABILITY=avx2, torch.cpu's AVX-512/AMX probes False, so its _C_AVX2 kernels)"
+                 if args.isa == "avx2" else "")
               + (f"; hidden from vLLM (broken imports): {', '.join(hidden)}" if hidden else "")
               + (f"; extra vLLM env {' '.join(args.vllm_env)}" if args.vllm_env else "")
               + (f"; extra vpage env {' '.join(args.vpage_env)}" if args.vpage_env else ""),

@@ -1,7 +1,8 @@
 """The environment of bench_vllm_cpu.py's two systems: the CPU and its ISA flags, the libraries
 vLLM's CPU docs ask to preload (tcmalloc, Intel's libiomp5) found in its venv or on the system,
-each side's environment variables, the versions each side runs, and the optional torch extras
-of the vLLM venv that fail to import there (hidden from vLLM's processes)."""
+each side's environment variables (with ``--isa avx2`` both capped at AVX2), the versions each
+side runs, and the optional torch extras of the vLLM venv that fail to import there (hidden from
+vLLM's processes)."""
 
 from __future__ import annotations
 
@@ -75,25 +76,43 @@ _PROBE = ("import importlib, json\nbad = []\nfor name in %r:\n    try:\n        
           "print(json.dumps(bad))") % (_OPTIONAL_EXTRAS,)
 
 
-def hide_broken_extras(args, work_dir: Path) -> list[str]:
-    """Probes the vLLM venv's torchvision/torchaudio/torchcodec; any that is installed but fails
-    to import (e.g. the CUDA wheel from PyPI beside a +cpu torch: pip without PyTorch's CPU
-    index) is hidden from every vLLM process by a ``sitecustomize`` on PYTHONPATH, so
-    transformers sees it as absent. A text model needs none of them. Returns the names hidden."""
+def broken_extras(args) -> list[str]:
+    """Probes the vLLM venv's torchvision/torchaudio/torchcodec: the names of those installed but
+    failing to import (e.g. the CUDA wheel from PyPI beside a +cpu torch: pip without PyTorch's
+    CPU index). A text model needs none of them."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     out = subprocess.run([args.vllm_python, "-c", _PROBE], capture_output=True, text=True, timeout=300, env=env)
     bad = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
     if bad:
-        shim = work_dir / "vllm-shim"
-        shim.mkdir(exist_ok=True)
-        (shim / "sitecustomize.py").write_text(
-            "# Written by bench/bench_vllm_cpu.py: these packages fail to import in this venv.\n"
-            f"import sys\nfor _name in {tuple(bad)!r}:\n    sys.modules[_name] = None\n")
-        args.vllm_shim = str(shim)
         print(f"warning: {', '.join(bad)} cannot be imported in the vLLM venv (a build for another torch?); "
               "hidden from vLLM's processes", file=sys.stderr)
     return bad
+
+
+# torch.cpu's probes that vLLM asks to pick its kernels (its _C_AVX2 / _C_AVX512 / _C build,
+# the attention and GEMM paths).
+_WIDE_ISA_PROBES = ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
+                    "_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
+def write_vllm_shim(args, work_dir: Path, hidden: list[str]) -> None:
+    """A ``sitecustomize`` on every vLLM process's PYTHONPATH, when needed: the broken extras
+    hidden (transformers then sees them as absent), and with ``--isa avx2`` torch.cpu's AVX-512
+    and AMX probes answering False, so that vLLM loads its AVX2 kernels as on an AVX2-only CPU
+    (vllm_env caps oneDNN and torch's own kernels beside it)."""
+    lines = []
+    if hidden:
+        lines += ["import sys", f"for _name in {tuple(hidden)!r}:", "    sys.modules[_name] = None"]
+    if args.isa == "avx2":
+        lines += ["import torch", f"for _probe in {_WIDE_ISA_PROBES!r}:",
+                  "    if hasattr(torch.cpu, _probe):", "        setattr(torch.cpu, _probe, lambda: False)"]
+    if lines:
+        shim = work_dir / "vllm-shim"
+        shim.mkdir(exist_ok=True)
+        (shim / "sitecustomize.py").write_text("# Written by bench/bench_vllm_cpu.py (vllm_cpu_env.py).\n"
+                                               + "\n".join(lines) + "\n")
+        args.vllm_shim = str(shim)
 
 
 def vllm_env(args) -> dict[str, str]:
@@ -108,6 +127,8 @@ def vllm_env(args) -> dict[str, str]:
                VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind or f"0-{args.threads - 1}",
                VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if args.isa == "avx2":  # oneDNN's matmuls, torch's ops and inductor's generated code
+        env.update(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     env["LD_PRELOAD"] = ":".join(preload + [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p])
     env.pop("PYTHONPATH", None)
     if getattr(args, "vllm_shim", None):
@@ -118,6 +139,8 @@ def vllm_env(args) -> dict[str, str]:
 
 def vpage_env(args) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    if args.isa == "avx2":
+        env["VPAGE_CPU_ISA"] = "avx2"
     env.update(_pairs(args.vpage_env))
     return env
 
@@ -146,4 +169,4 @@ def versions(args, env: dict[str, str]) -> dict[str, str]:
     from vpage import _core
 
     return {"vllm": peer.get("vllm", "?"), "vllm_torch": peer.get("torch", "?"), "vpage": vpage.__version__,
-            "vpage_torch": torch.__version__, "vpage_isa": _core.cpu_isa()}
+            "vpage_torch": torch.__version__, "vpage_isa": args.isa if args.isa != "native" else _core.cpu_isa()}

@@ -3,6 +3,8 @@
 import math
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,6 +27,21 @@ def available_isas():
             pass
     _core.set_cpu_isa("auto")
     return isas
+
+
+@pytest.mark.parametrize("value", ["generic", "avx2", "no-such-isa"])
+def test_cpu_isa_environment_variable(value):
+    """VPAGE_CPU_ISA caps the kernels from their first use; a bad value is a clear error."""
+    code = ("from vpage import _core\ntry:\n    print(_core.cpu_isa())\nexcept ValueError as e:\n"
+            "    print('error:', e)\n")
+    env = dict(os.environ, VPAGE_CPU_ISA=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if value in available_isas():
+        assert out.stdout.strip() == value
+    else:
+        assert out.stdout.startswith("error: VPAGE_CPU_ISA: "), out.stdout
+        assert ("unknown instruction set" if value == "no-such-isa" else "does not support") in out.stdout
 
 
 def poison_unused(key_cache, value_cache, tables, context_lens):

@@ -1,6 +1,7 @@
 // Run-time choice of the CPU kernels' instruction set level (cpu_isa / set_cpu_isa): the
 // attention build, which quant_matmul.cpp's choice follows by name.
 #include <atomic>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -61,8 +62,28 @@ const AttentionKernels* best_kernels() {
   return &generic::kKernels;
 }
 
+// The level named by `isa` ("auto" = the best this CPU has); throws on an unknown or
+// unsupported name.
+const AttentionKernels* kernels_named(const std::string& isa, const char* who) {
+  if (isa == "auto") return best_kernels();
+  std::string names = "auto";
+  for (const Level& level : levels()) {
+    names += std::string(", ") + level.name;
+    if (isa != level.name) continue;
+    VPAGE_CHECK(level.supported(), who << ": this CPU does not support " << isa);
+    return level.kernels;
+  }
+  VPAGE_CHECK(false, who << ": unknown instruction set '" << isa << "' (expected " << names << ")");
+  return nullptr;
+}
+
+// The first use reads VPAGE_CPU_ISA (like oneDNN's ONEDNN_MAX_CPU_ISA); a bad value throws
+// from that first use, and the next use tries again.
 std::atomic<const AttentionKernels*>& current() {
-  static std::atomic<const AttentionKernels*> kernels{best_kernels()};
+  static std::atomic<const AttentionKernels*> kernels{[] {
+    const char* isa = std::getenv("VPAGE_CPU_ISA");
+    return isa != nullptr && *isa != '\0' ? kernels_named(isa, "VPAGE_CPU_ISA") : best_kernels();
+  }()};
   return kernels;
 }
 
@@ -73,16 +94,7 @@ const AttentionKernels& selected_kernels() { return *current().load(std::memory_
 std::string cpu_isa() { return selected_kernels().name; }
 
 void set_cpu_isa(const std::string& isa) {
-  const AttentionKernels* kernels = isa == "auto" ? best_kernels() : nullptr;
-  std::string names = "auto";
-  for (const Level& level : levels()) {
-    names += std::string(", ") + level.name;
-    if (isa != level.name) continue;
-    VPAGE_CHECK(level.supported(), "set_cpu_isa: this CPU does not support " << isa);
-    kernels = level.kernels;
-  }
-  VPAGE_CHECK(kernels != nullptr, "set_cpu_isa: unknown instruction set '" << isa << "' (expected " << names << ")");
-  current().store(kernels, std::memory_order_release);
+  current().store(kernels_named(isa, "set_cpu_isa"), std::memory_order_release);
 }
 
 }  // namespace vpage::cpu

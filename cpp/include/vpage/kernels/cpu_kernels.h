@@ -36,7 +36,9 @@ void swap_blocks(const SwapBlocksArgs& args, int num_threads);
 /// Instruction set level of the CPU kernels (paged_attention, quant_matmul): "avx512vnni",
 /// "avx512", "avx2vnni" (AVX-VNNI without AVX-512), "avx2" or "generic". A VNNI level runs its
 /// base level's attention build and a quantized matmul whose integer paths use vpdpbusd (the
-/// same exact integer sums, so the same outputs as the base level).
+/// same exact integer sums, so the same outputs as the base level). The environment variable
+/// VPAGE_CPU_ISA, read at the kernels' first use, caps it like set_cpu_isa (a bad value throws
+/// from that first use).
 std::string cpu_isa();
 
 /// Restricts the CPU kernels to `isa` (one of cpu_isa's names, or "auto" = best).
