@@ -2,7 +2,7 @@
 // multiply, per-head RMSNorm on strided rows, partial rotary. Odd sizes (vector remainders),
 // 2 threads, NaN-poisoned outputs and columns that must stay untouched; bad sizes throw. And
 // the bfloat16 rows of RMSNorm and the gated activations against their float32 formulas with
-// torch's roundings, bit for bit.
+// torch's roundings, bit for bit, and the gated activations' column slices against whole rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -116,6 +116,48 @@ TEST_CASE("bfloat16 silu_and_mul and gelu_tanh_and_mul: the float32 formulas rou
         }
       }
       EXPECT_MSG(exact, std::string(gelu ? "gelu_tanh" : "silu") + "_and_mul bfloat16, d " + std::to_string(d));
+    }
+  }
+}
+
+TEST_CASE("gated activations of a few tokens, split into column slices: whole rows' bits") {
+  // One thread computes whole rows; with 2 or 4 threads a few tokens' wide rows are split into
+  // column slices (elementwise, so the bits must not change), many tokens into token tasks.
+  for (const vpage::DType dtype : {vpage::DType::kFloat32, vpage::DType::kFloat16, vpage::DType::kBFloat16}) {
+    const size_t elem = dtype == vpage::DType::kFloat32 ? 4 : 2;
+    for (const int64_t tokens : {1, 2, 3, 40}) {
+      for (const int32_t d : {4099, 11008}) {
+        const std::vector<float> values = random_values(tokens * 2 * d, 6.0f, static_cast<uint32_t>(d + tokens));
+        std::vector<uint16_t> halves(values.size());
+        for (size_t i = 0; i < values.size(); ++i) {
+          halves[i] = dtype == vpage::DType::kFloat16 ? vpage::float_to_half(values[i])
+                                                      : vpage::float_to_bfloat16(values[i]);
+        }
+        for (const bool gelu : {false, true}) {
+          std::vector<std::vector<uint8_t>> outs;
+          for (const int threads : {1, 2, 4}) {
+            std::vector<uint8_t> out(tokens * d * elem, 0xff);  // NaN in every dtype
+            vpage::SiluAndMulArgs a;
+            a.out = out.data();
+            a.x = dtype == vpage::DType::kFloat32 ? static_cast<const void*>(values.data()) : halves.data();
+            a.num_tokens = tokens;
+            a.d = d;
+            a.dtype = dtype;
+            gelu ? vpage::cpu::gelu_tanh_and_mul(a, threads) : vpage::cpu::silu_and_mul(a, threads);
+            outs.push_back(std::move(out));
+          }
+          EXPECT_MSG(outs[1] == outs[0] && outs[2] == outs[0],
+                     std::string(gelu ? "gelu_tanh" : "silu") + "_and_mul dtype " +
+                         std::to_string(static_cast<int>(dtype)) + ", " + std::to_string(tokens) + " tokens, d " +
+                         std::to_string(d));
+          bool any_nan = false;
+          for (size_t i = 0; i < outs[0].size(); i += elem) {
+            const uint16_t hi = static_cast<uint16_t>(outs[0][i + elem - 2] | (outs[0][i + elem - 1] << 8));
+            any_nan = any_nan || hi == 0xffff;
+          }
+          EXPECT_MSG(!any_nan, "an output left unwritten");
+        }
+      }
     }
   }
 }

@@ -236,24 +236,40 @@ void rms_norm_heads_16(const RmsNormHeadsArgs& a, int64_t t) {
   }
 }
 
-void silu_and_mul_f32(const SiluAndMulArgs& a, int64_t t) {
-  const float* gate = static_cast<const float*>(a.x) + t * 2 * a.d;
-  float* out = static_cast<float*>(a.out) + t * a.d;
-  silu_f32(out, gate, a.d);
-  mul_into(out, gate + a.d, a.d);
+// Columns [c0, c0 + n) of token t's row of a gated activation (elementwise, so any split of
+// a row gives the same values).
+struct Slice {
+  int64_t t;
+  int32_t c0, n;
+};
+
+template <typename T>
+const T* gate_of(const SiluAndMulArgs& a, Slice s) {
+  return static_cast<const T*>(a.x) + s.t * 2 * a.d + s.c0;
+}
+template <typename T>
+T* out_of(const SiluAndMulArgs& a, Slice s) {
+  return static_cast<T*>(a.out) + s.t * a.d + s.c0;
+}
+
+void silu_and_mul_f32(const SiluAndMulArgs& a, Slice s) {
+  const float* gate = gate_of<float>(a, s);
+  float* out = out_of<float>(a, s);
+  silu_f32(out, gate, s.n);
+  mul_into(out, gate + a.d, s.n);
 }
 
 template <class Codec>
-void silu_and_mul_16(const SiluAndMulArgs& a, int64_t t) {
-  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
-  float* in = row_buffer(0, a.d).data();
-  float* out = row_buffer(1, a.d).data();
-  load_row<Codec>(in, gate, a.d);
-  silu_f32(out, in, a.d);
-  round_row<Codec>(out, nullptr, a.d);
-  load_row<Codec>(in, gate + a.d, a.d);
-  mul_into(out, in, a.d);
-  round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
+void silu_and_mul_16(const SiluAndMulArgs& a, Slice s) {
+  const uint16_t* gate = gate_of<uint16_t>(a, s);
+  float* in = row_buffer(0, s.n).data();
+  float* out = row_buffer(1, s.n).data();
+  load_row<Codec>(in, gate, s.n);
+  silu_f32(out, in, s.n);
+  round_row<Codec>(out, nullptr, s.n);
+  load_row<Codec>(in, gate + a.d, s.n);
+  mul_into(out, in, s.n);
+  round_row<Codec>(out, out_of<uint16_t>(a, s), s.n);
 }
 
 // The gated activations' bfloat16 rows in two passes: `denominator` (the activation's first
@@ -280,42 +296,42 @@ void gated_product_bf16(uint16_t* out, const uint16_t* gate, const float* denomi
   }
 }
 
-template <void (*Denominator)(float*, const uint16_t*, int32_t), class Args>
-void gated_bf16(const Args& a, int64_t t) {
-  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
-  float* denominator = row_buffer(0, a.d).data();
-  Denominator(denominator, gate, a.d);
-  gated_product_bf16(static_cast<uint16_t*>(a.out) + t * a.d, gate, denominator, gate + a.d, a.d);
+template <void (*Denominator)(float*, const uint16_t*, int32_t)>
+void gated_bf16(const SiluAndMulArgs& a, Slice s) {
+  const uint16_t* gate = gate_of<uint16_t>(a, s);
+  float* denominator = row_buffer(0, s.n).data();
+  Denominator(denominator, gate, s.n);
+  gated_product_bf16(out_of<uint16_t>(a, s), gate, denominator, gate + a.d, s.n);
 }
 
 template <>
-void silu_and_mul_16<BFloat16>(const SiluAndMulArgs& a, int64_t t) {
-  gated_bf16<silu_denominator_bf16>(a, t);
+void silu_and_mul_16<BFloat16>(const SiluAndMulArgs& a, Slice s) {
+  gated_bf16<silu_denominator_bf16>(a, s);
 }
 
-void gelu_tanh_and_mul_f32(const GeluTanhAndMulArgs& a, int64_t t) {
-  const float* gate = static_cast<const float*>(a.x) + t * 2 * a.d;
-  float* out = static_cast<float*>(a.out) + t * a.d;
-  gelu_tanh_f32(out, gate, a.d);
-  mul_into(out, gate + a.d, a.d);
+void gelu_tanh_and_mul_f32(const GeluTanhAndMulArgs& a, Slice s) {
+  const float* gate = gate_of<float>(a, s);
+  float* out = out_of<float>(a, s);
+  gelu_tanh_f32(out, gate, s.n);
+  mul_into(out, gate + a.d, s.n);
 }
 
 template <class Codec>
-void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, int64_t t) {
-  const uint16_t* gate = static_cast<const uint16_t*>(a.x) + t * 2 * a.d;
-  float* in = row_buffer(0, a.d).data();
-  float* out = row_buffer(1, a.d).data();
-  load_row<Codec>(in, gate, a.d);
-  gelu_tanh_f32(out, in, a.d);
-  round_row<Codec>(out, nullptr, a.d);
-  load_row<Codec>(in, gate + a.d, a.d);
-  mul_into(out, in, a.d);
-  round_row<Codec>(out, static_cast<uint16_t*>(a.out) + t * a.d, a.d);
+void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, Slice s) {
+  const uint16_t* gate = gate_of<uint16_t>(a, s);
+  float* in = row_buffer(0, s.n).data();
+  float* out = row_buffer(1, s.n).data();
+  load_row<Codec>(in, gate, s.n);
+  gelu_tanh_f32(out, in, s.n);
+  round_row<Codec>(out, nullptr, s.n);
+  load_row<Codec>(in, gate + a.d, s.n);
+  mul_into(out, in, s.n);
+  round_row<Codec>(out, out_of<uint16_t>(a, s), s.n);
 }
 
 template <>
-void gelu_tanh_and_mul_16<BFloat16>(const GeluTanhAndMulArgs& a, int64_t t) {
-  gated_bf16<gelu_tanh_denominator_bf16>(a, t);
+void gelu_tanh_and_mul_16<BFloat16>(const GeluTanhAndMulArgs& a, Slice s) {
+  gated_bf16<gelu_tanh_denominator_bf16>(a, s);
 }
 
 float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
@@ -352,6 +368,36 @@ void for_token_ranges(const Args& a, int num_threads, void (*f32)(const Args&, i
   });
 }
 
+// Gated activations: tasks of kTokensPerTask whole rows, or, when those are fewer than the
+// threads (a decode step of a few streams), one task per token, and when even those are
+// fewer, per column slice of at least kMinSliceColumns of a token's row.
+constexpr int32_t kMinSliceColumns = 2048;
+
+void for_gated_slices(const SiluAndMulArgs& a, int num_threads, void (*f32)(const SiluAndMulArgs&, Slice),
+                      void (*f16)(const SiluAndMulArgs&, Slice), void (*bf16)(const SiluAndMulArgs&, Slice)) {
+  void (*part)(const SiluAndMulArgs&, Slice) =
+      a.dtype == DType::kFloat32 ? f32 : a.dtype == DType::kFloat16 ? f16 : bf16;
+  const int threads = std::max(num_threads, 1);
+  const int64_t row_tasks = (a.num_tokens + kTokensPerTask - 1) / kTokensPerTask;
+  if (row_tasks >= threads || a.num_tokens == 0) {
+    ThreadPool::instance().parallel_for(row_tasks, threads, [&](int64_t task, int) {
+      const int64_t end = std::min(a.num_tokens, (task + 1) * kTokensPerTask);
+      for (int64_t t = task * kTokensPerTask; t < end; ++t) part(a, Slice{t, 0, a.d});
+    });
+    return;
+  }
+  // One task per token and slice; slice boundaries on multiples of 16 columns (whole
+  // vectors, 64-byte float32 lines).
+  const int64_t slices = std::min<int64_t>((threads + a.num_tokens - 1) / a.num_tokens,
+                                           std::max<int32_t>(a.d / kMinSliceColumns, 1));
+  const auto boundary = [&](int64_t k) { return static_cast<int32_t>(a.d * k / slices / 16 * 16); };
+  ThreadPool::instance().parallel_for(a.num_tokens * slices, threads, [&](int64_t task, int) {
+    const int64_t k = task % slices;
+    const int32_t c0 = boundary(k), c1 = k + 1 == slices ? a.d : boundary(k + 1);
+    part(a, Slice{task / slices, c0, c1 - c0});
+  });
+}
+
 void check_dtype(DType dtype, const char* op) {
   VPAGE_CHECK(dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16,
               op << ": unknown dtype code " << static_cast<int>(dtype));
@@ -371,14 +417,14 @@ void silu_and_mul(const SiluAndMulArgs& args, int num_threads) {
   check_dtype(args.dtype, "silu_and_mul");
   VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
               "silu_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
-  for_token_ranges(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
+  for_gated_slices(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
 }
 
 void gelu_tanh_and_mul(const GeluTanhAndMulArgs& args, int num_threads) {
   check_dtype(args.dtype, "gelu_tanh_and_mul");
   VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
               "gelu_tanh_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
-  for_token_ranges(args, num_threads, &gelu_tanh_and_mul_f32, &gelu_tanh_and_mul_16<Half>,
+  for_gated_slices(args, num_threads, &gelu_tanh_and_mul_f32, &gelu_tanh_and_mul_16<Half>,
                    &gelu_tanh_and_mul_16<BFloat16>);
 }
 
