@@ -228,6 +228,10 @@ TEST_CASE("paged_attention: decode and chunked prefill against float64 in every 
       {vpage::DType::kBFloat16, 9, 3, 64, 16, {1, 16, 17, 40, 63, 64, 65, 300, 600, 1100}, {}},
       {vpage::DType::kFloat32, 16, 2, 64, 32, {5, 31, 33, 90, 129, 513, 700, 20, 9}, {}},
       {vpage::DType::kFloat16, 6, 3, 64, 12, {2, 13, 24, 25, 100, 530, 7, 61}, {}, true},
+      // bfloat16 over a bfloat16 cache in blocks of 4 and 8 vectors (with AVX512-BF16: QK by bf16
+      // dot products, 16-token tiles), head sizes 128 and 256.
+      {vpage::DType::kBFloat16, 8, 2, 128, 64, {1, 63, 64, 65, 500}, {}},
+      {vpage::DType::kBFloat16, 4, 1, 256, 128, {129, 700}, {}},
   };
   for (const std::string& isa : supported_isas()) {
     vpage::cpu::set_cpu_isa(isa);

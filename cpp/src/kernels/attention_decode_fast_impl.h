@@ -3,6 +3,8 @@
 // attention_impl.h, on whose helpers it builds. Compiled once per instruction set like it.
 #pragma once
 
+#include <type_traits>
+
 #include "attention_impl.h"
 
 namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
@@ -14,7 +16,8 @@ namespace vpage::cpu::VPAGE_ISA_NAMESPACE {
 //   QK: acc[R][V] of V consecutive key vectors (kLanes/x tokens x x dims each) over the
 //       hs/x chunks, the repeated query fragments loaded once per chunk and row; the
 //       partial sums are reduced to logits by a pair_sum tree in registers (any levels
-//       left when V < x run over a small per-row buffer).
+//       left when V < x run over a small per-row buffer). With AVX512-BF16, bfloat16 queries
+//       over a bfloat16 cache take bf16 dot products instead (dot_qk_block).
 //   softmax: online per group of kFastGroupTokens tokens; rescaling of the accumulator by
 //       alpha is folded into PV's accumulator load (only when some row's max grew).
 //   PV: tokens in lanes: acc[r][d][lane] += V(d, t0 + lane) * p[r][t0 + lane], for D
@@ -157,6 +160,50 @@ inline void fast_qk_block(const T* key_block, const float* qrep, int64_t q_strid
   }
 }
 
+#if defined(__AVX512BF16__)
+// QK of one block by bf16 dot products (the avx512bf16 build: bfloat16 queries over a bfloat16
+// cache; no widening, half the instructions of fast_qk_block). A 64-byte key vector holds 4
+// tokens x 8 dims (x = 8) of one chunk; vdpbf16ps with the row's 8 query values of that chunk
+// repeated 4 times adds to each float32 lane one token's two products of a dim pair (exact
+// products: 8-bit significands). After the hs/x chunks two pair_sum levels turn a token's 4
+// lanes into its logit, then * scale (the query is read unscaled, as stored): the same logits
+// as fast_qk_block up to float32 rounding. Tiles of 16 tokens, R x 4 accumulators; next_key as
+// in fast_qk_tile.
+template <int R>
+inline void dot_qk_block(const BF16* key_block, const BF16* const* q_rows, float scale, float* logits,
+                         int64_t logits_stride, int num_chunks, int row_len, int bs, const BF16* next_key) {
+  constexpr int kTileTokens = 16, kTileVecs = 4;  // 4 tokens per 64-byte vector
+  const int64_t chunk_bytes = static_cast<int64_t>(row_len) * sizeof(BF16);
+  const Vec s = set1(scale);
+  for (int t0 = 0; t0 < bs; t0 += kTileTokens) {
+    __m512 acc[R][kTileVecs];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    const BF16* src = key_block + static_cast<int64_t>(t0) * 8;
+    for (int c = 0; c < num_chunks; ++c) {
+      if (t0 == 0 && next_key != nullptr) {
+        const char* chunk = reinterpret_cast<const char*>(next_key) + c * chunk_bytes;
+        for (int64_t b = 0; b < chunk_bytes; b += 64) VPAGE_PREFETCH_L2(chunk + b);
+      }
+      __m512bh q[R];
+      for (int r = 0; r < R; ++r) {
+        q[r] = reinterpret_cast<__m512bh>(
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_rows[r] + c * 8))));
+      }
+      for (int v = 0; v < kTileVecs; ++v) {
+        const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(src + v * 32));
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], k, q[r]);
+      }
+      src += row_len;
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec low = pair_sum({acc[r][0]}, {acc[r][1]}), high = pair_sum({acc[r][2]}, {acc[r][3]});
+      store(logits + r * logits_stride + t0, mul(pair_sum(low, high), s));
+    }
+  }
+}
+#endif
+
 // Prefetch (into L2) of the next group's V blocks, spread over PV: the call for dims
 // [d0, d0 + D) requests the lines of the same byte range of every next block. The next
 // group's K blocks are fetched during this group's QK (fast_qk_tile): fetched here with the
@@ -296,13 +343,24 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
   const int64_t part_stride = static_cast<int64_t>(s.row_vecs) * kLanes;
   const int64_t acc_stride = static_cast<int64_t>(hs) * kLanes;
 
-  // Queries, scaled, as repeated x-fragments: qrep[r][c][lane] = q[c*x + lane % x] * scale.
+#if defined(__AVX512BF16__)
+  constexpr bool kDotQk = std::is_same_v<T, BF16> && std::is_same_v<TQ, BF16>;
+#else
+  constexpr bool kDotQk = false;
+#endif
+  // Queries, scaled, as repeated x-fragments: qrep[r][c][lane] = q[c*x + lane % x] * scale
+  // (not for dot_qk_block, which reads the queries as they are).
   const TQ* query = static_cast<const TQ*>(a.query);
+  const auto query_row = [&](int r) {
+    return query + (task.first_query + r / task.num_heads) * a.query_stride +
+           static_cast<int64_t>(task.first_head + r % task.num_heads) * hs;
+  };
   const Vec scale = set1(a.scale);
   for (int r = 0; r < rows; ++r) {
-    const int q = r / task.num_heads;
-    const int head = task.first_head + r % task.num_heads;
-    const TQ* src = query + (task.first_query + q) * a.query_stride + static_cast<int64_t>(head) * hs;
+    row_max[r] = kNegInf;
+    row_sum[r] = 0.0f;
+    if (kDotQk) continue;
+    const TQ* src = query_row(r);
     float* dst = qrep + r * q_stride;
     if (x == kLanes) {
       for (int d = 0; d < hs; d += kLanes) store(dst + d, mul(load(src + d), scale));
@@ -313,8 +371,6 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
         for (int lane = 0; lane < kLanes; ++lane) dst[c * kLanes + lane] = scaled[c * x + lane % x];
       }
     }
-    row_max[r] = kNegInf;
-    row_sum[r] = 0.0f;
   }
 
   const T* key_cache = static_cast<const T*>(a.key_cache);
@@ -347,6 +403,19 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
         const float* q = qrep + r0 * q_stride;
         float* lg = logits + r0 * logits_stride + g * bs;
         const T* nk = r0 == 0 ? next_key : nullptr;
+#if defined(__AVX512BF16__)
+        if constexpr (kDotQk) {
+          const BF16* q_rows[kFastRowsPerPass];
+          for (int r = 0; r < n; ++r) q_rows[r] = query_row(r0 + r);
+          switch (n) {
+            case 1: dot_qk_block<1>(key_block, q_rows, a.scale, lg, logits_stride, num_chunks, row_len, bs, nk); break;
+            case 2: dot_qk_block<2>(key_block, q_rows, a.scale, lg, logits_stride, num_chunks, row_len, bs, nk); break;
+            case 3: dot_qk_block<3>(key_block, q_rows, a.scale, lg, logits_stride, num_chunks, row_len, bs, nk); break;
+            default: dot_qk_block<4>(key_block, q_rows, a.scale, lg, logits_stride, num_chunks, row_len, bs, nk); break;
+          }
+          return;
+        }
+#endif
         switch (n) {
           case 1: fast_qk_block<1>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;
           case 2: fast_qk_block<2>(key_block, q, q_stride, lg, logits_stride, part, part_stride, num_chunks, row_len, s.row_vecs, nk); break;

@@ -59,6 +59,11 @@ extern const AttentionKernels kKernels;
 namespace avx512vnni {  // the AVX-512 attention build under the avx512vnni level's name
 extern const AttentionKernels kKernels;
 }
+#if defined(VPAGE_AVX512BF16_KERNELS)
+namespace avx512bf16 {  // the AVX-512 decode task with bf16 dot products (AVX512-BF16 CPUs)
+extern const AttentionTaskFn kDecodeTask;
+}
+#endif
 
 /// The build paged_attention uses: the best one the CPU supports, or set_cpu_isa's choice.
 const AttentionKernels& selected_kernels();

@@ -65,16 +65,18 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
       TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "-mavx2;-mfma;-mf16c;-mavxvnni")
     list(APPEND _vpage_x86_definitions VPAGE_AVX2VNNI_KERNELS=1)
   endif()
-  # bfloat16 x bfloat16 dense matmuls with bf16 dot products, chosen at run time on CPUs with
+  # bfloat16 x bfloat16 dense matmuls and decode attention's bfloat16 QK with bf16 dot
+  # products, chosen at run time on CPUs with
   # AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids); needs a compiler that knows -mavx512bf16.
   check_cxx_compiler_flag(-mavx512bf16 VPAGE_COMPILER_HAS_AVX512BF16)
   if(VPAGE_COMPILER_HAS_AVX512BF16)
-    target_sources(vpage_core PRIVATE ${_vpage_kernels_dir}/dense_avx512bf16.cpp)
+    target_sources(vpage_core PRIVATE ${_vpage_kernels_dir}/dense_avx512bf16.cpp
+      ${_vpage_kernels_dir}/attention_avx512bf16.cpp)
     set_source_files_properties(${_vpage_kernels_dir}/dense_avx512bf16.cpp
-      TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags};-mavx512bf16")
+      ${_vpage_kernels_dir}/attention_avx512bf16.cpp TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_OPTIONS "${_vpage_avx512_flags};-mavx512bf16")
     list(APPEND _vpage_x86_definitions VPAGE_AVX512BF16_KERNELS=1)
   endif()
   set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
-    ${_vpage_kernels_dir}/dense_matmul.cpp
+    ${_vpage_kernels_dir}/dense_matmul.cpp ${_vpage_kernels_dir}/paged_attention.cpp
     TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS "${_vpage_x86_definitions}")
 endif()

@@ -3,6 +3,7 @@
 // merges the partial softmax results.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "attention_task.h"
@@ -118,6 +119,16 @@ void store_row(const PagedAttentionArgs& a, int64_t row, const float* values) {
   }
 }
 
+// The selected build's decode task; on CPUs with AVX512-BF16 the AVX-512 levels take the one
+// whose bfloat16 QK uses bf16 dot products (the same scratch as the AVX-512 build's).
+AttentionTaskFn decode_task(const AttentionKernels& kernels) {
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  if (has_bf16_dot && std::strncmp(kernels.name, "avx512", 6) == 0) return avx512bf16::kDecodeTask;
+#endif
+  return kernels.run_task;
+}
+
 void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads, bool prefill_kernel) {
   if (prefill_kernel) {
     // Longest sequences first, but the tasks of one (sequence, KV head) stay together (in
@@ -136,7 +147,7 @@ void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num
   for (const AttentionTask& t : tasks) max_rows = std::max(max_rows, t.num_queries * t.num_heads);
   const int64_t scratch_floats = (prefill_kernel ? kernels.prefill_scratch_floats : kernels.scratch_floats)(
       max_rows, a.cache.head_size, a.cache.block_size);
-  const AttentionTaskFn task_fn = prefill_kernel ? kernels.run_prefill_task : kernels.run_task;
+  const AttentionTaskFn task_fn = prefill_kernel ? kernels.run_prefill_task : decode_task(kernels);
   ThreadPool::instance().parallel_for(static_cast<int64_t>(tasks.size()), num_threads,
                                       [&](int64_t index, int) {
                                         thread_local std::vector<float> scratch;
