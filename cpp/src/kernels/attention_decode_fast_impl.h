@@ -383,13 +383,25 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
   const float cap = a.logits_soft_cap;
   const int first_block = task.ctx_begin / bs;
   const int end_block = (task.ctx_end + bs - 1) / bs;
+  // The last group fetches the first group of the task this thread likely runs next (the
+  // first group of a task was otherwise read cold, a quarter of a 256-token context).
+  const AttentionTask* next_task = task.next;
+  const int32_t* next_table =
+      next_task != nullptr ? a.block_tables + static_cast<int64_t>(next_task->seq) * a.max_blocks_per_seq : nullptr;
+  const int next_first = next_task != nullptr ? next_task->ctx_begin / bs : 0;
+  const int next_count = next_task != nullptr ? std::min(group_blocks, (next_task->ctx_end + bs - 1) / bs - next_first) : 0;
+  const int64_t next_head = next_task != nullptr ? static_cast<int64_t>(next_task->kv_head) * block_elems : 0;
   for (int b0 = first_block; b0 < end_block; b0 += group_blocks) {
     const int nb = end_block - b0 < group_blocks ? end_block - b0 : group_blocks;
+    const bool last_group = b0 + group_blocks >= end_block;
     const T* vblocks[kFastMaxGroupBlocks];
     FastPrefetch next;
     next.row_bytes = static_cast<int64_t>(bs) * sizeof(T);
     for (int b = b0 + group_blocks; b < end_block && b < b0 + 2 * group_blocks; ++b) {
       next.add(value_cache + table[b] * block_stride + head_offset);
+    }
+    if (last_group) {
+      for (int g = 0; g < next_count; ++g) next.add(value_cache + next_table[next_first + g] * block_stride + next_head);
     }
 
     // QK of every block of the group, then the causal/context mask.
@@ -398,7 +410,10 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
       const T* key_block = key_cache + physical * block_stride + head_offset;
       vblocks[g] = value_cache + physical * block_stride + head_offset;
       const int next_block = b0 + group_blocks + g;  // its counterpart in the next group
-      const T* next_key = next_block < end_block ? key_cache + table[next_block] * block_stride + head_offset : nullptr;
+      const T* next_key = next_block < end_block ? key_cache + table[next_block] * block_stride + head_offset
+                          : last_group && g < next_count
+                              ? key_cache + next_table[next_first + g] * block_stride + next_head
+                              : nullptr;
       for_row_passes(rows, [&](int r0, int n) {
         const float* q = qrep + r0 * q_stride;
         float* lg = logits + r0 * logits_stride + g * bs;

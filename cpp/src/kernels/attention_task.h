@@ -25,6 +25,8 @@ struct AttentionTask {
   int32_t ctx_end = 0;          // <= context length
   float* partial = nullptr;     // nullptr: write normalised rows to out; else
                                 // [rows][2 + head_size] = (max logit, exp sum, unnormalised o)
+  const AttentionTask* next = nullptr;  // decode: the task this thread likely runs next, whose
+                                        // first K/V group the last group prefetches
 };
 
 /// Runs one task; `scratch` holds at least scratch_floats(...) floats (64-byte aligned).

@@ -141,6 +141,8 @@ void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num
     std::stable_sort(tasks.begin(), tasks.end(), [](const AttentionTask& l, const AttentionTask& r) {
       return l.ctx_end - l.ctx_begin > r.ctx_end - r.ctx_begin;
     });
+    // Threads claim tasks in turn, so a thread's next task is likely num_threads further on.
+    for (size_t i = 0; i + num_threads < tasks.size(); ++i) tasks[i].next = &tasks[i + num_threads];
   }
   const AttentionKernels& kernels = selected_kernels();
   int32_t max_rows = 0;
