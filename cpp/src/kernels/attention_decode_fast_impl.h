@@ -389,7 +389,8 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
   const int32_t* next_table =
       next_task != nullptr ? a.block_tables + static_cast<int64_t>(next_task->seq) * a.max_blocks_per_seq : nullptr;
   const int next_first = next_task != nullptr ? next_task->ctx_begin / bs : 0;
-  const int next_count = next_task != nullptr ? std::min(group_blocks, (next_task->ctx_end + bs - 1) / bs - next_first) : 0;
+  const int next_count =
+      next_task != nullptr ? std::min(group_blocks, (next_task->ctx_end + bs - 1) / bs - next_first) : 0;
   const int64_t next_head = next_task != nullptr ? static_cast<int64_t>(next_task->kv_head) * block_elems : 0;
   for (int b0 = first_block; b0 < end_block; b0 += group_blocks) {
     const int nb = end_block - b0 < group_blocks ? end_block - b0 : group_blocks;
@@ -401,7 +402,9 @@ void run_fast_task_typed(const PagedAttentionArgs& a, const AttentionTask& task,
       next.add(value_cache + table[b] * block_stride + head_offset);
     }
     if (last_group) {
-      for (int g = 0; g < next_count; ++g) next.add(value_cache + next_table[next_first + g] * block_stride + next_head);
+      for (int g = 0; g < next_count; ++g) {
+        next.add(value_cache + next_table[next_first + g] * block_stride + next_head);
+      }
     }
 
     // QK of every block of the group, then the causal/context mask.

@@ -1,5 +1,5 @@
-// Run-time choice of the CPU kernels' instruction set level (cpu_isa / set_cpu_isa): the
-// attention build, which quant_matmul.cpp's choice follows by name.
+// Run-time choice of the CPU kernels' instruction set level (cpu_isa / set_cpu_isa, first
+// from VPAGE_CPU_ISA): the attention build, which quant_matmul.cpp's choice follows by name.
 #include <atomic>
 #include <cstdlib>
 #include <string>
