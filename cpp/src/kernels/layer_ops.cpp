@@ -252,24 +252,27 @@ T* out_of(const SiluAndMulArgs& a, Slice s) {
   return static_cast<T*>(a.out) + s.t * a.d + s.c0;
 }
 
-void silu_and_mul_f32(const SiluAndMulArgs& a, Slice s) {
+// A gated activation's float32 slice (Act: out = act(gate), then out *= up).
+template <void (*Act)(float*, const float*, int32_t)>
+void gated_f32(const SiluAndMulArgs& a, Slice s) {
   const float* gate = gate_of<float>(a, s);
   float* out = out_of<float>(a, s);
-  silu_f32(out, gate, s.n);
+  Act(out, gate, s.n);
   mul_into(out, gate + a.d, s.n);
 }
 
-template <class Codec>
-void silu_and_mul_16(const SiluAndMulArgs& a, Slice s) {
+// Its float16 slice, rounded to float16 where torch stores: act(gate), then the product.
+template <void (*Act)(float*, const float*, int32_t)>
+void gated_f16(const SiluAndMulArgs& a, Slice s) {
   const uint16_t* gate = gate_of<uint16_t>(a, s);
   float* in = row_buffer(0, s.n).data();
   float* out = row_buffer(1, s.n).data();
-  load_row<Codec>(in, gate, s.n);
-  silu_f32(out, in, s.n);
-  round_row<Codec>(out, nullptr, s.n);
-  load_row<Codec>(in, gate + a.d, s.n);
+  load_row<Half>(in, gate, s.n);
+  Act(out, in, s.n);
+  round_row<Half>(out, nullptr, s.n);
+  load_row<Half>(in, gate + a.d, s.n);
   mul_into(out, in, s.n);
-  round_row<Codec>(out, out_of<uint16_t>(a, s), s.n);
+  round_row<Half>(out, out_of<uint16_t>(a, s), s.n);
 }
 
 // The gated activations' bfloat16 rows in two passes: `denominator` (the activation's first
@@ -302,36 +305,6 @@ void gated_bf16(const SiluAndMulArgs& a, Slice s) {
   float* denominator = row_buffer(0, s.n).data();
   Denominator(denominator, gate, s.n);
   gated_product_bf16(out_of<uint16_t>(a, s), gate, denominator, gate + a.d, s.n);
-}
-
-template <>
-void silu_and_mul_16<BFloat16>(const SiluAndMulArgs& a, Slice s) {
-  gated_bf16<silu_denominator_bf16>(a, s);
-}
-
-void gelu_tanh_and_mul_f32(const GeluTanhAndMulArgs& a, Slice s) {
-  const float* gate = gate_of<float>(a, s);
-  float* out = out_of<float>(a, s);
-  gelu_tanh_f32(out, gate, s.n);
-  mul_into(out, gate + a.d, s.n);
-}
-
-template <class Codec>
-void gelu_tanh_and_mul_16(const GeluTanhAndMulArgs& a, Slice s) {
-  const uint16_t* gate = gate_of<uint16_t>(a, s);
-  float* in = row_buffer(0, s.n).data();
-  float* out = row_buffer(1, s.n).data();
-  load_row<Codec>(in, gate, s.n);
-  gelu_tanh_f32(out, in, s.n);
-  round_row<Codec>(out, nullptr, s.n);
-  load_row<Codec>(in, gate + a.d, s.n);
-  mul_into(out, in, s.n);
-  round_row<Codec>(out, out_of<uint16_t>(a, s), s.n);
-}
-
-template <>
-void gelu_tanh_and_mul_16<BFloat16>(const GeluTanhAndMulArgs& a, Slice s) {
-  gated_bf16<gelu_tanh_denominator_bf16>(a, s);
 }
 
 float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
@@ -417,15 +390,16 @@ void silu_and_mul(const SiluAndMulArgs& args, int num_threads) {
   check_dtype(args.dtype, "silu_and_mul");
   VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
               "silu_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
-  for_gated_slices(args, num_threads, &silu_and_mul_f32, &silu_and_mul_16<Half>, &silu_and_mul_16<BFloat16>);
+  for_gated_slices(args, num_threads, &gated_f32<silu_f32>, &gated_f16<silu_f32>,
+                   &gated_bf16<silu_denominator_bf16>);
 }
 
 void gelu_tanh_and_mul(const GeluTanhAndMulArgs& args, int num_threads) {
   check_dtype(args.dtype, "gelu_tanh_and_mul");
   VPAGE_CHECK(args.num_tokens >= 0 && args.d > 0,
               "gelu_tanh_and_mul: bad sizes (num_tokens " << args.num_tokens << ", d " << args.d << ")");
-  for_gated_slices(args, num_threads, &gelu_tanh_and_mul_f32, &gelu_tanh_and_mul_16<Half>,
-                   &gelu_tanh_and_mul_16<BFloat16>);
+  for_gated_slices(args, num_threads, &gated_f32<gelu_tanh_f32>, &gated_f16<gelu_tanh_f32>,
+                   &gated_bf16<gelu_tanh_denominator_bf16>);
 }
 
 void sigmoid_gated_add(const SigmoidGatedAddArgs& args, int num_threads) {
