@@ -58,7 +58,7 @@ def decode_times(engine: LLMEngine, batch: int, steps: int) -> tuple[float, floa
     for _ in range(3):  # warm-up decode steps
         engine.step()
     forward = []
-    execute = engine.executor.driver_worker.model_runner.execute
+    execute = engine.executor.driver_worker.model_runner.logits
 
     def timed_execute(*args, **kwargs):
         torch.cuda.synchronize()
@@ -68,13 +68,13 @@ def decode_times(engine: LLMEngine, batch: int, steps: int) -> tuple[float, floa
         forward.append(time.perf_counter() - t0)
         return out
 
-    engine.executor.driver_worker.model_runner.execute = timed_execute
+    engine.executor.driver_worker.model_runner.logits = timed_execute
     step = []
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         step.append(time.perf_counter() - t0)
-    engine.executor.driver_worker.model_runner.execute = execute
+    engine.executor.driver_worker.model_runner.logits = execute
     kernels, busy = kernel_profile(engine)
     engine.abort_request(ids)
     return 1e3 * statistics.median(step), 1e3 * statistics.median(forward), kernels, busy

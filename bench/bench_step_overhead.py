@@ -8,8 +8,9 @@ running decode sequences on the default model.
 
 Each batch size gets its own engine; N requests with 32-token prompts and long outputs are
 run until every one of them decodes, then --steps steps are timed. The model's forward
-(``ModelRunner.execute``: forward + logits) is the only "model" time; everything else in
-``LLMEngine.step`` is overhead, reported per step and per sequence.
+(forward + logits: ``ModelRunner.logits``, or ``ModelRunner.execute`` before the model runner
+sampled) is the only "model" time; everything else in ``LLMEngine.step`` is overhead, reported
+per step and per sequence ("sample" is the sampler, wherever it runs).
 """
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def _runner(engine):
     return executor.driver_worker.model_runner if hasattr(executor, "driver_worker") else engine.runner
 
 
+def _model_step(runner):
+    """(name, function) of the runner's forward + logits: ``logits`` since the model runner
+    samples, ``execute`` before."""
+    return ("logits", runner.logits) if hasattr(runner, "logits") else ("execute", runner.execute)
+
+
+def _sampler(engine):
+    """The sampler: the model runner's, or the engine's before the model runner sampled."""
+    return engine.sampler if hasattr(engine, "sampler") else _runner(engine).sampler
+
+
 def _params(**kwargs):
     """SamplingParams with ``output_kind`` when this vpage has it (older ones were cumulative)."""
     kind = kwargs.pop("output_kind", None)
@@ -54,7 +66,7 @@ def long_request(args) -> None:
     engine.add_request("long", [100 + (7 * j) % 9000 for j in range(32)], params)
     model = {"wall": 0.0, "cpu": 0.0}
     runner = _runner(engine)
-    execute = runner.execute
+    name, execute = _model_step(runner)
 
     def timed_execute(*a, **k):
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -64,7 +76,7 @@ def long_request(args) -> None:
             model["wall"] += time.perf_counter() - wall
             model["cpu"] += time.thread_time() - cpu
 
-    runner.execute = timed_execute
+    setattr(runner, name, timed_execute)
     wall_overhead, cpu_overhead = [], []
     for _ in range(args.long + 1):
         if not engine.has_unfinished_requests():
@@ -107,8 +119,10 @@ def measure(batch: int, steps: int, args) -> dict:
         prefill_done = prefill_done + 1 if not waiting and engine.scheduler.stats.num_prefill_tokens == before else 0
     totals: dict = defaultdict(float)
     engine.scheduler = engine.outputs.scheduler = _Timed(engine.scheduler, totals)
-    _runner(engine).execute = timed(totals, "model", _runner(engine).execute)
-    engine.sampler.sample = timed(totals, "sample", engine.sampler.sample)
+    name, execute = _model_step(_runner(engine))
+    setattr(_runner(engine), name, timed(totals, "model", execute))
+    sampler = _sampler(engine)
+    sampler.sample = timed(totals, "sample", sampler.sample)
     engine.outputs.sampling_rows = timed(totals, "sampling rows", engine.outputs.sampling_rows)
     engine.outputs.process = timed(totals, "process outputs", engine.outputs.process)
     step_times = []
@@ -131,9 +145,10 @@ def single_stream(args) -> None:
         engine.add_request(f"r{rep}", [100 + (7 * j) % 9000 for j in range(32)], params)
         engine.step()  # prefill + first token
         totals: dict = defaultdict(float)
-        execute, sample, process = _runner(engine).execute, engine.sampler.sample, engine.outputs.process
-        _runner(engine).execute = timed(totals, "model", execute)
-        engine.sampler.sample = timed(totals, "sample", sample)
+        runner, sampler = _runner(engine), _sampler(engine)
+        (name, execute), sample, process = _model_step(runner), sampler.sample, engine.outputs.process
+        setattr(runner, name, timed(totals, "model", execute))
+        sampler.sample = timed(totals, "sample", sample)
         engine.outputs.process = timed(totals, "process outputs", process)
         steps = 0
         wall, cpu = time.perf_counter(), time.process_time()
@@ -141,7 +156,8 @@ def single_stream(args) -> None:
             engine.step()
             steps += 1
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        _runner(engine).execute, engine.sampler.sample, engine.outputs.process = execute, sample, process
+        setattr(runner, name, execute)
+        sampler.sample, engine.outputs.process = sample, process
         other = wall - sum(totals.values())
         print(f"| 1 | {args.new_tokens} | {steps / wall:.1f} | {1e3 * wall / steps:.2f} | {1e3 * cpu / steps:.2f} | "
               f"{1e3 * totals['model'] / steps:.2f} | {1e3 * totals['sample'] / steps:.2f} | "

@@ -19,7 +19,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None  # required for seeded requests (see make_generator)
-    # Tokens this row may not pick now (the output processor's min_tokens rule).
+    # Tokens this row may not pick now, besides the min_tokens rule's (which the sampler applies).
     banned_token_ids: Sequence[int] = ()
 
 
@@ -45,6 +45,20 @@ def needs_logprob(params: SamplingParams) -> bool:
     or ranks its sequences by them (beam search, best_of > n). Others report no
     cumulative_logprob, as in vLLM."""
     return params.logprobs is not None or params.use_beam_search or params.best_of > params.n
+
+
+def min_tokens_ban(params: SamplingParams, num_outputs: int, eos_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a sample with ``num_outputs`` outputs may not pick next (the min_tokens rule):
+    its stop token ids and, unless ignore_eos, the EOS tokens, until it has min_tokens outputs."""
+    if num_outputs >= params.min_tokens:
+        return []
+    return list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+def beam_candidates(width: int, eos_token_ids: Sequence[int]) -> int:
+    """Candidates each beam offers per step: enough that ``width`` beams stay alive even if
+    every end-of-sequence token is among them (as transformers' beam search keeps)."""
+    return max(2, 1 + len(eos_token_ids)) * width
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -167,16 +181,17 @@ class Sampler:
     """Samples one token per row, batched over the rows of a step."""
 
     def __init__(self, eos_token_ids: Sequence[int] = ()):
-        self.eos_token_ids = list(eos_token_ids)  # sizes beam candidate lists
+        self.eos_token_ids = list(eos_token_ids)  # the min_tokens rule; sizes beam candidate lists
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
                token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """logits ``[len(rows), vocab]`` float32 (not modified) -> one token per row.
 
-        Greedy and beam rows take the exact argmax of the penalised logits. Random rows
-        draw by the exponential race ``argmax(probs / E)``, E ~ Exp(1); a row with its own
-        generator draws E from it alone, so its tokens do not depend on the other rows.
+        A row with fewer than ``min_tokens`` outputs may not pick EOS or a stop token id
+        (``min_tokens_ban``). Greedy and beam rows take the exact argmax of the penalised
+        logits. Random rows draw one uniform number each (``sample_from_probs``); a row with
+        its own generator draws from it alone, so its tokens do not depend on the other rows.
         ``token_bitmask`` (int32 ``[len(rows), token_bitmask_words(vocab)]`` on the logits'
         device, all ones for free rows): only the tokens it allows may be picked (structured
         outputs); the logprobs stay the model's own.
@@ -192,7 +207,7 @@ class Sampler:
         want = [needs_logprob(r.params) for r in rows]
         log_norm, token_ids = ops.logsumexp_argmax(raw, None if all(want) else torch.tensor(want),
                                                    bitmask=token_bitmask)
-        early = [(i, list(r.banned_token_ids)) for i, r in enumerate(rows) if r.banned_token_ids]
+        early = [(i, banned) for i, banned in enumerate(self._banned(r) for r in rows) if banned]
         penalised = [i for i, r in enumerate(rows) if self._has_penalties(r.params)]
         random_types = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
         random_rows = [i for i, r in enumerate(rows) if r.params.sampling_type in random_types]
@@ -217,9 +232,12 @@ class Sampler:
         return SamplerOutput(token_ids, chosen, self._top_logprobs(raw, log_norm, rows))
 
     def beam_candidates(self, width: int) -> int:
-        """Candidates each beam offers per step: enough that ``width`` beams stay alive even if
-        every end-of-sequence token is among them (as transformers' beam search keeps)."""
-        return max(2, 1 + len(self.eos_token_ids)) * width
+        return beam_candidates(width, self.eos_token_ids)
+
+    def _banned(self, row: SamplingRow) -> list[int]:
+        """What ``row`` may not pick now: its own bans and the min_tokens rule's."""
+        early = min_tokens_ban(row.params, len(row.output_token_ids), self.eos_token_ids)
+        return early + list(row.banned_token_ids) if row.banned_token_ids else early
 
     @staticmethod
     def _has_penalties(p: SamplingParams) -> bool:

@@ -1,5 +1,5 @@
 """The package's imports point one way: entrypoints -> engine -> executor -> worker ->
-model_executor -> ops -> _core. Every ``vpage`` import in every module (function-local ones
+spec_decode -> model_executor -> ops -> _core. Every ``vpage`` import in every module (function-local ones
 included) is read from the source and checked against the layer order."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ LAYERS = [
     ("engine", {"engine"}),
     ("executor", {"executor"}),
     ("worker", {"worker"}),
+    ("spec_decode", {"spec_decode"}),  # proposers and verifier: the engine's and the worker's sides
     ("model_executor", {"model_executor"}),
     # Shared plain modules every layer above may use: parameters, outputs, text, sampling,
     # grammars (structured outputs) and reasoning formats.

@@ -8,23 +8,22 @@ import math
 import time
 from typing import Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from vpage import _core
 from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.beam_search import BeamSearch
-from vpage.engine.draft_proposer import DraftModelProposer
 from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
-from vpage.engine.spec_decode import DraftRows
 from vpage.engine.structured_outputs import StructuredOutputs
 from vpage.executor.abstract import Executor
 from vpage.outputs import RequestOutput
-from vpage.sampler import Sampler
+from vpage.sampler import beam_candidates
 from vpage.sampling_params import SamplingParams
+from vpage.spec_decode.draft_proposer import DraftModelProposer
+from vpage.worker.step_io import DraftRequest, SamplingMetadata
 
 logger = logging.getLogger("vpage")
 
@@ -89,9 +88,8 @@ class LLMEngine:
                                      sliding_window=cache.sliding_window or 0))
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
-        self.sampler = Sampler(self.model_config.eos_token_ids)
         self.metrics = EngineMetrics()
-        self.outputs = OutputProcessor(self.scheduler, self.model_config.eos_token_ids, self.metrics)
+        self.outputs = OutputProcessor(self.scheduler, self.metrics)
         self._private_salts = itertools.count()
         try:
             self.structured = StructuredOutputs(self.config.structured_outputs, self.tokenizer,
@@ -159,7 +157,7 @@ class LLMEngine:
         beam = None
         if params.use_beam_search:  # beams end in Python (BeamSearch); C++ only caps the length
             beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, max_tokens, eos,
-                              self.sampler.beam_candidates(params.best_of))
+                              beam_candidates(params.best_of, self.model_config.eos_token_ids))
         stop = _core.StopConditions(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
                                     eos_token_ids=self.model_config.eos_token_ids,
                                     stop_token_ids=params.stop_token_ids,
@@ -220,42 +218,34 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step (schedule, cache operations, forward, sample, process the
-        outputs); returns the outputs of requests that advanced or finished."""
+        """Runs one engine step: schedule, execute (cache operations, forward, sampling, in the
+        executor), then update (commit, stop rules, outputs); returns the outputs of requests
+        that advanced or finished."""
         start, scheduled_at = time.perf_counter(), time.monotonic()
         if self.structured.pending:  # nothing else to run: wait a little for a grammar
             self.structured.admit_ready(wait=not self.scheduler.has_unfinished())
         plan = self.scheduler.schedule()
         for request_id, reason in plan.ignored:
             logger.warning("vpage: request %s ignored: %s", request_id, reason)
+        drafts = None
         if self.drafter is not None:
             self.drafter.observe(plan)
             if plan.num_draft_tokens:
-                inputs = self.drafter.inputs(plan, self._tokens_of)
-                self.scheduler.fill_drafts(self.executor.propose_drafts(plan, inputs))
-        prompt_rows = self.outputs.prompt_logprobs.rows(plan)
-        draft_rows = DraftRows.of(plan)
-        extra = [r.rows for r in (prompt_rows, draft_rows) if r is not None]
-        logits = self.executor.execute(plan, np.concatenate(extra) if extra else None)
+                drafts = DraftRequest(self.drafter.inputs(plan, self._tokens_of), self.scheduler.fill_drafts)
         seq_ids: list[int] = []
-        sampled, runs = None, None
+        sampling = prompt_rows = None
         if plan.num_seqs:
             seq_ids = plan.sample_seq_ids.tolist()
-            # The sampled rows' logits, then the prompt rows', then the draft rows'.
-            extra_logits = logits[len(seq_ids):]
-            logits = logits[:len(seq_ids)]
+            prompt_rows = self.outputs.prompt_logprobs.rows(plan)
+            sampling = SamplingMetadata(self.outputs.sampling_rows(seq_ids),
+                                        self.structured.bitmask(seq_ids, self.outputs.seq_owner),
+                                        prompt_rows.scored if prompt_rows is not None else None)
+        sampled = self.executor.execute(plan, sampling, drafts)
+        if sampled is not None:
             if prompt_rows is not None:
-                self.outputs.prompt_logprobs.score(extra_logits[:len(prompt_rows.rows)], prompt_rows)
-                extra_logits = extra_logits[len(prompt_rows.rows):]
-            rows = self.outputs.sampling_rows(seq_ids)
-            bitmask = self.structured.bitmask(seq_ids, self.outputs.seq_owner)
-            if draft_rows is None:
-                sampled = self.sampler.sample(logits, rows, bitmask)
-            else:
-                verified = draft_rows.verify(self.sampler, logits, extra_logits, rows, self.outputs.banned_tokens,
-                                             bitmask, self.metrics.spec)
-                sampled, runs = verified.sampled, verified.runs
-        outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at, runs)
+                self.outputs.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
+            self.metrics.spec.add_step(sampled.num_drafts, sampled.num_accepted)
+        outputs = self.outputs.process(plan, seq_ids, sampled, scheduled_at)
         elapsed = time.perf_counter() - start
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from vpage import _core
 from vpage.engine.latency_histogram import LatencyHistogram
-from vpage.engine.spec_decode import SpecDecodeStats
+from vpage.spec_decode.metrics import SpecDecodeStats
 
 _PERCENTILES = (50, 95, 99)
 

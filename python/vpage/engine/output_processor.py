@@ -3,8 +3,8 @@
 The C++ scheduler applies the stop rules that decide when blocks are freed (EOS and stop
 token ids after min_tokens, max_tokens, max_model_len) while it commits, and reports each
 sequence's status and the stop token id that ended it. This module owns how those rules
-read from Python and the rules only Python can check: the min_tokens ban handed to the
-sampler, stop strings over the detokenized text, and the end of a beam search. It is the
+read from Python and the rules only Python can check: stop strings over the detokenized
+text, the end of a grammar and of a beam search (the sampler applies the min_tokens rule). It is the
 only code that writes a request's per-sequence outputs (tokens, logprobs, text, finish and
 stop reasons) and it builds the step's RequestOutputs, in the shape each request asked for
 (``SamplingParams.output_kind``: deltas, cumulative, or only the final one).
@@ -22,7 +22,8 @@ from vpage.engine.metrics import EngineMetrics
 from vpage.engine.prompt_logprobs import PromptLogprobs
 from vpage.engine.request_state import RequestState, SequenceState
 from vpage.outputs import Logprob, RequestOutput
-from vpage.sampler import SamplerOutput, SamplingRow
+from vpage.sampler import SamplingRow
+from vpage.worker.step_io import ModelRunnerOutput
 
 _STOPPED = int(_core.SequenceStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {
@@ -36,9 +37,8 @@ _FINISH_REASONS = {
 class OutputProcessor:
     """Owns the unfinished requests' Python state and turns each step's samples into outputs."""
 
-    def __init__(self, scheduler: _core.Scheduler, eos_token_ids: list[int], metrics: EngineMetrics):
+    def __init__(self, scheduler: _core.Scheduler, metrics: EngineMetrics):
         self.scheduler = scheduler
-        self.eos_token_ids = list(eos_token_ids)
         self.metrics = metrics
         self.requests: dict[str, RequestState] = {}
         self.seq_owner: dict[int, RequestState] = {}
@@ -73,32 +73,17 @@ class OutputProcessor:
     # ------------------------------------------------------------ before sampling
 
     def sampling_rows(self, seq_ids: list[int]) -> list[SamplingRow]:
-        """The sampler's rows for the step's sampling sequences, with the min_tokens rule:
-        until a sequence has min_tokens outputs it may not pick EOS (unless ignore_eos) or a
-        stop token id."""
-        rows = []
-        for seq_id in seq_ids:
-            seq = self.seq_owner[seq_id].seqs[seq_id]
-            seq.row.banned_token_ids = self.banned_tokens(seq.row, 0)
-            rows.append(seq.row)
-        return rows
-
-    def banned_tokens(self, row: SamplingRow, ahead: int) -> list[int]:
-        """The tokens ``row`` may not pick ``ahead`` outputs after its current ones (the
-        min_tokens rule; ``ahead`` > 0 for the positions after draft tokens)."""
-        params = row.params
-        if len(row.output_token_ids) + ahead >= params.min_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        """The sampler's rows for the step's sampling sequences."""
+        return [self.seq_owner[seq_id].seqs[seq_id].row for seq_id in seq_ids]
 
     # ------------------------------------------------------------ after sampling
 
-    def process(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[SamplerOutput],
-                scheduled_at: float, runs: Optional[list[tuple[int, int]]] = None) -> list[RequestOutput]:
+    def process(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[ModelRunnerOutput],
+                scheduled_at: float) -> list[RequestOutput]:
         """Commits the step's tokens (beams advanced first), applies every stop rule, finishes
         requests and returns the outputs of the requests that advanced or finished.
-        ``scheduled_at``: time.monotonic() when the step was scheduled. ``runs``: with draft
-        tokens, (first row, rows) of ``sampled`` that each sample commits (else row i, one)."""
+        ``seq_ids``: the plan's sampled sequences, whose tokens ``sampled`` holds;
+        ``scheduled_at``: time.monotonic() when the step was scheduled."""
         now = time.monotonic()
         if self.unscheduled and plan.num_seqs:
             self._mark_scheduled(plan, scheduled_at)
@@ -112,7 +97,7 @@ class OutputProcessor:
         # (sequence, token, owner, logprob, top logprobs) to commit.
         commits: list[tuple[int, int, RequestState, float, Optional[list]]] = []
         if sampled is not None:
-            commits = self._commits(seq_ids, sampled, touched, finished_ids, runs)
+            commits = self._commits(seq_ids, sampled, touched, finished_ids)
         result = self.scheduler.commit(np.array([c[0] for c in commits], dtype=np.int64),
                                        np.array([c[1] for c in commits], dtype=np.int32))
         finished_ids.update(result.finished_request_ids)
@@ -149,19 +134,17 @@ class OutputProcessor:
                 if not self.unscheduled:
                     return
 
-    def _commits(self, seq_ids: list[int], sampled: SamplerOutput, touched: dict[str, RequestState],
-                 finished_ids: set[str], runs: Optional[list[tuple[int, int]]]
-                 ) -> list[tuple[int, int, RequestState, float, Optional[list]]]:
+    def _commits(self, seq_ids: list[int], sampled: ModelRunnerOutput, touched: dict[str, RequestState],
+                 finished_ids: set[str]) -> list[tuple[int, int, RequestState, float, Optional[list]]]:
         owners = [self.seq_owner[s] for s in seq_ids]
         for owner in dict.fromkeys(owners):
             if owner.metrics.first_token_time is None:  # read before commit may remove the group
                 owner.num_cached_tokens = self.scheduler.find_group(owner.request_id).num_cached_prompt_tokens
-        tokens = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
         commits = []
         beam_rows: dict[str, list[tuple[int, int]]] = {}
         for i, (seq_id, owner) in enumerate(zip(seq_ids, owners)):
-            start, count = runs[i] if runs is not None else (i, 1)
+            start, count = sampled.runs[i]
             if owner.beam is not None:  # beams never speculate: one row
                 beam_rows.setdefault(owner.request_id, []).append((seq_id, start))
                 continue

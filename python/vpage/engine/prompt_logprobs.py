@@ -1,5 +1,5 @@
 """Prompt logprobs (``SamplingParams.prompt_logprobs``): the extra rows of a step that need
-logits, and their log-probabilities turned into each request's ``prompt_logprobs``.
+logits, and the model runner's scores of them turned into each request's ``prompt_logprobs``.
 
 The logits of the row at position p score prompt token p + 1, so a request needs the rows of
 positions 0 .. len(prompt) - 2 (its last prompt row is the row it samples from, which the
@@ -15,21 +15,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-import torch
 
 from vpage import _core
 from vpage.engine.request_state import RequestState
 from vpage.outputs import Logprob
+from vpage.worker.prompt_logprobs import PromptLogprobRows, PromptScores
 
 
 @dataclass
 class PromptRows:
-    """The prompt rows of one step: ``rows`` (int64 token indices of the plan, the order their
-    logits come back in), the prompt token each scores, and per request the positions
-    ``[begin, end)`` whose rows it takes, in that order."""
+    """The prompt rows of one step: what the model runner scores (``scored``: the rows in the
+    order their scores come back, their target tokens, their top counts), and per request the
+    positions ``[begin, end)`` whose rows it takes, in that order."""
 
-    rows: np.ndarray
-    targets: np.ndarray
+    scored: PromptLogprobRows
     segments: list[tuple[RequestState, int, int]]
 
 
@@ -63,7 +62,7 @@ class PromptLogprobs:
         if not len(hits):
             return None
         starts, positions = plan.query_start_loc, plan.positions
-        rows, targets, segments = [], [], []
+        rows, targets, num_top, segments = [], [], [], []
         claimed: dict[str, int] = {}  # request id -> next position to score after this step's earlier rows
         for r in hits.tolist():
             state = self.pending[int(seq_ids[r])]
@@ -78,35 +77,26 @@ class PromptLogprobs:
                 continue
             rows.append(np.arange(begin + lo - first, begin + hi - first, dtype=np.int64))
             targets.append(np.asarray(state.prompt_token_ids[lo + 1:hi + 1], dtype=np.int64))
+            num_top.append(np.full(hi - lo, state.params.prompt_logprobs, dtype=np.int64))
             segments.append((state, lo, hi))
             claimed[state.request_id] = hi
         if not segments:
             return None
-        return PromptRows(np.concatenate(rows), np.concatenate(targets), segments)
+        return PromptRows(PromptLogprobRows(np.concatenate(rows), np.concatenate(targets), np.concatenate(num_top)),
+                          segments)
 
-    @torch.inference_mode()
-    def score(self, logits: torch.Tensor, step: PromptRows) -> None:
-        """Appends the logprobs of ``step``'s prompt tokens to their requests' lists: per token
-        the prompt token's own logprob and rank (1 + the tokens with a strictly higher logprob),
-        then the request's top ``prompt_logprobs`` (ranks 1, 2, ...), from the log-softmax in
-        float32 of ``logits`` ``[len(step.rows), vocab]``."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        own = logprobs.gather(1, torch.from_numpy(step.targets).to(logprobs.device)[:, None])
-        ranks = ((logprobs > own).sum(dim=-1) + 1).tolist()
-        own = own[:, 0].tolist()
-        k = min(max(state.params.prompt_logprobs for state, _, _ in step.segments), logprobs.shape[1])
-        top_values, top_ids = ([], []) if k == 0 else [t.tolist() for t in logprobs.topk(k, dim=-1)]
-        del logprobs
-        targets = step.targets.tolist()
+    def record(self, scores: PromptScores, step: PromptRows) -> None:
+        """Appends the scored prompt tokens of ``step`` to their requests' lists: per token the
+        prompt token's own logprob and rank, then the request's top ``prompt_logprobs`` (ranks
+        1, 2, ...), each with its text."""
+        targets = step.scored.targets.tolist()
         row = 0
         for state, begin, end in step.segments:
-            want = min(state.params.prompt_logprobs, k)
             text = self._decoder(state)
             entries = state.prompt_logprobs
             for i in range(row, row + end - begin):
-                entry = {targets[i]: Logprob(own[i], ranks[i], text(targets[i]))}
-                best = zip(top_ids[i][:want], top_values[i][:want]) if want else ()
-                for rank, (tid, value) in enumerate(best, start=1):
+                entry = {targets[i]: Logprob(scores.logprobs[i], scores.ranks[i], text(targets[i]))}
+                for rank, (tid, value) in enumerate(zip(scores.top_ids[i], scores.top_logprobs[i]), start=1):
                     entry.setdefault(tid, Logprob(value, rank, text(tid)))  # the prompt token keeps its entry
                 entries.append(entry)
             row += end - begin

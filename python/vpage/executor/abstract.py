@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from vpage.config import EngineConfig
 from vpage.model_executor.config import ModelConfig
+from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 from vpage.worker.worker import Worker
 
 
@@ -58,15 +58,12 @@ class Executor:
         """Bytes of one KV block on one rank."""
         return self.driver_worker.block_bytes()
 
-    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
-        """Runs ``plan`` (block moves, then the forward); the float32 logits of its sampled rows,
-        then of ``logit_rows`` (int64 token indices: prompt rows), None without rows."""
+    def execute(self, plan, sampling: Optional[SamplingMetadata],
+                drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
+        """Runs ``plan`` on every worker: block moves, the draft model's proposals (``drafts``,
+        written into the plan first), the forward, then sampling as ``sampling`` says (given
+        whenever the plan has rows). The driver's output; None without rows."""
         raise NotImplementedError
-
-    def propose_drafts(self, plan, inputs) -> np.ndarray:
-        """Speculative decoding's draft model (whole, on the driver): the plan's block operations, then
-        greedy drafts for ``inputs`` (a ``DraftInputs``); ``execute`` of the plan follows."""
-        return self.driver_worker.propose_drafts(plan, inputs)
 
     def check_health(self) -> None:
         """Raises WorkerDiedError when a worker has died (the engine must be recreated)."""

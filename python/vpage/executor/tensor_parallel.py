@@ -1,7 +1,8 @@
 """The driver side of tensor parallelism, shared by the ``mp`` and ``ray`` executors.
 
-The driver is rank 0 in the engine's process. Each step it broadcasts the plan once
-(``step_message``), runs its own shard, and returns the logits gathered from every rank.
+The driver is rank 0 in the engine's process. Each step it prepares the plan (block moves, a
+draft model's proposals), broadcasts it once (``step_message``), runs its own shard and samples
+from the logits gathered from every rank; its output is the step's.
 A rank that dies or fails makes the step raise ``WorkerDiedError`` (gloo reports a closed
 peer at once; the executor also checks its workers before each step, and the process
 group's timeout is the backstop), after which the executor is closed and every worker
@@ -18,7 +19,6 @@ import time
 import weakref
 from typing import Optional
 
-import numpy as np
 import torch
 
 from vpage.config import EngineConfig
@@ -27,6 +27,8 @@ from vpage.distributed.shm_comm import requested_mode
 from vpage.distributed.step_message import StepSender, has_work, send_shutdown
 from vpage.executor.abstract import Executor
 from vpage.executor.errors import WorkerDiedError
+from vpage.worker.model_runner import extra_logit_rows
+from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 from vpage.worker.worker import Worker, init_worker
 
 logger = logging.getLogger("vpage")
@@ -96,16 +98,18 @@ class TensorParallelExecutor(Executor):
         if dead:
             self._fail(None, dead)
 
-    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
-        """Runs ``plan`` on every rank; the float32 logits of its sampled rows, then of
-        ``logit_rows`` (None without rows). Every rank computes the same rows (the logits are
-        gathered across ranks), so the rows travel in the step message."""
+    def execute(self, plan, sampling: Optional[SamplingMetadata],
+                drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
+        """Runs ``plan`` on every rank. Every rank computes the logits of the same rows (they
+        are gathered across ranks), so the rows besides the sampled ones travel in the step
+        message, which goes out once the drafts are in the plan."""
         self.check_health()
         if not has_work(plan):
             return None
         try:
-            self._sender.send(plan, logit_rows)
-            return self.driver_worker.execute(plan, logit_rows)
+            self.driver_worker.prepare(plan, drafts)
+            self._sender.send(plan, extra_logit_rows(plan, sampling))
+            return self.driver_worker.run(plan, sampling)
         except BaseException as e:
             self._fail(e)
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
-import torch
-
 from vpage import ops
 from vpage.config import EngineConfig
 from vpage.distributed import parallel_state
 from vpage.executor.abstract import Executor
+from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 from vpage.worker.worker import Worker
 
 
@@ -23,5 +21,6 @@ class UniProcExecutor(Executor):
         self.num_gpu_blocks, self.num_cpu_blocks = self.driver_worker.determine_num_blocks()
         self.driver_worker.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
 
-    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
-        return self.driver_worker.execute(plan, logit_rows)
+    def execute(self, plan, sampling: Optional[SamplingMetadata],
+                drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
+        return self.driver_worker.execute(plan, sampling, drafts)

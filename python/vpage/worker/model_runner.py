@@ -1,4 +1,12 @@
-"""Turns a scheduler plan into one model forward and the logits of the rows to sample."""
+"""Turns a scheduler plan into one model forward, then samples it: the step's tokens (drafts
+verified), their logprobs and the prompt rows' scores, returned as a ``ModelRunnerOutput``.
+
+The logits of a step are one float32 tensor whose rows are, in this order: one per sampled
+sequence (``plan.sample_token_indices``), then the prompt rows of prompt_logprobs requests,
+then each speculating sample's draft rows. That order is known here alone
+(``extra_logit_rows`` gives the rows after the sampled ones, which tensor-parallel ranks
+compute too).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,14 @@ import numpy as np
 import torch
 
 from vpage import _core
-from vpage.worker.cuda_graphs import DecodeGraphs
-from vpage.worker.input_staging import StepInputs
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.loader.model_loader import LoadedModel
+from vpage.sampler import Sampler
+from vpage.spec_decode.verifier import DraftRows
+from vpage.worker.cuda_graphs import DecodeGraphs
+from vpage.worker.input_staging import StepInputs
+from vpage.worker.prompt_logprobs import score_prompt_rows
+from vpage.worker.step_io import ModelRunnerOutput, SamplingMetadata
 
 
 def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray]]:
@@ -31,13 +43,24 @@ def per_token_queries(plan: _core.SchedulePlan) -> Optional[dict[str, np.ndarray
     }
 
 
+def extra_logit_rows(plan: _core.SchedulePlan, sampling: Optional[SamplingMetadata],
+                     draft: Optional[DraftRows] = None) -> Optional[np.ndarray]:
+    """The token indices whose logits a step needs after the sampled rows' (int64; None when
+    none): the prompt rows to score, then the draft rows (``draft``, or the plan's own)."""
+    draft = draft if draft is not None else DraftRows.of(plan)
+    prompt = sampling.prompt_logprobs if sampling is not None else None
+    extra = [r.rows for r in (prompt, draft) if r is not None]
+    return np.concatenate(extra) if extra else None
+
+
 def has_draft_rows(plan: _core.SchedulePlan) -> bool:
     """Whether the plan's rows are decode tokens some of which carry drafts (no prompt rows)."""
     return bool(plan.num_draft_tokens) and not plan.num_prefill_tokens
 
 
 class ModelRunner:
-    """Runs the model over a plan's flattened batch and computes logits only for sampled rows.
+    """Runs the model over a plan's flattened batch, computes logits only for the rows it
+    needs, and samples them.
 
     On CPU the plan's flat buffers (numpy views of C++ memory) are wrapped as tensors without
     copying. On CUDA they go through ``staging`` (reused pinned buffers, asynchronous copies),
@@ -52,6 +75,7 @@ class ModelRunner:
         self.staging = staging
         self.graphs = graphs
         self.vocab_size = loaded.config.vocab_size
+        self.sampler = Sampler(loaded.config.eos_token_ids)
         self._logits: Optional[torch.Tensor] = None  # CPU: reused [rows, vocab] float32 buffer
 
     def _tensor(self, array) -> torch.Tensor:
@@ -80,12 +104,36 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None,
-                logit_rows: Optional[np.ndarray] = None) -> torch.Tensor:
-        """Forward of the plan's tokens; returns float32 logits ``[num_samples + len(logit_rows),
-        vocab]``: the sampled rows', then those of ``logit_rows`` (int64 token indices, e.g. the
-        prompt rows of prompt_logprobs requests). ``layer_events`` (CUDA): layer i's attention
-        waits on event i (that layer's swaps)."""
+    def execute(self, plan: _core.SchedulePlan, sampling: SamplingMetadata,
+                layer_events: Optional[list] = None) -> ModelRunnerOutput:
+        """Forward of the plan's tokens, then sampling, draft verification and prompt scoring
+        (the driver rank's work; other ranks compute ``logits`` alone). ``layer_events``
+        (CUDA): layer i's attention waits on event i (that layer's swaps)."""
+        draft = DraftRows.of(plan)
+        logits = self.logits(plan, layer_events, extra_logit_rows(plan, sampling, draft))
+        num_samples = len(sampling.rows)
+        if logits.shape[0] < num_samples:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {num_samples} samples")
+        extra = logits[num_samples:]
+        prompt_scores = None
+        if sampling.prompt_logprobs is not None:
+            num_prompt = len(sampling.prompt_logprobs.rows)
+            prompt_scores = score_prompt_rows(extra[:num_prompt], sampling.prompt_logprobs)
+            extra = extra[num_prompt:]
+        if draft is None:
+            sampled = self.sampler.sample(logits[:num_samples], sampling.rows, sampling.token_bitmask)
+            runs, num_drafts, num_accepted = [(i, 1) for i in range(num_samples)], [], []
+        else:
+            verified = draft.verify(self.sampler, logits[:num_samples], extra, sampling.rows, sampling.token_bitmask)
+            sampled, runs = verified.sampled, verified.runs
+            num_drafts, num_accepted = verified.num_drafts, verified.num_accepted
+        return ModelRunnerOutput(sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.top_logprobs, runs,
+                                 num_drafts, num_accepted, prompt_scores)
+
+    def logits(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None,
+               logit_rows: Optional[np.ndarray] = None) -> torch.Tensor:
+        """Forward of the plan's tokens; float32 logits ``[num_samples + len(logit_rows), vocab]``:
+        the sampled rows', then those of ``logit_rows`` (int64 token indices)."""
         if self.staging is None:
             hidden = self.model(self.batch_of(plan), self.kv_caches)
             rows = self._tensor(plan.sample_token_indices)

@@ -15,7 +15,6 @@ import math
 import os
 from typing import Optional
 
-import numpy as np
 import psutil
 import torch
 
@@ -30,11 +29,12 @@ from vpage.model_executor.layers.quant_linear import repack_quantized_weights
 from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
+from vpage.spec_decode.draft_runner import DraftRunner, shares_target_kv
 from vpage.worker.cuda_graphs import DecodeGraphs
-from vpage.worker.draft_runner import DraftInputs, DraftRunner, shares_target_kv
 from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.worker.input_staging import StepInputs
 from vpage.worker.model_runner import ModelRunner
+from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
 logger = logging.getLogger("vpage")
 _GIB = 1 << 30
@@ -76,7 +76,6 @@ class Worker:
         self.model_runner: Optional[ModelRunner] = None
         self.draft_cache: Optional[CacheEngine] = None  # the draft's own KV, in the same block ids
         self.draft_runner: Optional[DraftRunner] = None
-        self._moved_step: Optional[int] = None  # plan whose block operations ran already (drafting)
         self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
 
     @property
@@ -205,48 +204,53 @@ class Worker:
             blocks = int(free // block_bytes)
         return blocks
 
-    def execute(self, plan, logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
-        """Block moves (swap out, swap in, copy: in that order), then the forward of the plan's
-        rows; the float32 logits of the sampled rows, then of ``logit_rows`` (int64 token
-        indices), on rank 0, None elsewhere or without rows.
-        On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
-        cache = self.cache_engine
-        if self._moved_step is None or self._moved_step != getattr(plan, "step_id", None):
-            self._move_blocks(plan)
-        self._moved_step = None
-        if not plan.num_seqs:
-            cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
-            return None
-        return self.model_runner.execute(plan, cache.take_layer_events(), logit_rows)
+    def execute(self, plan, sampling: Optional[SamplingMetadata],
+                drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
+        """One step on this rank alone: ``prepare``, then ``run``."""
+        self.prepare(plan, drafts)
+        return self.run(plan, sampling)
 
-    def _move_blocks(self, plan) -> None:
+    def prepare(self, plan, drafts: Optional[DraftRequest] = None) -> None:
+        """A step's first part: its block moves (swap out, swap in, copy: in that order); then,
+        with ``drafts`` (the driver), the draft model's proposals, written into the plan."""
         for cache in (self.cache_engine, self.draft_cache):
             if cache is not None:
                 cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
                 cache.copy(plan.blocks_to_copy)
         if self.draft_cache is not None:
             self.draft_cache.wait_for_swaps()  # the draft's forwards do not wait per layer
-
-    def propose_drafts(self, plan, inputs: DraftInputs) -> np.ndarray:
-        """The plan's block operations (once: ``execute`` of the same plan skips them), then the
-        draft model's greedy drafts ([plan.num_draft_tokens] int32 in sample order)."""
-        self._move_blocks(plan)
-        self._moved_step = plan.step_id
+        if drafts is None:
+            return
+        inputs = drafts.inputs
         if self.draft_shares_kv:
-            self.cache_engine.wait_for_swaps()  # the draft's forwards do not wait per layer
+            self.cache_engine.wait_for_swaps()
             inputs = inputs.from_row_starts()
         with ps.single_rank():  # the unsharded draft's collectives are no-ops
-            return self.draft_runner.propose(inputs)
+            drafts.fill(self.draft_runner.propose(inputs))
+
+    def run(self, plan, sampling: Optional[SamplingMetadata]) -> Optional[ModelRunnerOutput]:
+        """A prepared step's forward and, on the driver, its sampling; None without rows.
+        On CUDA the swaps overlap the forward: layer i waits only for layer i's swaps."""
+        cache = self.cache_engine
+        if not plan.num_seqs:
+            cache.wait_for_swaps()  # later writes to swapped-out blocks come after the copies
+            return None
+        return self.model_runner.execute(plan, sampling, cache.take_layer_events())
 
     def serve_steps(self) -> None:
-        """A non-driver rank: runs the driver's steps until it sends shutdown."""
+        """A non-driver rank: runs the driver's steps until it sends shutdown (the forward and
+        the logits of the same rows as the driver's, which the vocabulary-parallel head gathers)."""
         receiver = StepReceiver(self.device if self.device.type == "cuda" else torch.device("cpu"),
                                 self.config.cache.block_size)
         while True:
             step = receiver.receive()
             if step is None:
                 return
-            self.execute(step, step.logit_rows)
+            self.prepare(step)
+            if not step.num_seqs:
+                self.cache_engine.wait_for_swaps()
+                continue
+            self.model_runner.logits(step, self.cache_engine.take_layer_events(), step.logit_rows)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:

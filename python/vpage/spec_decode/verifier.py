@@ -17,8 +17,8 @@ kept, so seeded output is the same too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -28,31 +28,15 @@ from vpage.sampler import Sampler, SamplerOutput, SamplingRow, SamplingType, dra
 
 
 @dataclass
-class SpecDecodeStats:
-    """Counters of verified drafts (vLLM's spec_decode_* metrics)."""
-
-    num_drafts: int = 0  # rows that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
-
-    def add(self, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_drafts:
-            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-
-@dataclass
 class Verified:
     """Sampled tokens of every position and, per sample, the rows it commits: ``runs[i] =
-    (first row, number of rows)``, the accepted drafts followed by the verified token."""
+    (first row, number of rows)``, the accepted drafts followed by the verified token;
+    ``num_drafts[i]`` and ``num_accepted[i]``: the sample's drafts and how many were kept."""
 
     sampled: SamplerOutput
     runs: list[tuple[int, int]]
+    num_drafts: list[int]
+    num_accepted: list[int]
 
 
 class DraftRows:
@@ -73,12 +57,11 @@ class DraftRows:
         return DraftRows(plan) if plan.num_draft_tokens else None
 
     def verify(self, sampler: Sampler, last_logits: torch.Tensor, draft_logits: torch.Tensor,
-               rows: list[SamplingRow], banned: Callable[[SamplingRow, int], list[int]],
-               token_bitmask: Optional[torch.Tensor], stats: SpecDecodeStats) -> Verified:
+               rows: list[SamplingRow], token_bitmask: Optional[torch.Tensor]) -> Verified:
         """Samples every position and accepts drafts. ``last_logits`` ``[num_samples, vocab]``:
         each sample's last row; ``draft_logits`` ``[len(self.rows), vocab]``: the rows before
-        them, in ``self.rows`` order; ``rows``: the samples' sampling rows; ``banned(row, j)``:
-        tokens that row may not pick after j more outputs (min_tokens)."""
+        them, in ``self.rows`` order; ``rows``: the samples' sampling rows (a draft position
+        counts the drafts before it as output: penalties, the min_tokens rule)."""
         order: list[int] = []  # into cat(last_logits, draft_logits)
         expanded: list[SamplingRow] = []
         runs_start: list[int] = []
@@ -96,7 +79,7 @@ class DraftRows:
             for j in range(len(drafts) + 1):
                 outputs = list(row.output_token_ids) + drafts[:j]
                 expanded.append(SamplingRow(row.params, row.prompt_token_ids, outputs, row.generator,
-                                            banned(row, j)))
+                                            row.banned_token_ids))
             if row.generator is not None and row.params.sampling_type == SamplingType.RANDOM_SEED:
                 saved[i] = row.generator.get_state()
         logits = torch.cat([last_logits, draft_logits]).index_select(0, torch.tensor(order, device=last_logits.device))
@@ -105,17 +88,16 @@ class DraftRows:
             token_bitmask = token_bitmask.index_select(0, torch.tensor(sample_of, device=token_bitmask.device))
         sampled = sampler.sample(logits, expanded, token_bitmask)
         tokens = sampled.token_ids.tolist()
-        runs = []
+        runs, num_accepted = [], []
         for i, (start, drafts) in enumerate(zip(runs_start, self.drafts)):
             accepted = 0
             while accepted < len(drafts) and tokens[start + accepted] == drafts[accepted]:
                 accepted += 1
             runs.append((start, accepted + 1))
-            if drafts:
-                stats.add(len(drafts), accepted)
+            num_accepted.append(accepted)
             if i in saved:
                 _rewind(rows[i].generator, saved[i], accepted + 1, logits.device)
-        return Verified(sampled, runs)
+        return Verified(sampled, runs, self.num_drafts, num_accepted)
 
 
 def _rewind(generator: torch.Generator, state: torch.Tensor, draws: int, device) -> None:

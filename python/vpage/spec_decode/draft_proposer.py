@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from vpage import _core
-from vpage.worker.draft_runner import DraftInputs
+from vpage.spec_decode.draft_runner import DraftInputs
 
 
 class DraftModelProposer:
