@@ -140,7 +140,6 @@ def bench_case(dtype, batch, context, args):
 
     (vpage_t, vpage_p10, vpage_p90), (gqa_t, _, _), (expanded_t, _, _), (gather_t, _, _) = interleaved(
         [vpage_decode, sdpa_gqa, sdpa_expanded, gather_sdpa], args.repeats)
-    del k_full, v_full
     sdpa_t = min(gqa_t, expanded_t)
     return dict(vpage=vpage_t, p10=vpage_p10, p90=vpage_p90, sdpa=sdpa_t,
                 sdpa_kind="gqa" if gqa_t <= expanded_t else "expanded", gather=gather_t,

@@ -35,7 +35,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from bench_attention import interleaved, ints, machine_description
 from vpage import _core, _ops_cpu, ops
@@ -106,7 +105,7 @@ def bench_shape(qtype, n, k, ms, args, rng):
             paths = [f"{flops / times[2] / 1e9:.1f}", f"{flops / times[3] / 1e9:.1f}", f"{times[3] / times[2]:.2f}x"]
         rows.append((qtype, f"{n}x{k}", m, tq * 1e6, qweight.numel() / tq / 1e9, flops / tq / 1e9, *paths,
                      tf * 1e6, dense.numel() * 4 / tf / 1e9, flops / tf / 1e9, tf / tq))
-        del qs, ws
+        qs = ws = None  # this m's copies go before the next m's are made
     return rows
 
 

@@ -105,14 +105,14 @@ if [ "$PYOK" = 1 ]; then
   export PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1  # keeps packages carried in by the caller
   if wants ops && has_time 30 "CUDA op tests"; then
     timeout "$(budget 110)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
-      "$SRC/tests/python/test_ops_cuda.py" "$SRC/tests/python/test_ops_bitmask.py" \
-      "$SRC/tests/python/test_ops_layer_cuda.py" > "$OUT/pytest.log" 2>&1
+      "$SRC/tests/python/ops/test_ops_cuda.py" "$SRC/tests/python/ops/test_ops_bitmask.py" \
+      "$SRC/tests/python/ops/test_ops_layer_cuda.py" > "$OUT/pytest.log" 2>&1
     note "- CUDA op tests: rc $? — $(tail -1 "$OUT/pytest.log")"
   fi
   # Graphs vs eager, swap preemption, CUDA vs CPU (float32) and memory profiling.
   if wants engine && has_time 30 "engine CUDA tests"; then
     timeout "$(budget 180)" "$PY" -m pytest -q -p no:cacheprovider -m cuda \
-      "$SRC/tests/python/test_engine_cuda.py" > "$OUT/pytest_engine.log" 2>&1
+      "$SRC/tests/python/worker/test_engine_cuda.py" > "$OUT/pytest_engine.log" 2>&1
     note "- engine CUDA tests: rc $? — $(tail -1 "$OUT/pytest_engine.log")"
   fi
 else

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the tests need, builds vpage, and runs every test: the C++ tests (ctest),
-# the embedding example built against an installed copy of the C++ package, and pytest.
+# the embedding example built against an installed copy of the C++ package, ruff, and pytest.
 # Usage: bash scripts/test.sh   (from anywhere; CUDA code is compiled when nvcc is found)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,9 @@ cmake -S examples/embed -B build/embed -DCMAKE_PREFIX_PATH="$PWD/build/install"
 cmake --build build/embed -j "$JOBS"
 ./build/embed/vpage-embed-example > build/embed/output.txt
 tail -n 2 build/embed/output.txt
+
+echo "== Python lint (ruff) =="
+"$PY" -m ruff check python tests bench
 
 echo "== Python tests =="
 HF_HUB_OFFLINE=1 "$PY" -m pytest tests/python -q -ra

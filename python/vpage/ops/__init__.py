@@ -25,20 +25,22 @@ and prefill attention), ``layer`` (rotary embedding, RMS norms, gated activation
 
 from __future__ import annotations
 
-from vpage.ops._common import _checking, trusted_arguments
+from vpage.ops._common import _checking as _checking
+from vpage.ops._common import trusted_arguments
 from vpage.ops.attention import paged_attention, paged_prefill_attention
-from vpage.ops.kv_cache import (copy_blocks, key_cache_shape, kv_dtypes_supported, reshape_and_cache, swap_blocks,
-                                value_cache_shape)
+from vpage.ops.kv_cache import copy_blocks, key_cache_shape, reshape_and_cache, swap_blocks, value_cache_shape
+from vpage.ops.kv_cache import kv_dtypes_supported as kv_dtypes_supported
 from vpage.ops.layer import (fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rms_norm_heads_, rotary_embedding,
                              sigmoid_gated_add_, silu_and_mul)
-from vpage.ops.matmul import (DENSE_PANEL_ROWS, QUANT_TYPES, REPACK_GROUP_ROWS, REPACKED_TYPES, dense_matmul,
-                              dense_rows, dequantize_rows, pack_dense_weight, quant_matmul, quant_row_bytes,
-                              repack_for_cpu, repack_x4, repack_x8)
+from vpage.ops.matmul import DENSE_PANEL_ROWS as DENSE_PANEL_ROWS
+from vpage.ops.matmul import (QUANT_TYPES, REPACK_GROUP_ROWS, REPACKED_TYPES, dense_matmul, dense_rows, dequantize_rows,
+                              pack_dense_weight, quant_matmul, quant_row_bytes, repack_for_cpu, repack_x4, repack_x8)
 from vpage.ops.moe import fused_moe, pack_expert_weights
 from vpage.ops.sampler import apply_token_bitmask_, logsumexp_argmax, token_bitmask_words
 from vpage.ops.threads import get_num_threads, set_num_threads, set_thread_source
 
-# Also here, outside __all__: kv_dtypes_supported (the cache engine), DENSE_PANEL_ROWS (packed panels), _checking.
+# Also here, outside __all__ (re-exported as `name as name`): kv_dtypes_supported (the cache engine),
+# DENSE_PANEL_ROWS (packed panels), _checking.
 
 __all__ = [
     "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",

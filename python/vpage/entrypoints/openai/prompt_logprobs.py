@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Optional
 
 from vpage.entrypoints.openai.protocol import MAX_TOP_LOGPROBS, ApiError
-from vpage.outputs import CompletionOutput, Logprob, RequestOutput
+from vpage.outputs import Logprob, RequestOutput
 from vpage.tokenizer import IncrementalDetokenizer
 
 MAX_PROMPT_LOGPROBS = MAX_TOP_LOGPROBS

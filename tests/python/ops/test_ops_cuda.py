@@ -12,20 +12,13 @@ import os
 import pytest
 import torch
 
+from device_marks import cuda_ready, requires_cuda
+
 try:
     from vpage import _cuda
 except ImportError:
     _cuda = None
 
-
-def _cuda_ready() -> bool:
-    return torch.cuda.is_available() and _cuda is not None and _cuda.is_available()
-
-
-def requires_cuda(test):
-    """Marks `test` as a CUDA test, skipped where there is no GPU or no vpage._cuda."""
-    skip = pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and vpage._cuda")
-    return pytest.mark.cuda(skip(test))
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.float16: (3e-3, 1e-2), torch.bfloat16: (2e-2, 3e-2)}
@@ -447,7 +440,7 @@ def test_tiled_version_rejects_decode():
 
 
 def _two_gpus() -> bool:
-    return _cuda_ready() and torch.cuda.device_count() >= 2
+    return cuda_ready() and torch.cuda.device_count() >= 2
 
 
 @pytest.mark.cuda

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from device_marks import available_isas
 from kv_reference import reference_prefill_attention
-from test_ops_cpu import available_isas, check_close, setup
+from test_ops_cpu import check_close, setup
 from vpage import LLM, SamplingParams, _core, ops
 
 SCALE = 0.125
@@ -101,7 +102,7 @@ def test_default_model_long_context_same_tokens_alone_batched_and_speculating():
     length alone, so a request decodes the same tokens alone, in a batch and under speculation
     on two threads (before, a lone sequence was cut by the threads and a batch of three was
     not: this prompt's third token changed)."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "data" / "spec_grounded.jsonl"
+    path = Path(__file__).resolve().parents[3] / "bench" / "data" / "spec_grounded.jsonl"
     texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines()]
     prompts = ["\n\n".join(texts[i % 8] for i in range(start, start + 3)) for start in (7, 6, 5)]  # 640-720 tokens
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

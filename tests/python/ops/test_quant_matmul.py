@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from device_marks import available_isas
 from quant_fixtures import ALL_TYPES, dequantized, quantized_rows
-from test_ops_cpu import available_isas
 from vpage import _core, ops
 
 ISAS = available_isas()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from test_engine_smollm2 import PROMPTS
+from default_model_prompts import PROMPTS
 from vpage import LLM, SamplingParams, _core
 from vpage.model_executor.layers.quant_linear import QuantizedEmbedding, QuantizedLinear
 

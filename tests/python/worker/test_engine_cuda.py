@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_engine_smollm2 import PROMPTS
-from test_ops_cuda import requires_cuda
+from default_model_prompts import PROMPTS
+from device_marks import requires_cuda
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block
 from vpage.worker.graph_buckets import (MAX_GRAPH_BATCH, fill_padded_decode, graph_batch_for, graph_batch_sizes,
                                         padded_batch_size)
@@ -187,13 +187,12 @@ def test_cuda_graphs_match_eager_and_are_replayed():
     assert runner.graphs is not None and runner.graphs.sizes == graph_batch_sizes(16)
     assert runner.staging.buffers["input_ids"].host.is_pinned()
     replays = []
-    run = runner.graphs.run
-    runner.graphs.run = lambda plan, rows: replays.append(rows) or run(plan, rows)
+    runner.graphs.run = lambda plan, rows, run=runner.graphs.run: replays.append(rows) or run(plan, rows)
     assert _greedy(graphed) == expected
     assert 8 in replays  # the 8-row decode steps (and fewer rows, padded up, once requests end)
     assert _greedy(graphed, PROMPTS[:3]) == expected_three  # 3 rows padded to 4
     assert 4 in replays
-    del graphed, runner, run
+    del graphed, runner
     _free_cuda()
 
 

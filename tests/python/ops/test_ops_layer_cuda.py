@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_ops_cuda import DTYPES, requires_cuda
+from device_marks import requires_cuda
+from test_ops_cuda import DTYPES
 from vpage import ops
 from vpage.ops import layer
 

@@ -16,9 +16,10 @@ from model_fixtures import save_tiny_model
 from vpage import LLM, SamplingParams, _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine
-from vpage.engine.spec_decode import DraftRows, SpecDecodeStats
 from vpage.sampler import Sampler, SamplingRow
-from vpage.worker.draft_runner import DraftInputs
+from vpage.spec_decode.draft_runner import DraftInputs
+from vpage.spec_decode.metrics import SpecDecodeStats
+from vpage.spec_decode.verifier import DraftRows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -315,9 +316,9 @@ def test_verifier_keeps_the_target_distribution():
     rows = DraftRows(plan)
     params = SamplingParams(temperature=1.0)
     sampling = [SamplingRow(params, [1], []) for _ in range(n)]
+    verified = rows.verify(Sampler(), p1.log().repeat(n, 1), p0.log().repeat(n, 1), sampling, None)
     stats = SpecDecodeStats()
-    verified = rows.verify(Sampler(), p1.log().repeat(n, 1), p0.log().repeat(n, 1), sampling, lambda r, j: [],
-                           None, stats)
+    stats.add_step(verified.num_drafts, verified.num_accepted)
     kept = verified.sampled.token_ids.tolist()
     first = np.array([kept[start] for start, _ in verified.runs])
     accepted = np.array([count == 2 for _, count in verified.runs])
