@@ -6,7 +6,7 @@ Generates the trace's greedy outputs once with the default model (LLM.generate),
 rule walks every output as speculative decoding would: at each step the rule proposes up to k
 tokens from prompt + output so far, the step keeps the leading drafts that equal the output,
 plus one token. Prints steps, steps with drafts and the share of drafts kept per rule, so that
-a change of lookup rule can be judged without timing anything (RESULTS-spec-zen3.md).
+a change of lookup rule can be judged without timing anything (RESULTS-spec.md).
 
 Rules: "latest" is vpage's (cpp/src/ngram_proposer.cpp: the latest earlier occurrence of the
 longest suffix n-gram, n from max down to min); "longest" takes the occurrence whose match
