@@ -26,7 +26,7 @@ import torch
 from vpage import SamplingParams, _core
 from vpage.engine import EngineArgs, LLMEngine
 
-PARTS = ("schedule", "sampling rows", "sample", "process outputs", "model")
+PARTS = ("schedule", "sampling rows", "sample", "update", "process outputs", "model")
 
 
 def _runner(engine):
@@ -44,6 +44,24 @@ def _model_step(runner):
 def _sampler(engine):
     """The sampler: the model runner's, or the engine's before the model runner sampled."""
     return engine.sampler if hasattr(engine, "sampler") else _runner(engine).sampler
+
+
+def _instrument(engine, totals: dict) -> None:
+    """Times the parts of a step: the scheduler's schedule(), the model, the sampler, and the
+    processing after sampling (the core's update and the front end's text since the engine core
+    was split out; before, the output processor did both, and built the sampling rows apart)."""
+    core = getattr(engine, "core", None)
+    if core is not None:
+        core.scheduler = _Timed(core.scheduler, totals)
+        core.update = timed(totals, "update", core.update)
+    else:
+        engine.scheduler = engine.outputs.scheduler = _Timed(engine.scheduler, totals)
+        engine.outputs.sampling_rows = timed(totals, "sampling rows", engine.outputs.sampling_rows)
+    name, execute = _model_step(_runner(engine))
+    setattr(_runner(engine), name, timed(totals, "model", execute))
+    sampler = _sampler(engine)
+    sampler.sample = timed(totals, "sample", sampler.sample)
+    engine.outputs.process = timed(totals, "process outputs", engine.outputs.process)
 
 
 def _params(**kwargs):
@@ -118,13 +136,7 @@ def measure(batch: int, steps: int, args) -> dict:
         waiting = engine.scheduler.num_waiting
         prefill_done = prefill_done + 1 if not waiting and engine.scheduler.stats.num_prefill_tokens == before else 0
     totals: dict = defaultdict(float)
-    engine.scheduler = engine.outputs.scheduler = _Timed(engine.scheduler, totals)
-    name, execute = _model_step(_runner(engine))
-    setattr(_runner(engine), name, timed(totals, "model", execute))
-    sampler = _sampler(engine)
-    sampler.sample = timed(totals, "sample", sampler.sample)
-    engine.outputs.sampling_rows = timed(totals, "sampling rows", engine.outputs.sampling_rows)
-    engine.outputs.process = timed(totals, "process outputs", engine.outputs.process)
+    _instrument(engine, totals)
     step_times = []
     for _ in range(steps):
         t0 = time.perf_counter()

@@ -1,10 +1,11 @@
-"""Prompt logprobs (``SamplingParams.prompt_logprobs``): the extra rows of a step that need
-logits, and the model runner's scores of them turned into each request's ``prompt_logprobs``.
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``), the engine core's side: the extra rows
+of a step that need logits, and the model runner's scores of them handed to each request (the
+front end adds the tokens' text).
 
 The logits of the row at position p score prompt token p + 1, so a request needs the rows of
 positions 0 .. len(prompt) - 2 (its last prompt row is the row it samples from, which the
 step computes anyway). Prefill chunks contribute their rows in order; a request's list holds
-one entry per prompt token scored so far (None for the first), so when a preemption by
+one entry per prompt token scored so far (the first is never scored), so when a preemption by
 recompute runs rows again, the positions already scored are skipped. A step with no such
 request pending costs one check of an empty dict.
 """
@@ -17,8 +18,7 @@ from typing import Optional
 import numpy as np
 
 from vpage import _core
-from vpage.engine.request_state import RequestState
-from vpage.outputs import Logprob
+from vpage.engine.core_requests import CoreRequest
 from vpage.worker.prompt_logprobs import PromptLogprobRows, PromptScores
 
 
@@ -29,25 +29,21 @@ class PromptRows:
     positions ``[begin, end)`` whose rows it takes, in that order."""
 
     scored: PromptLogprobRows
-    segments: list[tuple[RequestState, int, int]]
+    segments: list[tuple[CoreRequest, int, int]]
 
 
 class PromptLogprobs:
     """The requests whose prompt rows are not all scored yet, by sequence id."""
 
     def __init__(self) -> None:
-        self.pending: dict[int, RequestState] = {}
-        self._texts: dict[int, Optional[str]] = {}  # token id -> decoded text (the vocabulary, at most)
+        self.pending: dict[int, CoreRequest] = {}
 
-    def add(self, state: RequestState) -> None:
-        if state.params.prompt_logprobs is None:
-            return
-        state.prompt_logprobs = [None]
-        if len(state.prompt_token_ids) > 1:
+    def add(self, state: CoreRequest) -> None:
+        if state.params.prompt_logprobs is not None and len(state.prompt_token_ids) > 1:
             for seq_id in state.seqs:
                 self.pending[seq_id] = state
 
-    def forget(self, state: RequestState) -> None:
+    def forget(self, state: CoreRequest) -> None:
         """Drops a request that ended (finished, aborted or ignored) while pending."""
         if self.pending:
             for seq_id in state.seqs:
@@ -68,7 +64,7 @@ class PromptLogprobs:
             state = self.pending[int(seq_ids[r])]
             begin, end = int(starts[r]), int(starts[r + 1])
             first = int(positions[begin])
-            scored = claimed.get(state.request_id, len(state.prompt_logprobs) - 1)
+            scored = claimed.get(state.request_id, state.num_prompt_scored - 1)
             if first > scored:
                 raise RuntimeError(f"request {state.request_id}: prompt rows from position {first} but only "
                                    f"{scored} scored (a prefix-cache hit on a prompt_logprobs request)")
@@ -86,32 +82,14 @@ class PromptLogprobs:
                           segments)
 
     def record(self, scores: PromptScores, step: PromptRows) -> None:
-        """Appends the scored prompt tokens of ``step`` to their requests' lists: per token the
-        prompt token's own logprob and rank, then the request's top ``prompt_logprobs`` (ranks
-        1, 2, ...), each with its text."""
+        """Hands the scores of ``step``'s prompt tokens to their requests, in position order."""
         targets = step.scored.targets.tolist()
         row = 0
         for state, begin, end in step.segments:
-            text = self._decoder(state)
-            entries = state.prompt_logprobs
             for i in range(row, row + end - begin):
-                entry = {targets[i]: Logprob(scores.logprobs[i], scores.ranks[i], text(targets[i]))}
-                for rank, (tid, value) in enumerate(zip(scores.top_ids[i], scores.top_logprobs[i]), start=1):
-                    entry.setdefault(tid, Logprob(value, rank, text(tid)))  # the prompt token keeps its entry
-                entries.append(entry)
+                state.new_prompt_scores.append((targets[i], scores.logprobs[i], scores.ranks[i], scores.top_ids[i],
+                                                scores.top_logprobs[i]))
+            state.num_prompt_scored += end - begin
             row += end - begin
-            if len(entries) == len(state.prompt_token_ids):
+            if state.num_prompt_scored == len(state.prompt_token_ids):
                 self.forget(state)
-
-    def _decoder(self, state: RequestState):
-        tokenizer, texts = state.tokenizer, self._texts
-        if tokenizer is None:
-            return lambda tid: None
-
-        def text(tid: int) -> Optional[str]:
-            out = texts.get(tid)
-            if out is None:
-                out = texts[tid] = tokenizer.decode([tid])
-            return out
-
-        return text

@@ -116,8 +116,8 @@ def test_delta_outputs_carry_them_once_through_a_preemption_mid_prefill(tiny):
     preempted_mid_prefill = False
     carried = []
     for _ in bounded(engine.has_unfinished_requests, 10_000, "requests still unfinished"):
-        state, group = engine.requests.get("b"), engine.scheduler.find_group("b")
-        before = None if group is None else (group.num_preemptions, len(state.prompt_logprobs or ()))
+        state, group = engine.core.requests.get("b"), engine.scheduler.find_group("b")
+        before = None if group is None else (group.num_preemptions, state.num_prompt_scored)
         for out in engine.step():
             if out.prompt_logprobs is not None:
                 carried.append((out.request_id, out.prompt_logprobs))
@@ -136,9 +136,9 @@ def test_abort_mid_prefill_leaves_nothing(tiny):
     engine.add_request("x", _prompt(5, 60), SamplingParams(max_tokens=2, prompt_logprobs=1))
     engine.step()
     engine.step()
-    assert len(engine.requests["x"].prompt_logprobs) == 1 + 16
+    assert engine.core.requests["x"].num_prompt_scored == 1 + 16  # the first prompt token has no score
     engine.abort_request("x")
-    assert not engine.outputs.prompt_logprobs.pending and not engine.has_unfinished_requests()
+    assert not engine.core.prompt_logprobs.pending and not engine.has_unfinished_requests()
     usage = engine.scheduler.usage()
     assert usage.free_gpu_blocks == usage.num_gpu_blocks
     engine.scheduler.check_invariants()

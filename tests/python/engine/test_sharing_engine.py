@@ -206,7 +206,7 @@ def colliding(engine: LLMEngine) -> LLMEngine:
     """The engine with a fresh scheduler whose block hashes all collide (the test hook)."""
     blocks = engine.scheduler.block_config
     blocks.collide_prefix_hashes_for_testing = True
-    engine.scheduler = engine.outputs.scheduler = _core.Scheduler(engine.scheduler.config, blocks)
+    engine.core.scheduler = _core.Scheduler(engine.scheduler.config, blocks)
     return engine
 
 
@@ -272,7 +272,7 @@ def test_chunked_prefill_matches_unchunked_and_respects_the_budget(folder):
 
     def run(**kwargs):
         engine = make_engine(folder, **kwargs)
-        recorder = engine.scheduler = PlanRecorder(engine.scheduler)
+        recorder = engine.core.scheduler = PlanRecorder(engine.scheduler)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, greedy(10))
         outs, _ = drain(engine)
@@ -291,7 +291,7 @@ def test_chunked_prefill_matches_unchunked_and_respects_the_budget(folder):
 def test_a_long_prompt_does_not_stall_running_decodes(folder):
     budget = 16
     engine = make_engine(folder, max_num_batched_tokens=budget)
-    recorder = engine.scheduler = PlanRecorder(engine.scheduler)
+    recorder = engine.core.scheduler = PlanRecorder(engine.scheduler)
     for i in range(3):
         engine.add_request(f"d{i}", [11 + i, 12, 13], greedy(60))
     for _ in range(20):  # until all three decode

@@ -278,7 +278,7 @@ class _Gate:
 
     def __init__(self, engine: LLMEngine, fail: str | None = None):
         self.release = threading.Event()
-        backend = engine.structured.compiler.backend
+        backend = engine.core.structured.compiler.backend
         self.original = backend.compile
         self.fail = fail
 
@@ -306,7 +306,7 @@ def test_waiting_for_a_grammar_abort_and_failure(tiny):
         done = {}
         for _ in bounded(lambda: "dup-check" not in done, 100, "the free request did not finish"):
             done.update({o.request_id: o for o in tiny.step() if o.finished})
-        assert tiny.structured.is_pending("slow") and tiny.has_unfinished_requests()
+        assert tiny.core.structured.is_pending("slow") and tiny.has_unfinished_requests()
         tiny.abort_request("slow")
         assert not tiny.has_unfinished_requests()
     finally:

@@ -196,7 +196,7 @@ def test_drafts_follow_the_cost_of_a_row(tiny, other_draft, per_row, drafts_pay)
     plain = run(make_engine(tiny), requests)
     engine = make_engine(tiny, {"model": str(other_draft), "num_speculative_tokens": 3})
     timed = _TimedScheduler(engine.scheduler.config, engine.scheduler.block_config, per_row)
-    engine.scheduler = engine.outputs.scheduler = timed
+    engine.core.scheduler = timed
     fast = run(engine, requests)
     assert tokens(fast) == tokens(plain)
     late = timed.steps[16:-1]  # after the first misses and a fit; the last has no room for drafts

@@ -1,0 +1,405 @@
+"""The engine core: numbers in, numbers out. ``step()`` is schedule -> execute -> update.
+
+It owns the C++ scheduler (blocks, sequences, preemption), the executor (the workers and their
+KV caches), structured outputs' grammars, the draft model's bookkeeping and the statistics. It
+takes tokenized requests (``EngineCoreRequest``) and returns, per step, the news of each
+request that advanced or ended (``EngineCoreOutput``). It handles no text: detokenizing, stop
+strings and ``RequestOutput``s are the front end's (``output_processor``), which tells the core
+when a stop string ended a sample (``finish_sequences``). Bad requests raise ValueError and
+leave the core untouched; a failed step leaves it consistent (nothing was committed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from vpage import _core
+from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
+from vpage.engine.beam_search import BeamSearch
+from vpage.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from vpage.engine.core_requests import CoreRequest, CoreSequence
+from vpage.engine.metrics import EngineMetrics, EngineStats
+from vpage.engine.prompt_logprobs import PromptLogprobs
+from vpage.engine.structured_outputs import StructuredOutputs
+from vpage.executor.abstract import Executor
+from vpage.sampler import beam_candidates
+from vpage.spec_decode.draft_proposer import DraftModelProposer
+from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
+
+logger = logging.getLogger("vpage")
+
+_PREEMPTION = {"auto": _core.PreemptionMode.AUTO, "recompute": _core.PreemptionMode.RECOMPUTE,
+               "swap": _core.PreemptionMode.SWAP}
+_STOPPED = int(_core.SequenceStatus.FINISHED_STOPPED)
+_FINISH_REASONS = {
+    _STOPPED: "stop",
+    int(_core.SequenceStatus.FINISHED_LENGTH): "length",
+    int(_core.SequenceStatus.FINISHED_ABORTED): "abort",
+    int(_core.SequenceStatus.FINISHED_IGNORED): "length",
+}
+
+
+def blocks_per_sequence(max_model_len: int, cache: CacheConfig, sched: SchedulerConfig) -> int:
+    """The most KV blocks one sequence holds: one per block_size tokens of its context, or with a
+    sliding window W at most ceil((W - 1 + max_num_batched_tokens) / block_size) + 1 (the blocks
+    of its window and of one step; the C++ block manager's bound)."""
+    full = math.ceil(max_model_len / cache.block_size)
+    if not cache.sliding_window:
+        return full
+    return min(full, math.ceil((cache.sliding_window - 1 + sched.max_num_batched_tokens) / cache.block_size) + 1)
+
+
+# (sequence id, token, its request, its logprob, its top logprobs) of one token to commit.
+_Commit = tuple[int, int, CoreRequest, float, Optional[list]]
+
+
+class EngineCore:
+    """Schedules, runs and commits steps over tokenized requests."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.executor = Executor.create(config)
+        self.model_config = self.executor.model_config
+        self.device = self.executor.device
+        self.max_model_len = config.scheduler.max_model_len
+        cache, sched = config.cache, config.scheduler
+        num_gpu_blocks, num_cpu_blocks = self.executor.num_gpu_blocks, self.executor.num_cpu_blocks
+        if num_gpu_blocks < blocks_per_sequence(self.max_model_len, cache, sched):
+            self.shutdown()
+            held = (f"a sequence of max_model_len {self.max_model_len} tokens" if not cache.sliding_window else
+                    f"one sequence's window of {cache.sliding_window} and a step of {sched.max_num_batched_tokens}")
+            raise ValueError(
+                f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than {held}: raise "
+                f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'} or lower max_model_len")
+        self.num_gpu_blocks = num_gpu_blocks
+        spec = config.speculative
+        self.scheduler = _core.Scheduler(
+            _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
+                                  max_num_seqs=sched.max_num_seqs, max_model_len=self.max_model_len,
+                                  enable_chunked_prefill=sched.enable_chunked_prefill,
+                                  preemption_mode=_PREEMPTION[sched.preemption_mode],
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                                  prompt_lookup_min=spec.prompt_lookup_min if spec else 5,
+                                  prompt_lookup_max=spec.prompt_lookup_max if spec else 5,
+                                  speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
+                                  external_drafts=spec is not None and spec.model is not None),
+            _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
+                                     num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
+                                     enable_prefix_caching=cache.enable_prefix_caching,
+                                     sliding_window=cache.sliding_window or 0))
+        self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
+                        if spec is not None and spec.model is not None else None)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, CoreRequest] = {}
+        self.seq_owner: dict[int, CoreRequest] = {}
+        self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
+        self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
+        self._private_salts = itertools.count()
+        try:
+            self.structured = StructuredOutputs(config.structured_outputs, self.executor.tokenizer,
+                                                self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                                sched.max_num_seqs, self.device)
+        except ValueError:  # an unknown reasoning parser
+            self.shutdown()
+            raise
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded with it (the core itself handles no text)."""
+        return self.executor.tokenizer
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a tokenized request. Raises ValueError for a duplicate id, an empty or too long
+        prompt, token ids out of the vocabulary, or parameters the engine cannot serve; the core
+        is unchanged then. A request with structured outputs waits until its grammar compiles;
+        one whose grammar fails to compile ends without output (``take_request_errors``)."""
+        params, ids, request_id = request.params, request.prompt_token_ids, request.request_id
+        if request_id in self.requests or self.structured.is_pending(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.verify_token_ids(self.model_config.vocab_size)  # logit_bias, allowed_token_ids, bad_words
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                             "which must leave room for at least one generated token")
+        cache = self.config.cache
+        capacity = self.num_gpu_blocks - math.ceil(cache.watermark * self.num_gpu_blocks)
+        if blocks_per_sequence(len(ids), cache, self.config.scheduler) > capacity:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the KV cache holds {capacity * cache.block_size} "
+                             "tokens for one request: raise kv_cache_memory")
+        if params.structured_outputs is not None:
+            self.structured.validate(params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        eos = [] if params.ignore_eos else self.model_config.eos_token_ids
+        beam = None
+        if params.use_beam_search:  # beams end in Python (BeamSearch); C++ only caps the length
+            beam = BeamSearch(params.best_of, params.length_penalty, params.early_stopping, max_tokens, eos,
+                              beam_candidates(params.best_of, self.model_config.eos_token_ids))
+        stop = _core.StopConditions(max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
+                                    eos_token_ids=self.model_config.eos_token_ids,
+                                    stop_token_ids=params.stop_token_ids,
+                                    ignore_eos=params.ignore_eos or beam is not None)
+        cache_salt = request.cache_salt
+        if params.prompt_logprobs is not None:
+            # Cached prompt tokens get no logits: a salt no other request has keeps this one off
+            # others' cached blocks. (Its own blocks may serve its recompute after a preemption;
+            # their positions are scored already.)
+            cache_salt = f"\x00prompt-logprobs-{next(self._private_salts)}"
+
+        def admit(grammar=None) -> None:
+            # Drafts are verified by the sampler alone: not for beams or grammar-constrained rows.
+            speculate = beam is None and params.structured_outputs is None
+            seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, request.arrival_time,
+                                                        cache_salt or "", speculate)
+            state = CoreRequest(request, seq_ids, self.device, beam)
+            if grammar is not None:
+                self.structured.attach(state, grammar)
+            self.requests[request_id] = state
+            self.unscheduled[request_id] = state
+            for seq_id in state.seqs:
+                self.seq_owner[seq_id] = state
+            self.prompt_logprobs.add(state)
+
+        if params.structured_outputs is None:
+            admit()
+        else:
+            self.structured.submit(request_id, params, admit)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Aborts unfinished requests (unknown ids are ignored) and frees their blocks."""
+        for request_id in request_ids:
+            if self.structured.abort(request_id):
+                continue
+            state = self.requests.get(request_id)
+            if state is not None:
+                self.scheduler.abort(request_id)
+                self._forget(state)
+
+    def finish_sequences(self, samples: Sequence[tuple[str, int]]) -> None:
+        """Ends the (request id, sample index) samples that a stop string ended in the front end:
+        their later tokens are dropped, and a request whose samples have all ended is done."""
+        for request_id, index in samples:
+            state = self.requests.get(request_id)
+            seq = state.sample(index) if state is not None else None
+            if seq is None or seq.finish_reason is not None:
+                continue
+            seq.finish("stop")
+            seq.delta()  # the front end knows: nothing more to report of it
+            if self.scheduler.finish_sequence(seq.seq_id, _core.SequenceStatus.FINISHED_STOPPED):
+                self._finish_request(state)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self.structured.pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests) + len(self.structured.pending)
+
+    def take_request_errors(self) -> list[tuple[str, str]]:
+        """(request id, message) of the requests that ended in an error since the last call
+        (a grammar that did not compile): they produced no output and are gone."""
+        return self.structured.take_errors()
+
+    def get_stats(self) -> EngineStats:
+        return self.metrics.snapshot(self.scheduler)
+
+    def _forget(self, state: CoreRequest) -> None:
+        self.requests.pop(state.request_id, None)
+        self.unscheduled.pop(state.request_id, None)
+        for seq_id in state.seqs:
+            self.seq_owner.pop(seq_id, None)
+        self.prompt_logprobs.forget(state)
+
+    def _finish_request(self, state: CoreRequest) -> None:
+        state.finish_all("stop")  # samples that ended have their own reasons already
+        self.metrics.on_request_finished(state.arrival_time, state.first_token_time,
+                                         max((len(s.output_token_ids) for s in state.seqs.values()), default=0))
+        self._forget(state)
+
+    # --------------------------------------------------------------------- step
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedules one step, executes it (cache operations, forward, sampling) and updates the
+        requests from its output; returns the news of the requests that advanced or ended."""
+        start, scheduled_at = time.perf_counter(), time.monotonic()
+        if self.structured.pending:  # nothing else to run: wait a little for a grammar
+            self.structured.admit_ready(wait=not self.scheduler.has_unfinished())
+        plan = self.scheduler.schedule()
+        for request_id, reason in plan.ignored:
+            logger.warning("vpage: request %s ignored: %s", request_id, reason)
+        drafts = None
+        if self.drafter is not None:
+            self.drafter.observe(plan)
+            if plan.num_draft_tokens:
+                drafts = DraftRequest(self.drafter.inputs(plan, self._tokens_of), self.scheduler.fill_drafts)
+        seq_ids: list[int] = []
+        sampling = prompt_rows = None
+        if plan.num_seqs:
+            seq_ids = plan.sample_seq_ids.tolist()
+            prompt_rows = self.prompt_logprobs.rows(plan)
+            sampling = SamplingMetadata([self.seq_owner[s].seqs[s].row for s in seq_ids],
+                                        self.structured.bitmask(seq_ids, self.seq_owner),
+                                        prompt_rows.scored if prompt_rows is not None else None)
+        sampled = self.executor.execute(plan, sampling, drafts)
+        if sampled is not None:
+            if prompt_rows is not None:
+                self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
+            self.metrics.spec.add_step(sampled.num_drafts, sampled.num_accepted)
+        outputs = self.update(plan, seq_ids, sampled, scheduled_at)
+        elapsed = time.perf_counter() - start
+        self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
+        self.metrics.on_step(elapsed, plan.num_tokens)
+        return outputs
+
+    def update(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[ModelRunnerOutput],
+               scheduled_at: float) -> list[EngineCoreOutput]:
+        """Commits the step's tokens (beams advanced first), applies the stop rules (stop tokens,
+        lengths, grammars, beams), finishes requests and returns the news of the requests that
+        advanced or ended. ``seq_ids``: the plan's sampled sequences, whose tokens ``sampled``
+        holds; ``scheduled_at``: time.monotonic() when the step was scheduled."""
+        now = time.monotonic()
+        if self.unscheduled and plan.num_seqs:
+            self._mark_scheduled(plan, scheduled_at)
+        touched: dict[str, CoreRequest] = {}
+        finished: dict[str, CoreRequest] = {}
+        for request_id, _reason in plan.ignored:
+            state = self.requests[request_id]
+            state.finish_all("length")
+            touched[request_id] = state
+            self._forget(state)
+        commits: list[_Commit] = []
+        if sampled is not None:
+            commits = self._commits(seq_ids, sampled, touched, finished)
+        result = self.scheduler.commit(np.array([c[0] for c in commits], dtype=np.int64),
+                                       np.array([c[1] for c in commits], dtype=np.int32))
+        statuses = result.statuses.tolist()
+        stop_tokens = result.stop_token_ids.tolist()
+        for (seq_id, token, owner, logprob, top), status, stop_token in zip(commits, statuses, stop_tokens):
+            touched[owner.request_id] = owner
+            if owner.first_token_time is None:
+                owner.first_token_time = now
+            seq = owner.seqs[seq_id]
+            if owner.beam is not None:
+                seq.output_token_ids.append(token)
+                seq.cumulative_logprob = logprob  # beams carry the cumulative value
+            elif seq.finish_reason is None and self._apply_token(seq, token, logprob, top, status, stop_token):
+                if self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED):
+                    finished[owner.request_id] = owner
+        for request_id in result.finished_request_ids:
+            finished[request_id] = touched[request_id]
+        for state in finished.values():
+            self._finish_request(state)
+        self.metrics.on_generated(len(commits))
+        return [state.output() for state in touched.values()]
+
+    def _mark_scheduled(self, plan: _core.SchedulePlan, now: float) -> None:
+        """Stamps first_scheduled_time on the requests this step ran for the first time (only
+        while some request has never run, so a steady decode batch pays nothing)."""
+        for seq_id in plan.seq_ids.tolist():
+            state = self.seq_owner.get(seq_id)
+            if state is not None and self.unscheduled.pop(state.request_id, None) is not None:
+                state.first_scheduled_time = now
+                if not self.unscheduled:
+                    return
+
+    def _commits(self, seq_ids: list[int], sampled: ModelRunnerOutput, touched: dict[str, CoreRequest],
+                 finished: dict[str, CoreRequest]) -> list[_Commit]:
+        owners = [self.seq_owner[s] for s in seq_ids]
+        for owner in dict.fromkeys(owners):
+            if owner.first_token_time is None:  # read before commit may remove the group
+                owner.num_cached_tokens = self.scheduler.find_group(owner.request_id).num_cached_prompt_tokens
+        tokens, logprobs, top_logprobs = sampled.token_ids, sampled.logprobs, sampled.top_logprobs
+        commits = []
+        beam_rows: dict[str, list[tuple[int, int]]] = {}
+        for i, (seq_id, owner) in enumerate(zip(seq_ids, owners)):
+            start, count = sampled.runs[i]
+            if owner.beam is not None:  # beams never speculate: one row
+                beam_rows.setdefault(owner.request_id, []).append((seq_id, start))
+                continue
+            for r in range(start, start + count):  # accepted drafts, then the verified token
+                commits.append((seq_id, tokens[r], owner, logprobs[r], top_logprobs[r]))
+        for request_id, rows in beam_rows.items():
+            owner = self.requests[request_id]
+            touched[request_id] = owner
+            beams = [(seq_id, top_logprobs[r]) for seq_id, r in rows]
+            for seq_id, token, cumulative in self._advance_beams(owner, beams, finished):
+                commits.append((seq_id, token, owner, cumulative, None))
+        return commits
+
+    @staticmethod
+    def _apply_token(seq: CoreSequence, token: int, logprob: float, top: Optional[list[tuple[int, float]]],
+                     status: int, stop_token: int) -> bool:
+        """Records a committed token and the stop rules' verdict on it (the grammar of a
+        structured output accepts it). Returns True when the grammar ended (the caller finishes
+        the sequence in the scheduler)."""
+        seq.append(token, logprob, top)
+        grammar_ended = seq.constraint is not None and seq.constraint.accept(token)
+        if status in _FINISH_REASONS:
+            by_token = status == _STOPPED
+            seq.finish(_FINISH_REASONS[status], stop_token if by_token and stop_token >= 0 else None, by_token)
+            return False
+        if grammar_ended:  # its stop token under ignore_eos, or a token outside the grammar
+            seq.finish("stop")
+            return True
+        return False
+
+    def _advance_beams(self, state: CoreRequest, beams: list[tuple[int, list]],
+                       finished: dict[str, CoreRequest]) -> list[tuple[int, int, float]]:
+        """One beam-search step of `state` (its running beams and their top candidates):
+        forks sequences whose beam continues several ways, frees the beams that lost, and
+        returns the (sequence, token, cumulative logprob) pairs to commit. When the search is
+        done, every beam is finished and nothing is committed."""
+        search = state.beam
+        running, done = search.advance(
+            [(state.seqs[s].output_token_ids, state.seqs[s].cumulative_logprob, top) for s, top in beams],
+            first_step=search.num_generated == 0)
+        if done:
+            for seq_id in list(state.seqs):
+                if self.scheduler.find_sequence(seq_id) is not None:
+                    self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
+            finished[state.request_id] = state
+            return []
+        used: set[int] = set()
+        commits = []
+        for c in running:
+            target = parent = beams[c.parent][0]
+            if parent in used:
+                target = self.scheduler.fork_sequence(parent)
+                state.fork(parent, target)
+                self.seq_owner[target] = state
+            used.add(parent)
+            commits.append((target, c.token, c.cumulative_logprob))
+        for seq_id, _ in beams:
+            if seq_id not in used:
+                self.scheduler.finish_sequence(seq_id, _core.SequenceStatus.FINISHED_STOPPED)
+                state.drop(seq_id)
+                self.seq_owner.pop(seq_id, None)
+        return commits
+
+    def _tokens_of(self, seq_id: int) -> list[int]:
+        """A running sequence's prompt and output tokens."""
+        seq = self.seq_owner[seq_id].seqs[seq_id]
+        return list(seq.row.prompt_token_ids) + seq.output_token_ids
+
+    # ----------------------------------------------------------------- lifetime
+
+    def shutdown(self) -> None:
+        """Stops the executor's workers and the grammar compiler (idempotent). The core cannot
+        step afterwards."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+        structured = getattr(self, "structured", None)
+        if structured is not None:
+            structured.shutdown()
