@@ -1,8 +1,11 @@
 """Where an engine step's time goes outside the model: scheduling, cache operations, the
 sampler and output processing (commit, stop rules, detokenization, RequestOutputs), at N
-running decode sequences on the default model.
+running decode sequences on the default model, or (``--tiny-model DIR``) on an engine-bound
+model: a tiny random Llama with the default model's 49,152-token vocabulary and tokenizer,
+whose forward costs next to nothing, so that the step is the engine's own work.
 
     python bench/bench_step_overhead.py --batch 64,256 --steps 12
+    python bench/bench_step_overhead.py --tiny-model /tmp/tiny49k --batch 64,256  # engine-bound
     python bench/bench_step_overhead.py --single-stream      # batch 1: 128 new tokens, tok/s
     python bench/bench_step_overhead.py --long 4096          # one request: overhead per token over its life
 
@@ -46,6 +49,34 @@ def _sampler(engine):
     return engine.sampler if hasattr(engine, "sampler") else _runner(engine).sampler
 
 
+def make_tiny_model(folder: str) -> None:
+    """A random 2-layer Llama (hidden 64) with the default model's vocabulary and tokenizer,
+    saved as a Hugging Face folder (once; an existing folder is kept)."""
+    from pathlib import Path
+
+    if (Path(folder) / "config.json").is_file():
+        return
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vpage.model_executor.loader.model_loader import load_model
+
+    tokenizer = load_model(None, "float32", "cpu", "auto").tokenizer  # the default model's
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _engine_args(args, **kwargs) -> EngineArgs:
+    if args.tiny_model:
+        return EngineArgs(model=args.tiny_model, dtype="float32", device="cpu",
+                          kv_cache_memory=args.kv_cache_memory, **kwargs)
+    return EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
+                      kv_cache_memory=args.kv_cache_memory, **kwargs)
+
+
 def _instrument(engine, totals: dict) -> None:
     """Times the parts of a step: the scheduler's schedule(), the model, the sampler, and the
     processing after sampling (the core's update and the front end's text since the engine core
@@ -78,8 +109,7 @@ def long_request(args) -> None:
     """One request of --long tokens (32-token prompt, greedy, ignore_eos): the time outside the
     model per generated token, over the first and the last 512 decode steps, in wall-clock time
     and in the engine thread's CPU time (which a busy or drifting VM disturbs less)."""
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
-                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+    engine = LLMEngine(_engine_args(args, max_num_seqs=1))
     params = _params(temperature=0.0, max_tokens=args.long, ignore_eos=True, output_kind=args.output_kind)
     engine.add_request("long", [100 + (7 * j) % 9000 for j in range(32)], params)
     model = {"wall": 0.0, "cpu": 0.0}
@@ -123,9 +153,7 @@ def timed(store: dict, name: str, fn):
 
 
 def measure(batch: int, steps: int, args) -> dict:
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
-                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=batch,
-                                  max_num_batched_tokens=max(2048, batch)))
+    engine = LLMEngine(_engine_args(args, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch)))
     params = _params(temperature=0.0, max_tokens=4096, ignore_eos=True, output_kind=args.output_kind)
     for i in range(batch):
         engine.add_request(str(i), [100 + (7 * i + j) % 9000 for j in range(32)], params)
@@ -150,8 +178,7 @@ def measure(batch: int, steps: int, args) -> dict:
 def single_stream(args) -> None:
     """One request, a 32-token prompt, --new-tokens greedy tokens: decode tokens/s (wall clock
     and process CPU time, which includes the kernels' worker threads) and the step's split."""
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, device="cpu", quantization=args.quantization,
-                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=1))
+    engine = LLMEngine(_engine_args(args, max_num_seqs=1))
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     for rep in range(args.repeats):
         engine.add_request(f"r{rep}", [100 + (7 * j) % 9000 for j in range(32)], params)
@@ -199,14 +226,20 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--long", type=int, default=0, help="one request of this many tokens instead")
+    parser.add_argument("--tiny-model", default=None, metavar="DIR",
+                        help="an engine-bound tiny random model with the default model's vocabulary (made in DIR "
+                             "if missing) instead of the default model")
     parser.add_argument("--output-kind", default=None, choices=["CUMULATIVE", "DELTA", "FINAL_ONLY"],
                         help="the RequestOutputKind the requests ask for (default: SamplingParams')")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.tiny_model:
+        make_tiny_model(args.tiny_model)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     print(f"# {cpu}, vpage ISA {_core.cpu_isa()}, {args.threads} threads, torch {torch.__version__}, "
-          f"dtype {args.dtype}, quantization {args.quantization}, output kind {args.output_kind or 'default'}")
+          f"model {args.tiny_model or 'default'}, dtype {args.dtype}, quantization {args.quantization}, "
+          f"output kind {args.output_kind or 'default'}")
     if args.long:
         print("| tokens | output kind | non-model wall us/token, first 512 | last 512 | last / first | "
               "thread CPU us/token, first 512 | last 512 | last / first |")

@@ -1,5 +1,8 @@
 """The API process's side of the engine core: starts the engine-core process, sends it
-requests over ZeroMQ and routes its per-step outputs to one :class:`RequestStream` each.
+requests over ZeroMQ, turns its per-step numbers into text (the front end's output processor:
+detokenizing, stop strings, logprob tokens, all here, beside the core's compute) and routes the
+outputs to one :class:`RequestStream` each. A stop string ends its sample here at once and is
+sent to the core, which drops that sample's later tokens.
 
 Everything here runs on the API process's asyncio loop. A watchdog notices when the
 engine-core process dies: every stream then fails with :class:`EngineDeadError` and the
@@ -19,9 +22,11 @@ import time
 from typing import Callable, Optional, Union
 
 from vpage.engine.arg_utils import EngineArgs
-from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
-                                        decode, encode)
-from vpage.engine.engine_core import run_engine_core
+from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, FinishSequences,
+                                        RequestError, StepOutputs, decode, encode)
+from vpage.engine.core_process import run_engine_core
+from vpage.engine.output_processor import OutputProcessor
+from vpage.engine.request_state import RequestState
 from vpage.outputs import OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
@@ -92,16 +97,18 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    """Starts and drives the engine-core process. ``on_step(StepOutputs, now)`` sees every step
-    message (metrics); ``on_dead(reason)`` runs once if the process dies."""
+    """Starts and drives the engine-core process. ``on_step(StepOutputs, outputs, now)`` sees
+    every step message with the RequestOutputs made of it (metrics); ``on_dead(reason)`` runs
+    once if the process dies."""
 
     def __init__(self, args: EngineArgs,
-                 on_step: Optional[Callable[[StepOutputs, float], None]] = None,
+                 on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
                  on_dead: Optional[Callable[[str], None]] = None):
         self.args = args
         self.on_step = on_step
         self.on_dead = on_dead
         self.info: Optional[CoreReady] = None
+        self.processor: Optional[OutputProcessor] = None  # the front end's text, once the core is ready
         self.stats = None  # the latest EngineStats
         self.dead_reason: Optional[str] = None
         self.last_message = time.monotonic()
@@ -144,6 +151,7 @@ class EngineCoreClient:
                     raise ValueError(msg.message)
                 if isinstance(msg, CoreReady):
                     self.info = msg
+                    self.processor = OutputProcessor(msg.tokenizer)
                     self._remove_endpoints()
                     break
             if not self._proc.is_alive() or time.monotonic() > deadline:
@@ -175,9 +183,11 @@ class EngineCoreClient:
             raise EngineDeadError(self.dead_reason)
         if params.output_kind != RequestOutputKind.DELTA:
             raise ValueError("the engine core streams DELTA outputs: ask SamplingParams(output_kind=DELTA)")
+        arrival = time.monotonic()
         stream = RequestStream(request_id, prompt_token_ids)
         self._streams[request_id] = stream
-        self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, time.monotonic(), cache_salt)))
+        self.processor.add(RequestState(request_id, None, prompt_token_ids, params, self.info.tokenizer, arrival))
+        self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, arrival, cache_salt)))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:
@@ -187,6 +197,7 @@ class EngineCoreClient:
             return
         for rid in ids:
             self._streams.pop(rid).end(None)
+            self.processor.abort(rid)
         if self.dead_reason is None:
             self._push.send(encode(AbortRequests(ids)))
 
@@ -226,19 +237,23 @@ class EngineCoreClient:
         now = self.last_message = time.monotonic()
         if msg.stats is not None:
             self.stats = msg.stats
-        for delta in msg.outputs:
+        outputs, stopped = self.processor.process(msg.outputs)
+        if stopped and self.dead_reason is None:
+            self._push.send(encode(FinishSequences(stopped)))
+        for delta in outputs:
             stream = self._streams.get(delta.request_id)
             if stream is not None:
                 if delta.finished:
                     del self._streams[delta.request_id]
                 stream.put(delta)
         for error in msg.errors:
+            self.processor.abort(error.request_id)
             stream = self._streams.pop(error.request_id, None)
             if stream is not None:
                 stream.end(error)
         if self.on_step is not None:
             try:
-                self.on_step(msg, now)
+                self.on_step(msg, outputs, now)
             except Exception:  # noqa: BLE001 - a metrics bug must not stop serving
                 logger.exception("vpage: on_step failed")
 

@@ -1,9 +1,10 @@
 """What the API process and the engine-core process send each other over ZeroMQ.
 
 Small dataclasses pickled with the highest protocol: one message per request added or
-aborted, one :class:`StepOutputs` per engine step (every output of the step batched: DELTA
-``RequestOutput``s without their prompt), one :class:`CoreReady` at start-up. Both ends are processes of the same vpage install, and
-the sockets live in a private temporary folder, so pickle is safe here.
+aborted, one per batch of samples a stop string ended (the API process matches stop strings),
+one :class:`StepOutputs` per engine step (the step's ``EngineCoreOutput``s: token ids and
+numbers, no text), one :class:`CoreReady` at start-up. Both ends are processes of the same
+vpage install, and the sockets live in a private temporary folder, so pickle is safe here.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from vpage.engine.core_io import EngineCoreOutput, EngineCoreRequest
 from vpage.engine.metrics import EngineStats
-from vpage.outputs import RequestOutput
 from vpage.sampling_params import SamplingParams
 
 
@@ -25,10 +26,21 @@ class AddRequest:
     arrival_time: float  # time.monotonic() (one clock for every process of the machine)
     cache_salt: Optional[str] = None
 
+    def core_request(self) -> EngineCoreRequest:
+        return EngineCoreRequest(self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
+                                 self.cache_salt)
+
 
 @dataclass
 class AbortRequests:
     request_ids: list[str]
+
+
+@dataclass
+class FinishSequences:
+    """Samples (request id, sample index) that a stop string ended in the API process."""
+
+    samples: list[tuple[str, int]]
 
 
 @dataclass
@@ -63,7 +75,7 @@ class RequestError:
 class StepOutputs:
     """One step (or an idle heartbeat when ``outputs`` and ``errors`` are empty)."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)  # DELTA outputs, prompt_token_ids None
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
     errors: list[RequestError] = field(default_factory=list)
     stats: Optional[EngineStats] = None  # only every STATS_INTERVAL_S, and when requests end
     step_start: float = 0.0  # time.monotonic() when the step began

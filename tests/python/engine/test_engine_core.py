@@ -1,6 +1,7 @@
 """The engine core in-process (no sockets): a failing step fails only its live requests and
-the engine goes on; outputs in every RequestOutputKind agree; and the bounded latency
-histogram behind get_stats' percentiles."""
+the engine goes on; the numbers that cross the socket make the same outputs as LLMEngine's;
+outputs in every RequestOutputKind agree; and the bounded latency histogram behind get_stats'
+percentiles."""
 
 from __future__ import annotations
 
@@ -12,38 +13,56 @@ import pytest
 from model_fixtures import save_tiny_model
 from vpage import SamplingParams
 from vpage.engine import EngineArgs, LLMEngine
-from vpage.engine.core_messages import AddRequest, decode, encode
-from vpage.engine.engine_core import EngineCore
+from vpage.engine.core_messages import AddRequest, FinishSequences, decode, encode
+from vpage.engine.core_process import EngineCoreProc
 from vpage.engine.latency_histogram import LatencyHistogram
+from vpage.engine.output_processor import OutputProcessor
+from vpage.engine.request_state import RequestState
 from vpage.outputs import OutputAccumulator
 from vpage.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
+def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-core")
     save_tiny_model("llama", folder)
-    return EngineCore(LLMEngine(EngineArgs(model=str(folder), dtype="float32", device="cpu", kv_cache_memory=0.02)))
+    return LLMEngine(EngineArgs(model=str(folder), dtype="float32", device="cpu", kv_cache_memory=0.02))
 
 
-def add(core: EngineCore, rid: str, max_tokens: int = 4):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA)
-    return core.add(AddRequest(rid, [5, 6, 7], params, time.monotonic()))
+@pytest.fixture
+def core(engine):
+    """The engine-core process's loop object over the engine's core, and (``front``) an API
+    process's output processor."""
+    proc = EngineCoreProc(engine.core)
+    proc.front = OutputProcessor(engine.tokenizer)
+    return proc
 
 
-def run(core: EngineCore) -> dict:
-    """Steps to the end; the final outputs the deltas that cross the socket add up to."""
+def add(core: EngineCoreProc, rid: str, max_tokens: int = 4, prompt=(5, 6, 7), **params):
+    params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
+                            **{"temperature": 0, **params})
+    error = core.add(AddRequest(rid, list(prompt), params, time.monotonic()))
+    if error is None:
+        core.front.add(RequestState(rid, None, list(prompt), params, core.front.tokenizer, time.monotonic()))
+    return error
+
+
+def run(core: EngineCoreProc) -> dict:
+    """Steps to the end, as the two processes do: the final outputs that the API process's
+    deltas add up to, made of the numbers that cross the socket (stop strings sent back)."""
     finished, accumulators = {}, {}
     for _ in range(1000):
-        if not core.engine.has_unfinished_requests():
+        if not core.core.has_unfinished_requests():
             break
-        for delta in decode(encode(core.step())).outputs:
-            assert delta.prompt_token_ids is None  # the API process has them
-            acc = accumulators.setdefault(delta.request_id, OutputAccumulator(delta.request_id, [5, 6, 7]))
+        outputs, stopped = core.front.process(decode(encode(core.step())).outputs)
+        if stopped:
+            core.finish(decode(encode(FinishSequences(stopped))).samples)
+        for delta in outputs:
+            acc = accumulators.setdefault(delta.request_id, OutputAccumulator(delta.request_id, delta.prompt_token_ids))
             acc.add(delta)
             if delta.finished:
                 finished[delta.request_id] = acc.output()
-    assert not core.engine.has_unfinished_requests()
+    assert not core.core.has_unfinished_requests() and not core.live and not core.front.requests
     return finished
 
 
@@ -51,19 +70,21 @@ def test_a_failing_step_fails_only_its_running_requests_and_the_engine_goes_on(c
     assert add(core, "a") is None and add(core, "b") is None
     core.step()  # a and b are running now
     assert add(core, "c") is None  # c waits
-    real_step = core.engine.step
+    real_step = core.core.step
 
     def broken_step():
         raise RuntimeError("injected failure at /some/path")
 
-    monkeypatch.setattr(core.engine, "step", broken_step)
+    monkeypatch.setattr(core.core, "step", broken_step)
     out = core.step()
     assert sorted(e.request_id for e in out.errors) == ["a", "b"] and {e.status for e in out.errors} == {500}
     assert "/some/path" not in out.errors[0].message and core.live == {"c"}
-    monkeypatch.setattr(core.engine, "step", real_step)
+    for error in out.errors:
+        core.front.abort(error.request_id)
+    monkeypatch.setattr(core.core, "step", real_step)
     finished = run(core)
     assert len(finished["c"].outputs[0].token_ids) == 4 and core.failed_steps == 0
-    assert core.engine.get_stats().kv_cache_usage == 0
+    assert core.core.get_stats().kv_cache_usage == 0
 
 
 def test_a_step_failing_before_anything_runs_fails_every_live_request(core, monkeypatch):
@@ -72,18 +93,41 @@ def test_a_step_failing_before_anything_runs_fails_every_live_request(core, monk
     def broken_step():
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(core.engine, "step", broken_step)
+    monkeypatch.setattr(core.core, "step", broken_step)
     assert [e.request_id for e in core.step().errors] == ["d"]
-    assert not core.engine.has_unfinished_requests() and not core.live
+    assert not core.core.has_unfinished_requests() and not core.live
 
 
 def test_a_refused_request_is_a_400_and_changes_nothing(core):
     delta = SamplingParams(output_kind=RequestOutputKind.DELTA)
     error = core.add(AddRequest("bad", [10**6], delta, time.monotonic()))
     assert error.status == 400 and "out of range" in error.message
-    error = core.add(AddRequest("cumulative", [5], SamplingParams(), time.monotonic()))
-    assert error.status == 400 and "DELTA" in error.message
-    assert not core.engine.has_unfinished_requests() and not ({"bad", "cumulative"} & core.live)
+    assert not core.core.has_unfinished_requests() and "bad" not in core.live
+
+
+def test_the_split_processes_make_llm_engines_outputs(core, engine):
+    # Stop strings (matched in the API process, sent back), n > 1 with seeds, logprobs, and a
+    # request that a stop string ends while its other sample goes on: the outputs made of the
+    # core's numbers after a trip through pickle equal the in-process LLMEngine's.
+    cases = {
+        "stop": dict(max_tokens=40, stop=["b"], include_stop_str_in_output=True),
+        "samples": dict(temperature=1.0, seed=11, n=3, max_tokens=12, logprobs=2, stop=["a"]),
+        "plain": dict(max_tokens=9, logprobs=1),
+    }
+    prompts = {"stop": (5, 6, 7, 8), "samples": (9, 10), "plain": (11, 12, 13)}
+    for rid, params in cases.items():
+        assert add(core, rid, prompt=prompts[rid], **params) is None
+    split = run(core)
+    for rid, params in cases.items():
+        engine.add_request(rid, list(prompts[rid]), SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY,
+                                                                   **{"temperature": 0, **params}))
+    local = {o.request_id: o for o in _drain(engine)}
+    shape = {rid: [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+                    c.logprobs) for c in out.outputs] for rid, out in split.items()}
+    assert shape == {rid: [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+                            c.logprobs) for c in out.outputs] for rid, out in local.items()}
+    assert any(c.finish_reason == "stop" and isinstance(c.stop_reason, str)
+               for out in split.values() for c in out.outputs)
 
 
 def _drain(engine: LLMEngine) -> list:
@@ -99,8 +143,7 @@ def _drain(engine: LLMEngine) -> list:
     dict(temperature=0, max_tokens=12, logprobs=2),
     dict(temperature=1.0, seed=3, n=3, max_tokens=10, logprobs=1, stop=["ab"], min_tokens=2),
 ])
-def test_output_kinds_agree_and_deltas_carry_only_news(core, params):
-    engine = core.engine
+def test_output_kinds_agree_and_deltas_carry_only_news(engine, params):
     finals = {}
     for kind in RequestOutputKind:
         engine.add_request(kind.name, [5, 6, 7, 8], SamplingParams(output_kind=kind, **params))

@@ -95,13 +95,13 @@ class ServerMetrics:
         """Drops a request that ended without finishing (aborted)."""
         self._progress.pop(request_id, None)
 
-    def on_step(self, msg: StepOutputs, now: float) -> None:
-        """A step's message (its requests' DELTA outputs)."""
+    def on_step(self, msg: StepOutputs, outputs: list[RequestOutput], now: float) -> None:
+        """A step's message and the DELTA outputs of its requests."""
         if msg.stats is not None:
             self._engine_stats(msg.stats)
         if msg.outputs:
             self.iteration_tokens.observe(msg.step_tokens)
-        for out in msg.outputs:
+        for out in outputs:
             self._request(out, msg.step_start, now)
         for error in msg.errors:
             self._progress.pop(error.request_id, None)

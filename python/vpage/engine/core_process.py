@@ -1,12 +1,12 @@
-"""The engine-core process: an LLMEngine in a busy loop, fed and drained over ZeroMQ.
+"""The engine-core process: an ``EngineCore`` in a busy loop, fed and drained over ZeroMQ.
 
 The API process binds two sockets and starts :func:`run_engine_core` in a child process.
-The child pulls :class:`AddRequest` / :class:`AbortRequests` messages, steps the engine
-while it has work, and pushes one :class:`StepOutputs` per step (a heartbeat every
-``HEARTBEAT_S`` when idle). The API process asks for DELTA outputs, so a step's message
-carries what the step added and nothing is rebuilt; engine statistics ride along at most
-every ``STATS_INTERVAL_S``. It ignores SIGINT/SIGTERM (the API process drains, then kills
-it) and dies with its parent, so it is never orphaned.
+The child pulls :class:`AddRequest` / :class:`AbortRequests` / :class:`FinishSequences`
+messages, steps the core while it has work, and pushes one :class:`StepOutputs` per step (a
+heartbeat every ``HEARTBEAT_S`` when idle): the step's token ids and numbers, which the API
+process turns into text (its output processor) while this process computes the next step.
+Engine statistics ride along at most every ``STATS_INTERVAL_S``. It ignores SIGINT/SIGTERM
+(the API process drains, then kills it) and dies with its parent, so it is never orphaned.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import sys
 import time
 from typing import Optional
 
+import torch
+
 from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
-from vpage.sampling_params import RequestOutputKind
-from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, RequestError, StepOutputs,
-                                        decode, encode)
+from vpage.engine.core import EngineCore
+from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, FinishSequences,
+                                        RequestError, StepOutputs, decode, encode)
 from vpage.executor.errors import WorkerDiedError
 
 logger = logging.getLogger("vpage")
@@ -33,12 +35,12 @@ STATS_INTERVAL_S = 0.1
 _MAX_FAILED_STEPS = 8  # consecutive failed steps after which the engine is declared dead
 
 
-class EngineCore:
-    """Owns an LLMEngine: admits and aborts requests, and steps it so that a failure
+class EngineCoreProc:
+    """Owns an EngineCore: admits, aborts and ends requests, and steps it so that a failure
     fails only the requests that were live, never the engine."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
         self.live: set[str] = set()
         self.failed_steps = 0
         self._stats_at = float("-inf")  # when stats were last computed
@@ -47,10 +49,7 @@ class EngineCore:
         """Queues a request; one the engine refuses comes back as a 400 error, one it fails
         to add (a bug) as a 500."""
         try:
-            if msg.params.output_kind != RequestOutputKind.DELTA:
-                raise ValueError("the engine core streams DELTA outputs only")
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.arrival_time,
-                                    msg.cache_salt)
+            self.core.add_request(msg.core_request())
         except (ValueError, TypeError, OverflowError) as exc:
             return RequestError(msg.request_id, 400, str(exc))
         except Exception as exc:  # noqa: BLE001 - the engine's bug, not the request's; keep serving
@@ -61,8 +60,13 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if rid in self.live]
-        self.engine.abort_request(ids)
+        self.core.abort_requests(ids)
         self.live.difference_update(ids)
+
+    def finish(self, samples: list[tuple[str, int]]) -> None:
+        """Ends the samples a stop string ended (their later tokens are dropped)."""
+        self.core.finish_sequences(samples)
+        self.live.difference_update([rid for rid, _ in samples if rid not in self.core.requests])
 
     def step(self) -> StepOutputs:
         """One engine step. If it raises, the requests it was running are aborted and
@@ -71,7 +75,7 @@ class EngineCore:
         start = time.monotonic()
         errors: list[RequestError] = []
         try:
-            outputs = self.engine.step()
+            outputs = self.core.step()
             self.failed_steps = 0
         except WorkerDiedError:
             raise  # the engine is gone, not the step: the loop fails everything and exits
@@ -79,24 +83,23 @@ class EngineCore:
             logger.exception("vpage: engine step failed; failing the %d live requests", len(self.live))
             self.failed_steps += 1
             failed = self._running_requests()
-            self.engine.abort_request(failed)
+            self.core.abort_requests(failed)
             self.live.difference_update(failed)
             message = f"the engine step failed ({type(exc).__name__}); the request was aborted"
             errors = [RequestError(rid, 500, message) for rid in failed]
             outputs = []
-        for request_id, message in self.engine.take_request_errors():  # e.g. a grammar that did not compile
+        for request_id, message in self.core.take_request_errors():  # e.g. a grammar that did not compile
             errors.append(RequestError(request_id, 400, message))
             self.live.discard(request_id)
         finished = False
         for out in outputs:
-            out.prompt_token_ids = None  # the API process has them; the message carries only news
             if out.finished:
                 finished = True
                 self.live.discard(out.request_id)
-        step_tokens = self.engine.metrics.last_step_tokens if outputs else 0
+        step_tokens = self.core.metrics.last_step_tokens if outputs else 0
         # Fresh statistics when a request ends or the engine goes idle, so counters that a
         # client reads right after its answer are complete.
-        stats = self.stats(force=finished or errors or not self.engine.has_unfinished_requests())
+        stats = self.stats(force=finished or errors or not self.core.has_unfinished_requests())
         return StepOutputs(outputs, errors, stats, start, step_tokens)
 
     def stats(self, force: bool = False):
@@ -106,7 +109,7 @@ class EngineCore:
         if not force and now - self._stats_at < STATS_INTERVAL_S:
             return None
         self._stats_at = now
-        return self.engine.get_stats()
+        return self.core.get_stats()
 
 
     def _running_requests(self) -> list[str]:
@@ -116,7 +119,7 @@ class EngineCore:
         try:
             running = []
             for rid in sorted(self.live):
-                group = self.engine.scheduler.find_group(rid)
+                group = self.core.scheduler.find_group(rid)
                 if group is None or any(group.seq(i).status == _core.SequenceStatus.RUNNING
                                         for i in range(group.num_seqs)):
                     running.append(rid)
@@ -151,61 +154,63 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(output_address)
     try:
-        from vpage.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(args)
+        config = args.create_engine_config()
+        torch.manual_seed(args.seed)
+        core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         push.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         push.close(linger=2000)
         sys.exit(1)
-    push.send(encode(CoreReady(engine.tokenizer, engine.max_model_len, engine.max_model_len - 1,
-                               engine.model_config.vocab_size, engine.config.scheduler.max_num_seqs,
-                               engine.config.model.generation_defaults)))
-    _busy_loop(EngineCore(engine), pull, push, parent_pid)
+    push.send(encode(CoreReady(core.tokenizer, core.max_model_len, core.max_model_len - 1,
+                               core.model_config.vocab_size, config.scheduler.max_num_seqs,
+                               config.model.generation_defaults)))
+    _busy_loop(EngineCoreProc(core), pull, push, parent_pid)
 
 
-def _busy_loop(core: EngineCore, pull, push, parent_pid: int) -> None:
+def _busy_loop(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
     try:
-        _serve(core, pull, push, parent_pid)
+        _serve(proc, pull, push, parent_pid)
     except WorkerDiedError as exc:
         # A dead tensor-parallel worker cannot be replaced in place: fail every live request
         # with 503 and exit non-zero; the API process then answers 503 and exits for its
         # supervisor to restart the server.
         logger.error("vpage: %s", exc)
         message = "the engine lost a tensor-parallel worker; the server is restarting"
-        push.send(encode(StepOutputs(errors=[RequestError(rid, 503, message) for rid in sorted(core.live)],
-                                     stats=core.stats(force=True), step_start=time.monotonic())))
+        push.send(encode(StepOutputs(errors=[RequestError(rid, 503, message) for rid in sorted(proc.live)],
+                                     stats=proc.stats(force=True), step_start=time.monotonic())))
         push.close(linger=2000)
         sys.exit(1)
 
 
-def _serve(core: EngineCore, pull, push, parent_pid: int) -> None:
+def _serve(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
     import zmq
 
     last_sent = time.monotonic()
-    while os.getppid() == parent_pid and core.failed_steps < _MAX_FAILED_STEPS:
+    while os.getppid() == parent_pid and proc.failed_steps < _MAX_FAILED_STEPS:
         errors: list[RequestError] = []
-        if pull.poll(0 if core.engine.has_unfinished_requests() else int(HEARTBEAT_S * 1000)):
+        if pull.poll(0 if proc.core.has_unfinished_requests() else int(HEARTBEAT_S * 1000)):
             while True:
                 try:
                     msg = decode(pull.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
                 if isinstance(msg, AddRequest):
-                    error = core.add(msg)
+                    error = proc.add(msg)
                     if error is not None:
                         errors.append(error)
                 elif isinstance(msg, AbortRequests):
-                    core.abort(msg.request_ids)
-        if core.engine.has_unfinished_requests():
-            out = core.step()
+                    proc.abort(msg.request_ids)
+                elif isinstance(msg, FinishSequences):
+                    proc.finish(msg.samples)
+        if proc.core.has_unfinished_requests():
+            out = proc.step()
             out.errors = errors + out.errors
         elif errors or time.monotonic() - last_sent >= HEARTBEAT_S:
-            core.engine.check_health()  # idle: a dead worker must still take the server down
-            out = StepOutputs(errors=errors, stats=core.stats(force=True), step_start=time.monotonic())
+            proc.core.executor.check_health()  # idle: a dead worker must still take the server down
+            out = StepOutputs(errors=errors, stats=proc.stats(force=True), step_start=time.monotonic())
         else:
             continue
         push.send(encode(out))
         last_sent = time.monotonic()
-    logger.error("vpage: engine core stopping (parent gone or %d failed steps)", core.failed_steps)
+    logger.error("vpage: engine core stopping (parent gone or %d failed steps)", proc.failed_steps)
     sys.exit(1)
