@@ -112,8 +112,6 @@ class ModelRunner:
         draft = DraftRows.of(plan)
         logits = self.logits(plan, layer_events, extra_logit_rows(plan, sampling, draft))
         num_samples = len(sampling.rows)
-        if logits.shape[0] < num_samples:
-            raise ValueError(f"{logits.shape[0]} rows of logits for {num_samples} samples")
         extra = logits[num_samples:]
         prompt_scores = None
         if sampling.prompt_logprobs is not None:
