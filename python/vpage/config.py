@@ -23,6 +23,9 @@ class ModelConfig:
     max_model_len: int  # the engine's context limit (resolved: at most what the model supports)
     seed: int
     generation_defaults: dict[str, Any]  # SamplingParams fields the model's generation config sets
+    # No tokenizer with the weights (a server's engine-core process, which handles no text; a
+    # grammar that needs the vocabulary loads it then).
+    skip_tokenizer_init: bool = False
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from vpage.engine.metrics import EngineMetrics, EngineStats
 from vpage.engine.prompt_logprobs import PromptLogprobs
 from vpage.engine.structured_outputs import StructuredOutputs
 from vpage.executor.abstract import Executor
+from vpage.model_executor.loader.model_loader import load_tokenizer, model_has_tokenizer
 from vpage.sampler import beam_candidates
 from vpage.spec_decode.draft_proposer import DraftModelProposer
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
@@ -101,8 +102,11 @@ class EngineCore:
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
         self._private_salts = itertools.count()
+        self._tokenizer = self.executor.tokenizer
+        has_tokenizer = self._tokenizer is not None or (config.model.skip_tokenizer_init and
+                                                        model_has_tokenizer(config.model.model))
         try:
-            self.structured = StructuredOutputs(config.structured_outputs, self.executor.tokenizer,
+            self.structured = StructuredOutputs(config.structured_outputs, lambda: self.tokenizer, has_tokenizer,
                                                 self.model_config.vocab_size, self.model_config.eos_token_ids,
                                                 sched.max_num_seqs, self.device)
         except ValueError:  # an unknown reasoning parser
@@ -111,8 +115,11 @@ class EngineCore:
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer, loaded with it (the core itself handles no text)."""
-        return self.executor.tokenizer
+        """The model's tokenizer (the core handles no text; grammars need the vocabulary): the
+        one loaded with the model, or with ``skip_tokenizer_init`` loaded now, on first need."""
+        if self._tokenizer is None and self.config.model.skip_tokenizer_init:
+            self._tokenizer = load_tokenizer(self.config.model.model)
+        return self._tokenizer
 
     # ----------------------------------------------------------------- requests
 

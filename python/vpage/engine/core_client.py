@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, FinishSequences,
@@ -27,6 +27,7 @@ from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, C
 from vpage.engine.core_process import run_engine_core
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.model_executor.loader.model_loader import load_tokenizer
 from vpage.outputs import OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
@@ -108,6 +109,7 @@ class EngineCoreClient:
         self.on_step = on_step
         self.on_dead = on_dead
         self.info: Optional[CoreReady] = None
+        self.tokenizer: Any = None  # loaded here (the core process has none); None for a model without one
         self.processor: Optional[OutputProcessor] = None  # the front end's text, once the core is ready
         self.stats = None  # the latest EngineStats
         self.dead_reason: Optional[str] = None
@@ -151,7 +153,8 @@ class EngineCoreClient:
                     raise ValueError(msg.message)
                 if isinstance(msg, CoreReady):
                     self.info = msg
-                    self.processor = OutputProcessor(msg.tokenizer)
+                    self.tokenizer = load_tokenizer(self.args.model)  # the model's files are sound now
+                    self.processor = OutputProcessor(self.tokenizer)
                     self._remove_endpoints()
                     break
             if not self._proc.is_alive() or time.monotonic() > deadline:
@@ -186,7 +189,7 @@ class EngineCoreClient:
         arrival = time.monotonic()
         stream = RequestStream(request_id, prompt_token_ids)
         self._streams[request_id] = stream
-        self.processor.add(RequestState(request_id, None, prompt_token_ids, params, self.info.tokenizer, arrival))
+        self.processor.add(RequestState(request_id, None, prompt_token_ids, params, self.tokenizer, arrival))
         self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, arrival, cache_salt)))
         return stream
 

@@ -45,9 +45,9 @@ class FinishSequences:
 
 @dataclass
 class CoreReady:
-    """Sent once the engine is built: what the API process needs to validate requests."""
+    """Sent once the engine is built: what the API process needs to validate requests (it
+    loads the tokenizer itself: the core process has none)."""
 
-    tokenizer: Any
     max_model_len: int
     max_prompt_tokens: int  # longest prompt that leaves room for one generated token
     vocab_size: int

@@ -12,6 +12,7 @@ Engine statistics ride along at most every ``STATS_INTERVAL_S``. It ignores SIGI
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -136,6 +137,15 @@ def _die_with_parent() -> None:
         pass  # elsewhere the parent-pid check in the loop does it
 
 
+def build_engine_core(args: EngineArgs) -> EngineCore:
+    """The engine core of the process: the API process handles the text, so no tokenizer is
+    loaded here unless a grammar needs the vocabulary."""
+    config = args.create_engine_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, skip_tokenizer_init=True))
+    torch.manual_seed(args.seed)
+    return EngineCore(config)
+
+
 def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int) -> None:
     """Process entry point: builds the engine, reports CoreReady (or CoreFailed) and serves
     until the parent goes away or kills it."""
@@ -154,14 +164,13 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     push.setsockopt(zmq.SNDHWM, 0)
     push.connect(output_address)
     try:
-        config = args.create_engine_config()
-        torch.manual_seed(args.seed)
-        core = EngineCore(config)
+        core = build_engine_core(args)
     except Exception as exc:  # noqa: BLE001 - reported to the API process, which exits
         push.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         push.close(linger=2000)
         sys.exit(1)
-    push.send(encode(CoreReady(core.tokenizer, core.max_model_len, core.max_model_len - 1,
+    config = core.config
+    push.send(encode(CoreReady(core.max_model_len, core.max_model_len - 1,
                                core.model_config.vocab_size, config.scheduler.max_num_seqs,
                                config.model.generation_defaults)))
     _busy_loop(EngineCoreProc(core), pull, push, parent_pid)

@@ -16,9 +16,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from vpage.config import StructuredOutputsConfig
-from vpage.engine.request_state import RequestState
+from vpage.engine.core_requests import CoreRequest
+from vpage.reasoning import get_reasoning_parser
 from vpage.sampling_params import SamplingParams
 from vpage.structured_output import SequenceConstraint, StepBitmask, StructuredOutputCompiler
+from vpage.structured_output.compiler import backend_class, validate_structured_outputs
 
 # How long a step with nothing else to run waits for a compile to finish (seconds).
 _IDLE_WAIT_S = 0.02
@@ -33,24 +35,41 @@ class _Waiting:
 class StructuredOutputs:
     """Compiles, holds waiting requests, and builds each step's bitmask."""
 
-    def __init__(self, config: StructuredOutputsConfig, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
-                 max_num_seqs: int, device: torch.device):
-        self.compiler = StructuredOutputCompiler(config.backend, tokenizer, vocab_size, eos_token_ids)
-        self.reasoning = None
+    def __init__(self, config: StructuredOutputsConfig, tokenizer: Callable[[], Any], has_tokenizer: bool,
+                 vocab_size: int, eos_token_ids: list[int], max_num_seqs: int, device: torch.device):
+        """``tokenizer()`` gives the model's tokenizer when the first grammar needs it (an engine
+        core without text work loads it only then); ``has_tokenizer``: whether there is one."""
+        self.config = config
+        self._tokenizer, self._has_tokenizer = tokenizer, has_tokenizer
+        self._vocab_size, self._eos_token_ids = vocab_size, eos_token_ids
+        backend_class(config.backend)  # an unknown backend or reasoning parser fails now
         if config.reasoning_parser:
-            from vpage.reasoning import get_reasoning_parser
-
-            self.reasoning = get_reasoning_parser(config.reasoning_parser)(tokenizer)
+            get_reasoning_parser(config.reasoning_parser)
+        self._compiler: Optional[StructuredOutputCompiler] = None
+        self.reasoning = None
         self.pending: dict[str, _Waiting] = {}
         self._errors: list[tuple[str, str]] = []
-        self._live: dict[str, RequestState] = {}  # requests in the scheduler with a grammar
+        self._live: dict[str, CoreRequest] = {}  # requests in the scheduler with a grammar
         self._bitmask = StepBitmask(vocab_size, max_num_seqs, device)
+
+    @property
+    def compiler(self) -> StructuredOutputCompiler:
+        """The grammar compiler (and the reasoning parser), built with the tokenizer on first need."""
+        if self._compiler is None:
+            tokenizer = self._tokenizer()
+            self._compiler = StructuredOutputCompiler(self.config.backend, tokenizer, self._vocab_size,
+                                                      self._eos_token_ids)
+            if self.config.reasoning_parser:
+                self.reasoning = get_reasoning_parser(self.config.reasoning_parser)(tokenizer)
+        return self._compiler
 
     # ------------------------------------------------------------------ requests
 
     def validate(self, params: SamplingParams) -> None:
         """ValueError when the request's constraint is invalid (parsed, not compiled)."""
-        self.compiler.validate(params)
+        if params.structured_outputs is not None and not self._has_tokenizer:
+            raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+        validate_structured_outputs(params, self.config.backend)
 
     def submit(self, request_id: str, params: SamplingParams, admit: Callable[[Any], None]) -> None:
         """Starts (or finds) the compile of a validated request's grammar: ``admit(grammar)``
@@ -62,7 +81,7 @@ class StructuredOutputs:
         else:
             self.pending[request_id] = _Waiting(future, admit)
 
-    def attach(self, state: RequestState, grammar: Any) -> None:
+    def attach(self, state: CoreRequest, grammar: Any) -> None:
         """Gives each sequence of a request entering the scheduler its own matcher."""
         for seq in state.seqs.values():
             seq.constraint = SequenceConstraint(self.compiler.matcher(grammar), state.prompt_token_ids,
@@ -100,7 +119,7 @@ class StructuredOutputs:
 
     # --------------------------------------------------------------------- steps
 
-    def bitmask(self, seq_ids: list[int], seq_owner: dict[int, RequestState]) -> Optional[torch.Tensor]:
+    def bitmask(self, seq_ids: list[int], seq_owner: dict[int, CoreRequest]) -> Optional[torch.Tensor]:
         """The step's token bitmask for its sampled sequences (None when none is constrained)."""
         if not self._live:
             return None
@@ -108,4 +127,5 @@ class StructuredOutputs:
         return self._bitmask.build([seq_owner[s].seqs[s].constraint for s in seq_ids])
 
     def shutdown(self) -> None:
-        self.compiler.shutdown()
+        if self._compiler is not None:
+            self._compiler.shutdown()

@@ -1,7 +1,7 @@
 """The engine core in-process (no sockets): a failing step fails only its live requests and
 the engine goes on; the numbers that cross the socket make the same outputs as LLMEngine's;
-outputs in every RequestOutputKind agree; and the bounded latency histogram behind get_stats'
-percentiles."""
+outputs in every RequestOutputKind agree; the server's core process holds no tokenizer for
+plain requests; and the bounded latency histogram behind get_stats' percentiles."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import time
 import pytest
 
 from model_fixtures import save_tiny_model
-from vpage import SamplingParams
+from vpage import SamplingParams, StructuredOutputsParams
 from vpage.engine import EngineArgs, LLMEngine
 from vpage.engine.core_messages import AddRequest, FinishSequences, decode, encode
-from vpage.engine.core_process import EngineCoreProc
+from vpage.engine.core_process import EngineCoreProc, build_engine_core
 from vpage.engine.latency_histogram import LatencyHistogram
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.model_executor.loader.model_loader import load_tokenizer
 from vpage.outputs import OutputAccumulator
 from vpage.sampling_params import RequestOutputKind
 
@@ -190,3 +191,27 @@ def test_latency_histogram_percentiles_are_close_and_memory_is_fixed():
     from vpage.engine.metrics import EngineStats
 
     assert stats_fields <= set(EngineStats.__dataclass_fields__)
+
+
+def test_the_core_process_has_no_tokenizer_after_plain_requests(engine):
+    # Built as `vpage serve` builds its engine-core process: plain requests, their text made on
+    # the API's side, leave it without a tokenizer; a grammar loads one for itself.
+    folder = engine.config.model.model
+    proc = EngineCoreProc(build_engine_core(EngineArgs(model=folder, dtype="float32", device="cpu",
+                                                       kv_cache_memory=0.02)))
+    proc.front = OutputProcessor(load_tokenizer(folder))
+    try:
+        assert proc.core.executor.tokenizer is None and proc.core.model_config.eos_token_ids == \
+            engine.model_config.eos_token_ids
+        for rid, params in {"p": dict(max_tokens=6, logprobs=2), "s": dict(max_tokens=30, stop=["a"], n=2,
+                                                                           temperature=1.0, seed=1)}.items():
+            assert add(proc, rid, **params) is None
+        finished = run(proc)
+        assert sorted(finished) == ["p", "s"] and finished["p"].outputs[0].text
+        assert proc.core._tokenizer is None and proc.core.structured._compiler is None
+        so = StructuredOutputsParams(choice=["yes", "no"])
+        assert add(proc, "g", max_tokens=8, structured_outputs=so) is None
+        assert run(proc)["g"].outputs[0].text in ("yes", "no")
+        assert proc.core._tokenizer is not None
+    finally:
+        proc.core.shutdown()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -87,3 +89,25 @@ def test_half_precision_runs_close(tiny, tmp_path, dtype):
     torch.testing.assert_close(logits, hf_logits(hf, tokens, len(tokens)), atol=0.05, rtol=0.05)
     logits = run_step(loaded, cache, {0: [7]})
     torch.testing.assert_close(logits, hf_logits(hf, tokens + [7], 1), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("eos", [None, "<s>", "vocab"])
+def test_without_the_tokenizer_the_same_eos_ids(tmp_path, eos):
+    # The engine-core process of a server loads no tokenizer: the EOS ids it stops on are read
+    # from the files (tokenizer_config.json's eos_token among tokenizer.json's added tokens or
+    # vocabulary) and equal those of a load with the tokenizer, also for an EOS only the
+    # tokenizer names.
+    save_tiny_model("llama", tmp_path)
+    if eos is not None:
+        spec = json.loads((tmp_path / "tokenizer.json").read_text())
+        token = eos if eos != "vocab" else sorted(t for t in spec["model"]["vocab"] if len(t) > 2)[0]
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": token}))
+    loaded = load_model(str(tmp_path), "float32", "cpu")
+    bare = load_model(str(tmp_path), "float32", "cpu", with_tokenizer=False)
+    assert bare.tokenizer is None and loaded.tokenizer.eos_token_id in bare.config.eos_token_ids
+    assert bare.config.eos_token_ids == loaded.config.eos_token_ids == sorted({2, loaded.tokenizer.eos_token_id})
+
+
+def test_the_default_model_without_its_tokenizer_has_its_eos():
+    assert load_model(None, with_tokenizer=False).config.eos_token_ids == load_model(None).config.eos_token_ids

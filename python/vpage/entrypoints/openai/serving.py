@@ -115,7 +115,7 @@ class OpenAIServing:
         return Submission(builder, streams, include_usage)
 
     def _tokenizer(self):
-        tokenizer = self.client.info.tokenizer
+        tokenizer = self.client.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer; send prompt token ids", param="prompt")
         return tokenizer
@@ -171,7 +171,7 @@ class OpenAIServing:
             params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, str(exc)) from None
-        check_bad_words(params, info.tokenizer, info.vocab_size)
+        check_bad_words(params, self.client.tokenizer, info.vocab_size)
         if params.best_of > info.max_num_seqs:
             name = "best_of" if req.best_of is not None else "n"
             raise ApiError(400, f"{name} is {params.best_of}; this server runs at most {info.max_num_seqs} "

@@ -44,7 +44,7 @@ class Tokenization:
         if model is not None and model != self.serving.model_name:
             raise ApiError(404, f"the model `{model}` does not exist; this server serves `{self.serving.model_name}`",
                            kind="not_found_error", param="model")
-        tokenizer = self.serving.client.info.tokenizer
+        tokenizer = self.serving.client.tokenizer
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer")
         return tokenizer

@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -124,15 +124,52 @@ def _as_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _eos_token_ids(hf_config: Any, source: _Source, tokenizer: Any) -> list[int]:
-    """End-of-sequence ids from the config, generation_config.json and the tokenizer."""
+def _eos_token_ids(hf_config: Any, source: _Source, tokenizer_eos: list[int]) -> list[int]:
+    """End-of-sequence ids from the config, generation_config.json and the tokenizer's."""
     ids = _as_list(getattr(hf_config, "eos_token_id", None))
     gen_path = source.folder / "generation_config.json"
     if not source.gguf_file and gen_path.is_file():
         ids += _as_list(json.loads(gen_path.read_text()).get("eos_token_id"))
-    if tokenizer is not None:
-        ids += _as_list(tokenizer.eos_token_id)
-    return sorted(set(ids))
+    return sorted(set(ids + tokenizer_eos))
+
+
+def _tokenizer_eos_from_files(source: _Source, reader: Any) -> Optional[list[int]]:
+    """The tokenizer's EOS id read from the files, without loading the tokenizer: a GGUF file's
+    ``tokenizer.ggml.eos_token_id``, or tokenizer_config.json's ``eos_token`` looked up among
+    tokenizer.json's tokens. [] when the model ships no tokenizer; None when the files alone
+    cannot tell (a special_tokens_map.json, no tokenizer.json, an EOS it does not list)."""
+    if reader is not None:
+        eos = reader.metadata.get("tokenizer.ggml.eos_token_id")
+        return None if eos is None else [int(eos)]
+    folder = source.folder
+    if not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return []
+    config_path, vocab_path = folder / "tokenizer_config.json", folder / "tokenizer.json"
+    if (folder / "special_tokens_map.json").is_file() or not vocab_path.is_file() or not config_path.is_file():
+        return None
+    eos = json.loads(config_path.read_text()).get("eos_token")
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if not isinstance(eos, str):
+        return None
+    spec = json.loads(vocab_path.read_text())
+    for token in spec.get("added_tokens", []):
+        if token.get("content") == eos:
+            return [int(token["id"])]
+    found = (spec.get("model") or {}).get("vocab", {})
+    return [int(found[eos])] if isinstance(found, dict) and eos in found else None
+
+
+def model_has_tokenizer(model: str | None) -> bool:
+    """Whether ``model`` ships a tokenizer (a GGUF file always does)."""
+    source = resolve_model_source(model)
+    return bool(source.gguf_file) or any((source.folder / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model: str | None = None) -> Any:
+    """The tokenizer of ``model`` (None when it ships none), without its weights."""
+    source = resolve_model_source(model)
+    reader = GgufFile(source.path) if source.gguf_file else None
+    return _load_tokenizer(source, _load_hf_config(source, reader))
 
 
 def _quant_config(reader: Any, model_class: type[LlamaForCausalLM], quantization: str,
@@ -167,7 +204,7 @@ def load_hf_config(model: str | None = None) -> Any:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto",
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto", with_tokenizer: bool = True) -> LoadedModel:
     """Load a model for inference.
 
     model: None or "smollm2" (the default SmolLM2-135M-Instruct GGUF), a Hugging Face
@@ -176,6 +213,9 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     activation dtype). device: auto|cpu|cuda. quantization: "auto" keeps a GGUF file's
     Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
     the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
+    ``with_tokenizer=False`` leaves ``LoadedModel.tokenizer`` None (the engine-core process of
+    a server handles no text): the tokenizer's EOS id is then read from its files where they
+    tell it, and the tokenizer is loaded only to read it where they do not.
     Under tensor parallelism (``vpage.distributed.parallel_state``) the model is this rank's
     shard; quantized weights stay quantized where the shard keeps whole GGUF blocks, and a
     row-parallel layer whose columns per rank would cut blocks is dequantized (rank 0 logs
@@ -204,7 +244,12 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
             raise
         raise ValueError(f"{source.path}: {e}") from e
     net.eval()
-    tokenizer = _load_tokenizer(source, hf_config)
+    tokenizer, tokenizer_eos = None, None if with_tokenizer else _tokenizer_eos_from_files(source, reader)
+    if tokenizer_eos is None:
+        tokenizer = _load_tokenizer(source, hf_config)
+        tokenizer_eos = _as_list(tokenizer.eos_token_id) if tokenizer is not None else []
+        if not with_tokenizer:
+            tokenizer = None
     config = ModelConfig(
         architecture=architecture,
         num_layers=hf_config.num_hidden_layers,
@@ -215,7 +260,7 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
         vocab_size=hf_config.vocab_size,
         max_model_len=_max_model_len(hf_config),
         dtype=torch_dtype,
-        eos_token_ids=_eos_token_ids(hf_config, source, tokenizer),
+        eos_token_ids=_eos_token_ids(hf_config, source, tokenizer_eos),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
     )
     return LoadedModel(net, config, tokenizer, torch_device, hf_config)
