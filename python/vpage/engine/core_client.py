@@ -22,8 +22,9 @@ import time
 from typing import Any, Callable, Optional, Union
 
 from vpage.engine.arg_utils import EngineArgs
-from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, FinishSequences,
+from vpage.engine.core_messages import (AbortRequests, CoreFailed, CoreReady, FinishSequences,
                                         RequestError, StepOutputs, decode, encode)
+from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.core_process import run_engine_core
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
@@ -190,7 +191,7 @@ class EngineCoreClient:
         stream = RequestStream(request_id, prompt_token_ids)
         self._streams[request_id] = stream
         self.processor.add(RequestState(request_id, None, prompt_token_ids, params, self.tokenizer, arrival))
-        self._push.send(encode(AddRequest(request_id, prompt_token_ids, params, arrival, cache_salt)))
+        self._push.send(encode(EngineCoreRequest(request_id, prompt_token_ids, params, arrival, cache_salt)))
         return stream
 
     def abort(self, request_ids: list[str]) -> None:

@@ -1,9 +1,9 @@
 """What the API process and the engine-core process send each other over ZeroMQ.
 
-Small dataclasses pickled with the highest protocol: one message per request added or
-aborted, one per batch of samples a stop string ended (the API process matches stop strings),
-one :class:`StepOutputs` per engine step (the step's ``EngineCoreOutput``s: token ids and
-numbers, no text), one :class:`CoreReady` at start-up. Both ends are processes of the same
+Small dataclasses pickled with the highest protocol: one message per request added (an
+``EngineCoreRequest``) or aborted, one per batch of samples a stop string ended (the API
+process matches stop strings), one :class:`StepOutputs` per engine step (the step's
+``EngineCoreOutput``s: token ids and numbers, no text), one :class:`CoreReady` at start-up. Both ends are processes of the same
 vpage install, and the sockets live in a private temporary folder, so pickle is safe here.
 """
 
@@ -13,22 +13,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vpage.engine.core_io import EngineCoreOutput, EngineCoreRequest
+from vpage.engine.core_io import EngineCoreOutput
 from vpage.engine.metrics import EngineStats
-from vpage.sampling_params import SamplingParams
-
-
-@dataclass
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float  # time.monotonic() (one clock for every process of the machine)
-    cache_salt: Optional[str] = None
-
-    def core_request(self) -> EngineCoreRequest:
-        return EngineCoreRequest(self.request_id, self.prompt_token_ids, self.params, self.arrival_time,
-                                 self.cache_salt)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The engine-core process: an ``EngineCore`` in a busy loop, fed and drained over ZeroMQ.
 
 The API process binds two sockets and starts :func:`run_engine_core` in a child process.
-The child pulls :class:`AddRequest` / :class:`AbortRequests` / :class:`FinishSequences`
+The child pulls :class:`EngineCoreRequest` / :class:`AbortRequests` / :class:`FinishSequences`
 messages, steps the core while it has work, and pushes one :class:`StepOutputs` per step (a
 heartbeat every ``HEARTBEAT_S`` when idle): the step's token ids and numbers, which the API
 process turns into text (its output processor) while this process computes the next step.
@@ -25,7 +25,8 @@ import torch
 from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core import EngineCore
-from vpage.engine.core_messages import (AbortRequests, AddRequest, CoreFailed, CoreReady, FinishSequences,
+from vpage.engine.core_io import EngineCoreRequest
+from vpage.engine.core_messages import (AbortRequests, CoreFailed, CoreReady, FinishSequences,
                                         RequestError, StepOutputs, decode, encode)
 from vpage.executor.errors import WorkerDiedError
 
@@ -46,11 +47,11 @@ class EngineCoreProc:
         self.failed_steps = 0
         self._stats_at = float("-inf")  # when stats were last computed
 
-    def add(self, msg: AddRequest) -> Optional[RequestError]:
+    def add(self, msg: EngineCoreRequest) -> Optional[RequestError]:
         """Queues a request; one the engine refuses comes back as a 400 error, one it fails
         to add (a bug) as a 500."""
         try:
-            self.core.add_request(msg.core_request())
+            self.core.add_request(msg)
         except (ValueError, TypeError, OverflowError) as exc:
             return RequestError(msg.request_id, 400, str(exc))
         except Exception as exc:  # noqa: BLE001 - the engine's bug, not the request's; keep serving
@@ -203,7 +204,7 @@ def _serve(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
                     msg = decode(pull.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
-                if isinstance(msg, AddRequest):
+                if isinstance(msg, EngineCoreRequest):
                     error = proc.add(msg)
                     if error is not None:
                         errors.append(error)

@@ -13,7 +13,8 @@ import pytest
 from model_fixtures import save_tiny_model
 from vpage import SamplingParams, StructuredOutputsParams
 from vpage.engine import EngineArgs, LLMEngine
-from vpage.engine.core_messages import AddRequest, FinishSequences, decode, encode
+from vpage.engine.core_io import EngineCoreRequest
+from vpage.engine.core_messages import FinishSequences, decode, encode
 from vpage.engine.core_process import EngineCoreProc, build_engine_core
 from vpage.engine.latency_histogram import LatencyHistogram
 from vpage.engine.output_processor import OutputProcessor
@@ -42,7 +43,7 @@ def core(engine):
 def add(core: EngineCoreProc, rid: str, max_tokens: int = 4, prompt=(5, 6, 7), **params):
     params = SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
                             **{"temperature": 0, **params})
-    error = core.add(AddRequest(rid, list(prompt), params, time.monotonic()))
+    error = core.add(EngineCoreRequest(rid, list(prompt), params, time.monotonic()))
     if error is None:
         core.front.add(RequestState(rid, None, list(prompt), params, core.front.tokenizer, time.monotonic()))
     return error
@@ -101,7 +102,7 @@ def test_a_step_failing_before_anything_runs_fails_every_live_request(core, monk
 
 def test_a_refused_request_is_a_400_and_changes_nothing(core):
     delta = SamplingParams(output_kind=RequestOutputKind.DELTA)
-    error = core.add(AddRequest("bad", [10**6], delta, time.monotonic()))
+    error = core.add(EngineCoreRequest("bad", [10**6], delta, time.monotonic()))
     assert error.status == 400 and "out of range" in error.message
     assert not core.core.has_unfinished_requests() and "bad" not in core.live
 

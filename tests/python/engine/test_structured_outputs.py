@@ -17,7 +17,7 @@ import pytest
 from bounded_loops import bounded
 from model_fixtures import save_tiny_model
 from vpage import LLM, EngineArgs, LLMEngine, SamplingParams
-from vpage.engine.core_messages import AddRequest
+from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.core_process import EngineCoreProc
 from vpage.reasoning import ReasoningParser, register
 from vpage.sampling_params import RequestOutputKind
@@ -193,7 +193,7 @@ def test_bad_constraints_are_refused_and_the_engine_serves(smol, so, reason):
     # The engine core answers such a request with a 400 naming the reason.
     params = greedy(so)
     params.output_kind = RequestOutputKind.DELTA
-    error = EngineCoreProc(smol.engine.core).add(AddRequest("bad", [1, 2, 3], params, 0.0))
+    error = EngineCoreProc(smol.engine.core).add(EngineCoreRequest("bad", [1, 2, 3], params, 0.0))
     assert error.status == 400 and reason in error.message
     assert smol.generate("Hi", greedy(SO(choice=["a", "b"])), use_tqdm=False)[0].outputs[0].text in ("a", "b")
 
@@ -319,7 +319,7 @@ def test_waiting_for_a_grammar_abort_and_failure(tiny):
         core = EngineCoreProc(tiny.core)
         params = greedy(SO(regex="[d-f]{4}"))
         params.output_kind = RequestOutputKind.DELTA
-        assert core.add(AddRequest("boom", [5, 9], params, 0.0)) is None
+        assert core.add(EngineCoreRequest("boom", [5, 9], params, 0.0)) is None
         assert core.step().errors == [] and tiny.has_unfinished_requests()
         gate.release.set()
         errors = []
