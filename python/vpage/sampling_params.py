@@ -39,8 +39,12 @@ class StructuredOutputsParams:
     ``grammar`` (EBNF, or Lark for llguidance), ``json_object`` (any JSON object) or
     ``structural_tag`` (xgrammar's structural tag, as JSON text) is set.
 
-    ``disable_any_whitespace``: JSON without the optional whitespace; ``disable_additional_properties``:
-    objects of a schema that says nothing about additionalProperties accept no other keys."""
+    JSON is strict by default (OpenAI's ``strict``, xgrammar's default): objects of a schema that
+    says nothing about additionalProperties accept no other keys, unless
+    ``disable_additional_properties=False``. Whitespace between JSON tokens is bounded by default
+    (``structured_output.backend.JSON_WHITESPACE_PATTERN``: at most one newline and 20 spaces or
+    tabs, as llama.cpp's schema grammars allow); ``disable_any_whitespace`` allows none,
+    ``whitespace_pattern`` (llguidance) sets its own."""
 
     json: Union[str, dict, None] = None
     regex: Optional[str] = None
@@ -49,7 +53,7 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
     structural_tag: Optional[str] = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = True
     whitespace_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:

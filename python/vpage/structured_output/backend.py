@@ -51,6 +51,14 @@ class GrammarMatcher(ABC):
         """Back to the start of the grammar."""
 
 
+# The whitespace a JSON grammar allows between tokens unless a request says otherwise, as
+# llama.cpp's schema grammars do: none, one space, or one newline and an indent of at most 20
+# spaces or tabs (a model that loses its way in whitespace cannot run on in it). xgrammar takes
+# no pattern: it bounds each run of whitespace to JSON_MAX_WHITESPACE characters instead.
+JSON_WHITESPACE_PATTERN = r"(?: |\n[ \t]{0,20})?"
+JSON_MAX_WHITESPACE = 21
+
+
 class StructuredOutputBackend(ABC):
     """A grammar library. ``validate`` needs no tokenizer (the API process may call it);
     ``compile`` runs on a worker thread; ``matcher`` runs on the engine loop."""

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from vpage.sampling_params import StructuredOutputsParams
-from vpage.structured_output.backend import GrammarMatcher, StructuredOutputBackend, library_message, schema_of
+from vpage.structured_output.backend import (JSON_WHITESPACE_PATTERN, GrammarMatcher, StructuredOutputBackend,
+                                             library_message, schema_of)
 
 
 def _close_objects(schema: Any) -> None:
@@ -38,8 +39,8 @@ def _schema_with_options(schema: Any, params: StructuredOutputsParams) -> Any:
     if not isinstance(schema, dict):
         return schema
     options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-    if params.whitespace_pattern is not None:
-        options["whitespace_pattern"] = params.whitespace_pattern
+    if not params.disable_any_whitespace:
+        options["whitespace_pattern"] = params.whitespace_pattern or JSON_WHITESPACE_PATTERN
     return {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
 
 

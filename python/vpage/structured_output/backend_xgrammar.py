@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import torch
 
 from vpage.sampling_params import StructuredOutputsParams
-from vpage.structured_output.backend import (GrammarMatcher, StructuredOutputBackend, choice_ebnf, library_message,
-                                             looks_like_lark, schema_of)
+from vpage.structured_output.backend import (JSON_MAX_WHITESPACE, GrammarMatcher, StructuredOutputBackend,
+                                             choice_ebnf, library_message, looks_like_lark, schema_of)
 
 # String formats xgrammar's JSON Schema converter turns into grammar (others it ignores).
 _FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
@@ -89,6 +89,7 @@ class XgrammarBackend(StructuredOutputBackend):
     @staticmethod
     def _json_options(params: StructuredOutputsParams) -> dict:
         return {"any_whitespace": not params.disable_any_whitespace,
+                "max_whitespace_cnt": None if params.disable_any_whitespace else JSON_MAX_WHITESPACE,
                 "strict_mode": params.disable_additional_properties}
 
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,9 @@ SCHEMAS = [
                               "items": {"type": "array", "items": _DIGIT, "minItems": 2, "maxItems": 2}}}), 40),
 ]
 _BY_NAME = {name: schema for name, schema, _ in SCHEMAS}
+# 24 schemas a user might send (objects, enums, nested objects, arrays, patterns), each with a
+# question: with vpage's defaults (strict JSON, bounded whitespace) every answer must end.
+ENDING = json.loads((Path(__file__).parents[1] / "structured_output" / "schemas_that_end.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +130,50 @@ def test_parse_with_a_pydantic_model_returns_an_instance(client):
     message = completion.choices[0].message
     assert isinstance(message.parsed, City)
     assert message.parsed == City.model_validate_json(message.content)
+
+
+def _ending_failures(answers: list[tuple[str, str, int]]) -> list[str]:
+    failures = []
+    for case, (text, reason, tokens) in zip(ENDING, answers):
+        try:
+            assert reason == "stop" and tokens <= 150, f"finish_reason {reason} after {tokens} tokens"
+            _validate(text, case["schema"])
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failures.append(f"{case['ask']}: {text!r}: {str(exc)[:200]}")
+    return failures
+
+
+def test_schemas_end_with_valid_json_by_default(client):
+    # As a new user asks through the official client: OpenAI's json_schema response_format, no
+    # vpage options, greedy, 150 tokens at most (the default backend, xgrammar).
+    def ask(case: dict) -> tuple[str, str, int]:
+        completion = client.chat.completions.create(
+            model=MODEL, messages=_messages(case["ask"] + " Answer in JSON."), max_tokens=150, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": case["schema"],
+                                                                    "strict": True}})
+        return completion.choices[0].message.content, completion.choices[0].finish_reason, \
+            completion.usage.completion_tokens
+
+    with ThreadPoolExecutor(len(ENDING)) as pool:
+        failures = _ending_failures(list(pool.map(ask, ENDING)))
+    assert not failures, "\n".join(failures)
+
+
+def test_schemas_end_with_valid_json_by_default_llguidance():
+    from vpage import LLM, SamplingParams
+    from vpage.sampling_params import StructuredOutputsParams
+
+    llm = LLM(structured_outputs_backend="llguidance", kv_cache_memory=0.5, max_model_len=1024)
+    try:
+        outputs = llm.chat([_messages(case["ask"] + " Answer in JSON.") for case in ENDING],
+                           [SamplingParams(temperature=0, max_tokens=150,
+                                           structured_outputs=StructuredOutputsParams(json=case["schema"]))
+                            for case in ENDING], use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    answers = [(o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs]
+    failures = _ending_failures(answers)
+    assert not failures, "\n".join(failures)
 
 
 def test_json_schemas_whole_and_streamed_validate(client):

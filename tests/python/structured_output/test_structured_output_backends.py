@@ -206,3 +206,26 @@ def test_structural_tag_constrains_only_the_tagged_parts(backend, tokenizer):
     bad = backend.matcher(compiled)
     ids = tokenizer.encode('hi <f>{"a": "x"')  # a string where the schema wants an integer
     assert not all(bad.accept_token(t) for t in ids)
+
+
+def _accepts(backend, tokenizer, so: SO, text: str) -> bool:
+    """Whether a fresh matcher of ``so`` takes ``text`` (as the tokenizer splits it) and may end."""
+    matcher = backend.matcher(backend.compile(so))
+    return matcher.accept_tokens(tokenizer.encode(text)) and matcher.accept_token(EOS)
+
+
+def test_json_is_strict_and_its_whitespace_bounded_by_default(backend, tokenizer):
+    # Strict unless asked: no key the schema does not name (OpenAI's strict, xgrammar's default),
+    # unless disable_additional_properties=False or the schema opens the object itself.
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = '{"a": 1, "b": 2}'
+    assert _accepts(backend, tokenizer, SO(json=schema), '{"a": 1}')
+    assert not _accepts(backend, tokenizer, SO(json=schema), extra)
+    assert _accepts(backend, tokenizer, SO(json=schema, disable_additional_properties=False), extra)
+    assert _accepts(backend, tokenizer, SO(json={**schema, "additionalProperties": True}), extra)
+    # Whitespace: an indented layout passes, a run past the bound (llama.cpp's: one newline and
+    # an indent of at most 20) does not; disable_any_whitespace allows none.
+    assert _accepts(backend, tokenizer, SO(json=schema), '{\n' + ' ' * 20 + '"a": 1\n}')
+    assert not _accepts(backend, tokenizer, SO(json=schema), '{' + '\n' * 30 + '"a": 1}')
+    assert not _accepts(backend, tokenizer, SO(json=schema), '{' + ' ' * 30 + '"a": 1}')
+    assert not _accepts(backend, tokenizer, SO(json=schema, disable_any_whitespace=True), '{ "a": 1}')

@@ -96,7 +96,7 @@ class StructuredOutputsRequest(_Strict):
     json_object: Optional[bool] = None
     structural_tag: Optional[NonEmpty] = None
     disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = True  # strict JSON unless asked (False)
     whitespace_pattern: Optional[NonEmpty] = None
 
     def constraints(self) -> dict[str, Any]:
