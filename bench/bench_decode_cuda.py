@@ -5,7 +5,7 @@
 For each mode (graphs, then --enforce-eager) one engine (max_num_seqs = the largest batch,
 a fixed KV cache) runs, for each batch size N, N requests with 32-token prompts until all of
 them decode, then times --steps whole engine steps (schedule, block moves, forward, sampling,
-outputs) and the forward alone (``ModelRunner.execute``, synchronized), then profiles a few
+outputs) and the forward alone (``ModelRunner.logits``: forward and logits, synchronized), then profiles a few
 more steps (torch.profiler, CUDA activity) for the GPU kernels a step launches and the time
 they keep the GPU busy. Prints a markdown table: median ms per step and per forward, eager /
 graphs ratios, kernels per step and GPU-busy ms per step.
