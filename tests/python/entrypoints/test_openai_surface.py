@@ -224,3 +224,14 @@ def test_cors_preflight_and_response_headers(server):
     assert status == 401 and headers["access-control-allow-origin"] == ORIGIN
     status, headers = _raw(server, "POST", "/tokenize", {"Origin": "https://evil.example", **AUTH}, body)
     assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_anthropic_messages_take_the_x_api_key_header(server):
+    anthropic = pytest.importorskip("anthropic")
+    ok = anthropic.Anthropic(base_url=server.base_url.removesuffix("/v1"), api_key=KEY, max_retries=0, timeout=120)
+    message = ok.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert message.content and message.usage.output_tokens > 0
+    wrong = anthropic.Anthropic(base_url=server.base_url.removesuffix("/v1"), api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        wrong.messages.create(model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+    assert info.value.body["error"]["type"] == "authentication_error"

@@ -22,6 +22,8 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vpage.entrypoints.anthropic.messages import chat_request, message_body, message_events
+from vpage.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from vpage.entrypoints.openai.auth import ApiKeys, cache_salt
 from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
@@ -175,6 +177,50 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
+
+    # Anthropic's Messages API on the same chat pipeline: its own error shape, and its
+    # x-api-key header as well as Authorization.
+    async def anthropic(request: Request, answer) -> Response:
+        try:
+            key = request.headers.get("x-api-key")
+            tenant = keys.tenant(f"Bearer {key}" if key is not None else request.headers.get("authorization"))
+            return await answer(tenant)
+        except ApiError as exc:
+            return json_response(exc.status, error_body(exc.status, exc.kind, str(exc)), exc.headers)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        async def answer(tenant: Optional[str]) -> Response:
+            req = parse_body(await read_body(request, limits), MessagesRequest)
+            sub = serving.submit(chat_request(req), cache_salt(tenant, None))
+            if not req.stream:
+                async def disconnected() -> None:
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+
+                return json_response(200, message_body(await serving.respond(sub, disconnected), req))
+            chunks = serving.stream(sub)
+            first = await chunks.__anext__()  # raises ApiError (answered as such) if the engine refuses it
+
+            async def all_chunks():
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+
+            message_id = "msg_" + sub.builder.id.removeprefix("chatcmpl-")
+            events = message_events(all_chunks(), req, message_id, serving.model_name,
+                                    sum(len(s.prompt_token_ids) for s in sub.streams))
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        return await anthropic(request, answer)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def answer(tenant: Optional[str]) -> Response:
+            req = parse_body(await read_body(request, limits), CountTokensRequest)
+            return json_response(200, {"input_tokens": serving.prompt_tokens(chat_request(req))})
+
+        return await anthropic(request, answer)
 
     tokenization = Tokenization(serving)
 

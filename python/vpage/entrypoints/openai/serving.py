@@ -114,6 +114,13 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Submission(builder, streams, include_usage)
 
+    def prompt_tokens(self, req: ChatCompletionRequest) -> int:
+        """How many tokens the prompt of chat request ``req`` has (its template applied)."""
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
+                           kind="not_found_error", param="model")
+        return len(self.chat.prepare(self._tokenizer(), req).prompt_token_ids)
+
     def _tokenizer(self):
         tokenizer = self.client.tokenizer
         if tokenizer is None:
