@@ -102,24 +102,24 @@ class EngineCore:
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
         self._private_salts = itertools.count()
-        self._tokenizer = self.executor.tokenizer
-        has_tokenizer = self._tokenizer is not None or (config.model.skip_tokenizer_init and
-                                                        model_has_tokenizer(config.model.model))
+        # Grammars need the vocabulary: the tokenizer loaded with the model, or (a server's core,
+        # which loads none) one loaded when the first grammar is compiled.
+        loaded, model = self.executor.tokenizer, config.model.model
+        has_tokenizer = loaded is not None or (config.model.skip_tokenizer_init and model_has_tokenizer(model))
         try:
-            self.structured = StructuredOutputs(config.structured_outputs, lambda: self.tokenizer, has_tokenizer,
-                                                self.model_config.vocab_size, self.model_config.eos_token_ids,
-                                                sched.max_num_seqs, self.device)
+            self.structured = StructuredOutputs(config.structured_outputs,
+                                                lambda: loaded if loaded is not None else load_tokenizer(model),
+                                                has_tokenizer, self.model_config.vocab_size,
+                                                self.model_config.eos_token_ids, sched.max_num_seqs, self.device)
         except ValueError:  # an unknown reasoning parser
             self.shutdown()
             raise
 
     @property
     def tokenizer(self) -> Any:
-        """The model's tokenizer (the core handles no text; grammars need the vocabulary): the
-        one loaded with the model, or with ``skip_tokenizer_init`` loaded now, on first need."""
-        if self._tokenizer is None and self.config.model.skip_tokenizer_init:
-            self._tokenizer = load_tokenizer(self.config.model.model)
-        return self._tokenizer
+        """The tokenizer loaded with the model (None with ``skip_tokenizer_init``: the core itself
+        handles no text)."""
+        return self.executor.tokenizer
 
     # ----------------------------------------------------------------- requests
 

@@ -209,10 +209,10 @@ def test_the_core_process_has_no_tokenizer_after_plain_requests(engine):
             assert add(proc, rid, **params) is None
         finished = run(proc)
         assert sorted(finished) == ["p", "s"] and finished["p"].outputs[0].text
-        assert proc.core._tokenizer is None and proc.core.structured._compiler is None
+        assert proc.core.tokenizer is None and proc.core.structured._compiler is None
         so = StructuredOutputsParams(choice=["yes", "no"])
         assert add(proc, "g", max_tokens=8, structured_outputs=so) is None
         assert run(proc)["g"].outputs[0].text in ("yes", "no")
-        assert proc.core._tokenizer is not None
+        assert proc.core.tokenizer is None and proc.core.structured.compiler.tokenizer is not None
     finally:
         proc.core.shutdown()

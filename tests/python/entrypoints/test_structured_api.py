@@ -7,6 +7,7 @@ server unchanged)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -171,6 +172,8 @@ def test_schemas_end_with_valid_json_by_default_llguidance():
                             for case in ENDING], use_tqdm=False)
     finally:
         llm.engine.shutdown()
+        del llm
+        gc.collect()  # the model and its KV cache go now, not at some later test's collection
     answers = [(o.outputs[0].text, o.outputs[0].finish_reason, len(o.outputs[0].token_ids)) for o in outputs]
     failures = _ending_failures(answers)
     assert not failures, "\n".join(failures)
