@@ -5,7 +5,7 @@ model: a tiny random Llama with the default model's 49,152-token vocabulary and 
 whose forward costs next to nothing, so that the step is the engine's own work.
 
     python bench/bench_step_overhead.py --batch 64,256 --steps 12
-    python bench/bench_step_overhead.py --tiny-model /tmp/tiny49k --batch 64,256  # engine-bound
+    python bench/bench_step_overhead.py --tiny-model DIR --batch 64,256    # engine-bound model, made in DIR
     python bench/bench_step_overhead.py --single-stream      # batch 1: 128 new tokens, tok/s
     python bench/bench_step_overhead.py --long 4096          # one request: overhead per token over its life
 
