@@ -102,3 +102,14 @@ def stream_events(server: LiveServer, path: str, body: dict, headers: Optional[d
         raise AssertionError("the stream did not end with [DONE]")
     conn.close()
     return events
+
+
+TOOL_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hermes_tool_template.jinja")
+
+
+def tool_server() -> LiveServer:
+    """The default model served with a Hermes-style tool template (hermes_tool_template.jinja),
+    the hermes tool-call parser and the qwen3 reasoning parser."""
+    return LiveServer("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
+                      "--max-num-seqs", "4", "--chat-template", TOOL_TEMPLATE, "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")

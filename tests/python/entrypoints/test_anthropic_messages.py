@@ -7,16 +7,14 @@ count_tokens; and bad requests answered in Anthropic's error shape with the serv
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
 
-from live_server import LiveServer
+from live_server import tool_server
 
 anthropic = pytest.importorskip("anthropic")
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "hermes_tool_template.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Berlin"]},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -27,9 +25,7 @@ MODEL = "smollm2"
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                     "--max-num-seqs", "4", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
-                     "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    srv = tool_server()
     yield srv
     srv.stop()
 

@@ -30,9 +30,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from live_server import LiveServer
+from live_server import TOOL_TEMPLATE, tool_server
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "hermes_tool_template.jinja"
+TEMPLATE = Path(TOOL_TEMPLATE)
 WEATHER_PARAMETERS = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome", "Berlin"]},
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -50,9 +50,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--dtype", "float32", "--kv-cache-memory", "0.25", "--max-model-len", "1024",
-                     "--max-num-seqs", "4", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
-                     "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    srv = tool_server()
     yield srv
     srv.stop()
 

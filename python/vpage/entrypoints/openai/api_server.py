@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -96,6 +96,32 @@ class _HeadLimits:
             await self.app(scope, receive, send)
 
 
+async def started(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``events`` with its first event already taken: a request the engine refuses raises
+    ApiError here, before any response has begun, and is answered with its status."""
+    first = await events.__anext__()
+
+    async def all_events() -> AsyncIterator[bytes]:
+        yield first
+        async for event in events:
+            yield event
+
+    return all_events()
+
+
+def event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """A wait that ends when the client of ``request`` goes away (a whole answer is aborted then)."""
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
 def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None) -> FastAPI:
     app = FastAPI(title="vpage", openapi_url=None, docs_url=None, redoc_url=None)
 
@@ -153,22 +179,8 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
         req = parse_body(await read_body(request, limits), kind)
         sub = serving.submit(req, cache_salt(tenant, req.cache_salt))
         if req.stream:
-            events = serving.stream(sub)
-            first = await events.__anext__()  # raises ApiError (answered as such) if the engine refuses it
-
-            async def all_events():
-                yield first
-                async for event in events:
-                    yield event
-
-            return StreamingResponse(all_events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-
-        async def disconnected() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        return json_response(200, await serving.respond(sub, disconnected))
+            return event_stream(await started(serving.stream(sub)))
+        return json_response(200, await serving.respond(sub, disconnected(request)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -194,23 +206,11 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
             req = parse_body(await read_body(request, limits), MessagesRequest)
             sub = serving.submit(chat_request(req), cache_salt(tenant, None))
             if not req.stream:
-                async def disconnected() -> None:
-                    while (await request.receive())["type"] != "http.disconnect":
-                        pass
-
-                return json_response(200, message_body(await serving.respond(sub, disconnected), req))
-            chunks = serving.stream(sub)
-            first = await chunks.__anext__()  # raises ApiError (answered as such) if the engine refuses it
-
-            async def all_chunks():
-                yield first
-                async for chunk in chunks:
-                    yield chunk
-
+                return json_response(200, message_body(await serving.respond(sub, disconnected(request)), req))
+            chunks = await started(serving.stream(sub))
             message_id = "msg_" + sub.builder.id.removeprefix("chatcmpl-")
-            events = message_events(all_chunks(), req, message_id, serving.model_name,
-                                    sum(len(s.prompt_token_ids) for s in sub.streams))
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return event_stream(message_events(chunks, req, message_id, serving.model_name,
+                                               sum(len(s.prompt_token_ids) for s in sub.streams)))
 
         return await anthropic(request, answer)
 
