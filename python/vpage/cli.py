@@ -132,6 +132,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="file of 'TENANT KEY' lines; each tenant gets its own prefix-cache salt")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 503 + Retry-After when this many requests wait (default: no limit)")
+    serve.add_argument("--max-stored-responses", type=int, default=1024,
+                       help="responses kept for previous_response_id and GET /v1/responses/{id}, least recently "
+                            "used dropped first (default: 1024; 0 stores none)")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds a request may run before it is aborted (default: no limit)")
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body size limit")
@@ -200,7 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
                         health_stall_s=args.health_stall_timeout),
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
         header_timeout_s=args.timeout_header, cors=cors_options(args),
-        chat=chat)
+        chat=chat, max_stored_responses=args.max_stored_responses)
     return run(engine_args, options)
 
 

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API on FastAPI: routes, body limits, API keys and errors.
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
-``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``POST /tokenize``
+``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``POST /v1/responses``
+with ``GET``/``DELETE /v1/responses/{id}`` (OpenAI's Responses API), ``POST /v1/messages`` and
+``/v1/messages/count_tokens`` (Anthropic's Messages API), ``POST /tokenize``
 and ``POST /detokenize`` (vLLM's), ``GET /health``
 (milliseconds; 503 when the engine is dead, wedged, or the server is draining) and
 ``GET /metrics`` (Prometheus). Every error, from a bad field to an unknown route or a
@@ -29,6 +31,9 @@ from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from vpage.entrypoints.openai.serving import OpenAIServing
 from vpage.entrypoints.openai.tokenization import Tokenization
+from vpage.entrypoints.responses.protocol import ResponsesRequest
+from vpage.entrypoints.responses.serving import ResponsesServing
+from vpage.entrypoints.responses.store import ResponseStore
 
 logger = logging.getLogger("vpage")
 
@@ -122,7 +127,8 @@ def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
     return wait
 
 
-def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None) -> FastAPI:
+def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None,
+              responses_store: Optional[ResponseStore] = None) -> FastAPI:
     app = FastAPI(title="vpage", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -189,6 +195,26 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest)
+
+    # OpenAI's Responses API on the same chat pipeline, with a store of earlier responses.
+    responses = ResponsesServing(serving, responses_store if responses_store is not None else ResponseStore())
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        tenant = authenticate(request)
+        req = parse_body(await read_body(request, limits), ResponsesRequest)
+        turn = responses.submit(req, tenant)
+        if req.stream:
+            return event_stream(responses.events(turn, await started(serving.stream(turn.sub))))
+        return json_response(200, await responses.respond(turn, disconnected(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> Response:
+        return json_response(200, responses.retrieve(authenticate(request), response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str) -> Response:
+        return json_response(200, responses.delete(authenticate(request), response_id))
 
     # Anthropic's Messages API on the same chat pipeline: its own error shape, and its
     # x-api-key header as well as Authorization.

@@ -24,6 +24,7 @@ from vpage.entrypoints.openai.chat_utils import ChatOptions
 from vpage.entrypoints.openai.http_protocol import json_error_protocol
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
+from vpage.entrypoints.responses.store import ResponseStore
 
 logger = logging.getLogger("vpage")
 
@@ -43,6 +44,7 @@ class ServerOptions:
     keep_alive_s: float = 5.0
     header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
+    max_stored_responses: int = 1024  # the Responses API's store (previous_response_id)
 
 
 class _Server(uvicorn.Server):
@@ -102,7 +104,7 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     client = EngineCoreClient(args, on_step=metrics.on_step)
     await client.start()
     serving = OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
-    app = build_app(serving, options.keys, options.http, options.cors)
+    app = build_app(serving, options.keys, options.http, options.cors, ResponseStore(options.max_stored_responses))
     config = uvicorn.Config(app, host=options.host, port=options.port, loop="asyncio", lifespan="off",
                             http=json_error_protocol(options.header_timeout_s), backlog=2048,
                             timeout_keep_alive=int(options.keep_alive_s), timeout_graceful_shutdown=5,
