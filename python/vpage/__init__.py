@@ -20,6 +20,12 @@ _LAZY = {
     "StructuredOutputsParams": "vpage.sampling_params",
     "RequestOutput": "vpage.outputs",
     "CompletionOutput": "vpage.outputs",
+    "PoolingParams": "vpage.pooling_params",
+    "PoolingEngine": "vpage.pooling",
+    "PoolingRequestOutput": "vpage.outputs",
+    "EmbeddingRequestOutput": "vpage.outputs",
+    "ClassificationRequestOutput": "vpage.outputs",
+    "ScoringRequestOutput": "vpage.outputs",
 }
 
 __all__ = [*_LAZY, "cuda_available", "__version__"]

@@ -124,7 +124,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="the model name clients use (default: the --model value, or 'smollm2')")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step at most (default: 64)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length at most (default: the model's)")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step at most")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="tokens per step at most (default: 2048; 8192 with the pooling runner)")
+    serve.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                       help="generate text, or pool (embeddings, scores, reranking); auto: pooling for an "
+                            "encoder model (BERT, XLM-RoBERTa), else generate")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     serve.add_argument("--api-key", default=os.environ.get("VPAGE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $VPAGE_API_KEY)")
@@ -194,7 +198,8 @@ def _serve(args: argparse.Namespace) -> int:
                              enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                              generation_config=args.generation_config,
                              structured_outputs_backend=args.structured_outputs_backend,
-                             reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config)
+                             reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config,
+                             runner=args.runner)
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),

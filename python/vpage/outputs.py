@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -113,3 +113,66 @@ class OutputAccumulator:
         completions = [self._parts[i].output() for i in sorted(self._parts)]
         return RequestOutput(self.request_id, last.prompt, self.prompt_token_ids, completions, last.finished,
                              last.metrics, last.num_cached_tokens, self._prompt_logprobs)
+
+
+# ---------------------------------------------------------------- pooling (vLLM's names)
+
+@dataclass
+class PoolingOutput:
+    """The pooled tensor of a request (``LLM.encode``): an embedding or class probabilities."""
+
+    data: Any  # torch.Tensor, float32, 1-D
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """Class probabilities (or logits, with ``use_activation=False``), one per label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """The score of a text pair: a cross-encoder's, or the cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A finished pooling request; ``outputs`` is one of the outputs above."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput

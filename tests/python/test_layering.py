@@ -14,14 +14,15 @@ PACKAGE = Path(vpage.__file__).parent
 # Highest layer first; a module may import its own layer and the layers below it.
 LAYERS = [
     ("entrypoints", {"cli", "entrypoints", "benchmarks"}),
-    ("engine", {"engine"}),
+    ("engine", {"engine", "pooling"}),  # the pooling runner is an engine of its own beside LLMEngine
     ("executor", {"executor"}),
     ("worker", {"worker"}),
     ("spec_decode", {"spec_decode"}),  # proposers and verifier: the engine's and the worker's sides
     ("model_executor", {"model_executor"}),
     # Shared plain modules every layer above may use: parameters, outputs, text, sampling,
     # grammars (structured outputs) and reasoning formats.
-    ("common", {"sampling_params", "outputs", "tokenizer", "sampler", "structured_output", "reasoning"}),
+    ("common", {"sampling_params", "pooling_params", "outputs", "tokenizer", "sampler", "structured_output",
+                "reasoning"}),
     ("distributed", {"distributed"}),
     ("ops", {"ops", "_ops_cpu", "_ops_cuda"}),
     ("config", {"config"}),  # plain data, imports nothing from vpage

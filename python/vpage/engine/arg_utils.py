@@ -14,6 +14,8 @@ from vpage.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 _GENERATION_CONFIG_MODES = ("auto", "vpage")
+RUNNERS = ("auto", "generate", "pooling")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # generation; the pooling runner's default is 8192 (vLLM's)
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -31,6 +33,11 @@ class EngineArgs:
     a dtype name; on CPU float16 or bfloat16 may hold the cache of float32 activations.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` (see ``SpeculativeConfig``).
+    runner: "generate" (LLMEngine), "pooling" (``vpage.pooling.PoolingEngine``: embeddings,
+    classification, scores) or "auto" (pooling for the encoder architectures, as ``LLM``
+    resolves it). max_num_batched_tokens: None is 2048 for generation, 8192 for pooling.
+    pooler_config: vLLM's pooler override, ``{"pooling_type": "CLS" | "MEAN" | "LAST",
+    "normalize": bool}`` over the model's sentence-transformers configuration.
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -40,7 +47,7 @@ class EngineArgs:
     device: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: Optional[int] = None  # None: 2048 (generate), 8192 (pooling)
     max_model_len: Optional[int] = None  # default: what the model supports
     kv_cache_memory: Optional[float] = None
     gpu_memory_utilization: float = 0.9
@@ -57,6 +64,8 @@ class EngineArgs:
     structured_outputs_backend: str = "xgrammar"  # grammar compiler of structured outputs
     reasoning_parser: Optional[str] = None  # e.g. "qwen3": structured outputs start after the reasoning
     speculative_config: Optional[Union[dict[str, Any], str]] = None
+    runner: str = "auto"
+    pooler_config: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -69,7 +78,8 @@ class EngineArgs:
               f"quantization must be 'auto' or 'none', got {self.quantization!r}")
         check(self.block_size in (8, 16, 32), f"block_size must be 8, 16 or 32, got {self.block_size}")
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens >= 1,
+        check(self.runner in RUNNERS, f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
               f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         check(self.max_model_len is None or self.max_model_len >= 1,
               f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -107,10 +117,13 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         self._speculative = (None if self.speculative_config is None
                              else SpeculativeConfig.from_dict(self.speculative_config))
-        if not self.enable_chunked_prefill and self.max_model_len is not None:
-            check(self.max_num_batched_tokens >= self.max_model_len,
+        if not self.enable_chunked_prefill and self.max_model_len is not None and self.runner != "pooling":
+            check(self._generate_batched_tokens() >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
-                  f"({self.max_num_batched_tokens} < {self.max_model_len})")
+                  f"({self._generate_batched_tokens()} < {self.max_model_len})")
+
+    def _generate_batched_tokens(self) -> int:
+        return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the arguments once, reading the model's config but not its weights: the
@@ -122,11 +135,14 @@ class EngineArgs:
         from vpage.model_executor import inspect_model, resolve_device
         from vpage.model_executor.loader.generation_config import generation_defaults
 
+        if self.runner == "pooling":
+            raise ValueError("runner 'pooling' is served by vpage.pooling.PoolingEngine, not LLMEngine")
         device = resolve_device(self.device)
         facts = inspect_model(self.model)
         max_model_len = min(self.max_model_len or facts.max_model_len, facts.max_model_len)
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
+        max_num_batched_tokens = self._generate_batched_tokens()
+        if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) "
                              f"must be >= max_model_len ({max_model_len})")
         if self.tensor_parallel_size > 1:
             facts.check_tensor_parallel(self.tensor_parallel_size)
@@ -150,7 +166,7 @@ class EngineArgs:
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     num_threads=self.num_threads),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
                                       preemption_mode=self.preemption_mode),
             enforce_eager=self.enforce_eager,

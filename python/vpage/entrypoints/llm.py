@@ -1,4 +1,5 @@
-"""LLM: offline batched generation over an LLMEngine, with a progress bar."""
+"""LLM: offline batched generation over an LLMEngine, or embeddings, classification and scores
+over a PoolingEngine (``runner="pooling"``), with a progress bar."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any, Optional, Sequence, Union
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine, PromptType
-from vpage.outputs import RequestOutput
+from vpage.entrypoints.llm_pooling import PoolingFrontEnd
+from vpage.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                           ScoringRequestOutput)
+from vpage.pooling import PoolingEngine, resolve_runner
+from vpage.pooling_params import PoolingParams
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, str]
@@ -33,15 +38,27 @@ def _unpack_prompt(prompt: Union[PromptType, PromptDict]) -> tuple[PromptType, O
 
 
 class LLM:
-    """Generates for many prompts at once with continuous batching.
+    """Generates for many prompts at once with continuous batching; or, with a pooling model,
+    embeds, classifies and scores them.
 
     >>> llm = LLM()  # the default model (SmolLM2-135M-Instruct), CPU unless a GPU is present
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    >>> LLM("path/to/bert-folder").embed(["Hello"])[0].outputs.embedding  # runner "auto": pooling
+
+    runner: "generate", "pooling" or "auto" (pooling for ``vpage.pooling.pooling_architectures()``,
+    generation otherwise), as vLLM names them. A generating LLM refuses embed/classify/score/
+    encode and a pooling one generate/chat, with ValueError.
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.runner = resolve_runner(model, kwargs.pop("runner", "auto"))
         self._ids = itertools.count()
+        if self.runner == "pooling":
+            self.engine: Any = PoolingEngine(EngineArgs(model=model, runner="pooling", **kwargs))
+            self._pooling: Optional[PoolingFrontEnd] = PoolingFrontEnd(self.engine, self._ids)
+        else:
+            self.engine = LLMEngine(EngineArgs(model=model, runner="generate", **kwargs))
+            self._pooling = None
 
     def shutdown(self) -> None:
         """Stops the engine's tensor-parallel workers (also done at exit); idempotent."""
@@ -68,6 +85,7 @@ class LLM:
         ``{"prompt_token_ids": ids}``) to completion; outputs in prompt order. A single
         SamplingParams applies to all prompts; a list gives one per prompt; None takes
         ``get_default_sampling_params()``."""
+        self._generating("generate")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
@@ -91,12 +109,55 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
+        self._generating("chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                       tokenize=True, return_dict=False))
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _generating(self, method: str) -> None:
+        if self.runner != "generate":
+            raise ValueError(f"{method}() needs a generating model; this LLM runs a pooling model "
+                             "(runner='pooling'): use embed, classify, score or encode")
+
+    def _pooling_front_end(self, method: str) -> PoolingFrontEnd:
+        if self._pooling is None:
+            raise ValueError(f"{method}() needs a pooling model; this LLM generates (runner='generate'): load an "
+                             "embedding or classification model, or pass runner='pooling'")
+        return self._pooling
+
+    def embed(self, prompts: Any, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (text, token ids, or vLLM's prompt dicts), in prompt order;
+        ``pooling_params`` (one, or one per prompt) may set dimensions and normalize."""
+        return self._pooling_front_end("embed").run("embed", prompts, pooling_params, use_tqdm,
+                                                    truncate_prompt_tokens)
+
+    def classify(self, prompts: Any, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: Optional[int] = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (softmax; sigmoid for one label), in prompt order."""
+        return self._pooling_front_end("classify").run("classify", prompts, pooling_params, use_tqdm,
+                                                       truncate_prompt_tokens)
+
+    def encode(self, prompts: Any, pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
+               use_tqdm: bool = True, pooling_task: Optional[str] = None,
+               truncate_prompt_tokens: Optional[int] = None) -> list[PoolingRequestOutput]:
+        """The pooled tensor per prompt (``outputs.data``) of ``pooling_task`` ("embed" or
+        "classify"; default the task of ``pooling_params``)."""
+        return self._pooling_front_end("encode").encode(prompts, pooling_params, use_tqdm, pooling_task,
+                                                        truncate_prompt_tokens)
+
+    def score(self, data_1: Any, data_2: Any, use_tqdm: bool = True,
+              pooling_params: Optional[PoolingParams] = None,
+              truncate_prompt_tokens: Optional[int] = None) -> list[ScoringRequestOutput]:
+        """Scores of text pairs, as vLLM pairs them: one text against one, one against N, or N
+        against N (pairwise). A cross-encoder reads each pair in the tokenizer's pair
+        encoding; an embedding model scores the cosine similarity of the two embeddings."""
+        return self._pooling_front_end("score").score(data_1, data_2, use_tqdm, pooling_params,
+                                                      truncate_prompt_tokens)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -175,5 +175,7 @@ def test_bad_requests_are_openai_errors_and_the_server_serves(client, server):
         _create(client, input=QUESTION, previous_response_id="resp_unknown")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="another-model", input=QUESTION)
+    status, body = server.request("POST", "/v1/embeddings", {"input": "a"})  # a generation model does not pool
+    assert status == 400 and "pooling" in body["error"]["message"]
     server.wait_idle()
     assert _create(client, input=QUESTION).output_text

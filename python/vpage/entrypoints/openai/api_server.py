@@ -3,8 +3,9 @@
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``POST /v1/responses``
 with ``GET``/``DELETE /v1/responses/{id}`` (OpenAI's Responses API), ``POST /v1/messages`` and
-``/v1/messages/count_tokens`` (Anthropic's Messages API), ``POST /tokenize``
-and ``POST /detokenize`` (vLLM's), ``GET /health``
+``/v1/messages/count_tokens`` (Anthropic's Messages API); for a pooling model instead
+``POST /v1/embeddings``, ``/pooling``, ``/score`` and ``/rerank`` (also ``/v1/rerank``,
+``/v2/rerank``); ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``
 (milliseconds; 503 when the engine is dead, wedged, or the server is draining) and
 ``GET /metrics`` (Prometheus). Every error, from a bad field to an unknown route or a
 wrong method, is OpenAI's JSON error body; nothing answers HTML or a traceback.
@@ -16,7 +17,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,6 +32,8 @@ from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from vpage.entrypoints.openai.serving import OpenAIServing
 from vpage.entrypoints.openai.tokenization import Tokenization
+from vpage.entrypoints.pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from vpage.entrypoints.pooling.serving import PoolingServing
 from vpage.entrypoints.responses.protocol import ResponsesRequest
 from vpage.entrypoints.responses.serving import ResponsesServing
 from vpage.entrypoints.responses.store import ResponseStore
@@ -127,59 +130,10 @@ def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
     return wait
 
 
-def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None,
-              responses_store: Optional[ResponseStore] = None) -> FastAPI:
-    app = FastAPI(title="vpage", openapi_url=None, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> Response:
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
-        headers = getattr(exc, "headers", None)
-        return error_response(ApiError(exc.status_code, message, kind=kind, headers=headers))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return error_response(ApiError(400, "the request does not match the API"))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("vpage: internal error on %s %s", request.method, request.url.path)
-        return error_response(ApiError(500, "internal server error", kind="server_error"))
-
-    app.add_middleware(_HeadLimits, max_url_bytes=limits.max_url_bytes, max_header_bytes=limits.max_header_bytes)
-    add_cors(app, cors or CorsOptions())  # outermost: the limits' errors carry CORS headers too
-
-    def authenticate(request: Request) -> Optional[str]:
-        return keys.tenant(request.headers.get("authorization"))
-
-    @app.get("/health")
-    async def health() -> Response:
-        reason = "the server is shutting down" if serving.draining else serving.client.health(limits.health_stall_s)
-        if reason is not None:
-            return json_response(503, {"status": "unavailable", "reason": reason})
-        return json_response(200, {"status": "ok", "unfinished_requests": serving.client.num_unfinished()})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        authenticate(request)
-        return json_response(200, serving.models())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request, model_id: str) -> Response:
-        authenticate(request)
-        if model_id != serving.model_name:
-            raise ApiError(404, f"the model `{model_id}` does not exist", kind="not_found_error", param="model")
-        return json_response(200, serving.model_card())
-
+def _generation_routes(app: FastAPI, serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits,
+                       authenticate: Callable[[Request], Optional[str]],
+                       responses_store: Optional[ResponseStore]) -> None:
+    """Completions, chat completions, Responses and Anthropic Messages."""
     async def generate(request: Request, kind: type) -> Response:
         tenant = authenticate(request)
         req = parse_body(await read_body(request, limits), kind)
@@ -247,6 +201,101 @@ def build_app(serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits, cors: O
             return json_response(200, {"input_tokens": serving.prompt_tokens(chat_request(req))})
 
         return await anthropic(request, answer)
+
+
+def _pooling_routes(app: FastAPI, serving: PoolingServing, limits: HttpLimits,
+                    authenticate: Callable[[Request], Optional[str]]) -> None:
+    """Embeddings (OpenAI's), vLLM's /pooling and /score, and rerank (Jina/Cohere shapes)."""
+    def pooled(kind: type, answer) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            authenticate(request)
+            return json_response(200, await answer(parse_body(await read_body(request, limits), kind)))
+
+        return route
+
+    for path, kind, answer in (("/v1/embeddings", EmbeddingRequest, serving.embeddings),
+                               ("/pooling", PoolingRequest, serving.pooling),
+                               ("/score", ScoreRequest, serving.score), ("/v1/score", ScoreRequest, serving.score),
+                               ("/rerank", RerankRequest, serving.rerank), ("/v1/rerank", RerankRequest, serving.rerank),
+                               ("/v2/rerank", RerankRequest, serving.rerank)):
+        app.post(path)(pooled(kind, answer))
+
+
+_GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                      "/v1/messages/count_tokens")
+_POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+
+
+def _refused_routes(app: FastAPI, paths: tuple[str, ...], message: str) -> None:
+    """The other runner's routes: a 400 that says why, not a 404."""
+    async def refuse(request: Request) -> Response:
+        raise ApiError(400, message, param="model")
+
+    for path in paths:
+        app.post(path)(refuse)
+
+
+def build_app(serving: Union[OpenAIServing, PoolingServing], keys: ApiKeys, limits: HttpLimits, cors: Optional[CorsOptions] = None,
+              responses_store: Optional[ResponseStore] = None) -> FastAPI:
+    app = FastAPI(title="vpage", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        headers = getattr(exc, "headers", None)
+        return error_response(ApiError(exc.status_code, message, kind=kind, headers=headers))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(ApiError(400, "the request does not match the API"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("vpage: internal error on %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, "internal server error", kind="server_error"))
+
+    app.add_middleware(_HeadLimits, max_url_bytes=limits.max_url_bytes, max_header_bytes=limits.max_header_bytes)
+    add_cors(app, cors or CorsOptions())  # outermost: the limits' errors carry CORS headers too
+
+    def authenticate(request: Request) -> Optional[str]:
+        return keys.tenant(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        reason = "the server is shutting down" if serving.draining else serving.client.health(limits.health_stall_s)
+        if reason is not None:
+            return json_response(503, {"status": "unavailable", "reason": reason})
+        return json_response(200, {"status": "ok", "unfinished_requests": serving.client.num_unfinished()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        authenticate(request)
+        return json_response(200, serving.models())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        authenticate(request)
+        if model_id != serving.model_name:
+            raise ApiError(404, f"the model `{model_id}` does not exist", kind="not_found_error", param="model")
+        return json_response(200, serving.model_card())
+
+    if isinstance(serving, PoolingServing):
+        _pooling_routes(app, serving, limits, authenticate)
+        _refused_routes(app, _GENERATION_ROUTES, "this model is served by the pooling runner: it embeds and scores, "
+                                                 "and does not generate text")
+    else:
+        _generation_routes(app, serving, keys, limits, authenticate, responses_store)
+        _refused_routes(app, _POOLING_ROUTES, "this model generates text; embeddings, scores and reranking need a "
+                                              "pooling model (vpage serve --runner pooling)")
 
     tokenization = Tokenization(serving)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import uvicorn
 
@@ -24,6 +24,10 @@ from vpage.entrypoints.openai.chat_utils import ChatOptions
 from vpage.entrypoints.openai.http_protocol import json_error_protocol
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
+from vpage.entrypoints.pooling.client import PoolingClient
+from vpage.entrypoints.pooling.metrics import PoolingMetrics
+from vpage.entrypoints.pooling.serving import PoolingServing
+from vpage.pooling import PoolingEngine, resolve_runner
 from vpage.entrypoints.responses.store import ResponseStore
 
 logger = logging.getLogger("vpage")
@@ -50,7 +54,7 @@ class ServerOptions:
 class _Server(uvicorn.Server):
     """uvicorn with a drain on the first signal and exit code 1 when the engine died."""
 
-    def __init__(self, config: uvicorn.Config, serving: OpenAIServing, options: ServerOptions):
+    def __init__(self, config: uvicorn.Config, serving: Union[OpenAIServing, PoolingServing], options: ServerOptions):
         super().__init__(config)
         self.serving = serving
         self.options = options
@@ -97,13 +101,27 @@ class _Server(uvicorn.Server):
         asyncio.get_running_loop().call_later(_DEAD_GRACE_S, setattr, self, "should_exit", True)
 
 
-async def serve(args: EngineArgs, options: ServerOptions) -> int:
-    """Serves until a signal (exit code 0) or the engine core's death (1). ValueError when
-    the engine cannot start or the port is taken."""
+async def _start_generation(args: EngineArgs, options: ServerOptions) -> OpenAIServing:
     metrics = ServerMetrics(options.model_name)
     client = EngineCoreClient(args, on_step=metrics.on_step)
     await client.start()
-    serving = OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
+    return OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
+
+
+async def _start_pooling(args: EngineArgs, options: ServerOptions) -> PoolingServing:
+    """The pooling engine, loaded off the event loop, on its own thread in this process."""
+    engine = await asyncio.get_running_loop().run_in_executor(None, PoolingEngine, args)
+    metrics = PoolingMetrics(options.model_name)
+    return PoolingServing(PoolingClient(engine, on_step=metrics.on_step), options.model_name, metrics)
+
+
+async def serve(args: EngineArgs, options: ServerOptions) -> int:
+    """Serves until a signal (exit code 0) or the engine's death (1): a generation model through
+    an engine-core process, a pooling model (``--runner pooling``, or an encoder architecture)
+    through a pooling engine. ValueError when the engine cannot start or the port is taken."""
+    pooling = resolve_runner(args.model, args.runner) == "pooling"
+    serving = await (_start_pooling if pooling else _start_generation)(args, options)
+    client = serving.client
     app = build_app(serving, options.keys, options.http, options.cors, ResponseStore(options.max_stored_responses))
     config = uvicorn.Config(app, host=options.host, port=options.port, loop="asyncio", lifespan="off",
                             http=json_error_protocol(options.header_timeout_s), backlog=2048,

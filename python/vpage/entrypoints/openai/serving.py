@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
 from vpage.entrypoints.openai import prompt_logprobs
@@ -50,18 +50,16 @@ class Submission:
     include_usage: bool
 
 
-class OpenAIServing:
-    def __init__(self, client: EngineCoreClient, model_name: str, metrics: ServerMetrics,
-                 limits: ServingLimits, chat: Optional[ChatOptions] = None):
+class ServedModel:
+    """What every server has of its model, whatever it runs: the engine's client (``info``,
+    health), the served name and card, the metrics, and whether it drains."""
+
+    def __init__(self, client: Any, model_name: str, metrics: Any):
         self.client = client
-        self.chat = ChatServing(chat or ChatOptions())  # templates, tools, reasoning
         self.model_name = model_name
         self.metrics = metrics
-        self.limits = limits
         self.draining = False
         self.created = int(time.time())
-
-    # ------------------------------------------------------------------ models
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "vpage",
@@ -69,6 +67,14 @@ class OpenAIServing:
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
+
+
+class OpenAIServing(ServedModel):
+    def __init__(self, client: EngineCoreClient, model_name: str, metrics: ServerMetrics,
+                 limits: ServingLimits, chat: Optional[ChatOptions] = None):
+        super().__init__(client, model_name, metrics)
+        self.chat = ChatServing(chat or ChatOptions())  # templates, tools, reasoning
+        self.limits = limits
 
     # ------------------------------------------------------------------ admission
 

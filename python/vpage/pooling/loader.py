@@ -1,0 +1,122 @@
+"""Loading a pooling model: which architectures pool, the model with its weights (packed for
+the CPU matmul), its tokenizer, its pooling and its context limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from vpage.distributed import parallel_state
+from vpage.model_executor.layers.linear import pack_dense_weights
+from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME
+from vpage.model_executor.loader.model_loader import (_max_model_len, _resolve_dtype, load_hf_config,
+                                                      model_has_tokenizer, resolve_device, resolve_model_source)
+from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
+from vpage.pooling.decoder import DecoderEmbedder, decoder_class
+from vpage.pooling.models import ENCODER_ARCHITECTURES, EncoderModel, encoder_architecture
+from vpage.pooling.st_config import PoolerConfig, max_seq_length, read_pooler_config
+from vpage.tokenizer import get_tokenizer
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's default pooling of an encoder embedding model without a sentence-transformers config.
+_ENCODER_DEFAULT = PoolerConfig("CLS", True)
+_DECODER_DEFAULT = PoolerConfig("LAST", True)  # vLLM's for a decoder run as an embedding model
+
+
+@dataclass
+class LoadedPoolingModel:
+    """A pooling model ready to run and what the engine needs around it."""
+
+    # EncoderModel or DecoderEmbedder: model(batch, rows) -> hidden states; an encoder with a
+    # head also classify(first) -> logits
+    model: nn.Module
+    architecture: str
+    hf_config: Any
+    tokenizer: Any  # None for a folder without one
+    device: torch.device
+    dtype: torch.dtype
+    pooler: PoolerConfig  # a classification model pools its first token (CLS) through its head
+    max_model_len: int
+    num_labels: Optional[int]  # classification models only
+
+
+def pooling_architectures() -> list[str]:
+    return sorted(ENCODER_ARCHITECTURES)
+
+
+def resolve_runner(model: Optional[str], runner: str) -> str:
+    """"generate" or "pooling": ``runner`` itself, or for "auto" "pooling" when the model's
+    architecture is one of ``pooling_architectures()`` or a decoder's base model without a
+    language-model head (``Qwen3Model``: what sentence-transformers saves), as vLLM decides by
+    the architecture's name; a ``*ForCausalLM`` generates. ValueError for another runner name."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if runner != "auto":
+        return runner
+    if model is None or model == DEFAULT_MODEL_NAME or str(model).endswith(".gguf"):
+        return "generate"
+    source = resolve_model_source(model)
+    if source.gguf_file:
+        return "generate"
+    hf_config = load_hf_config(model)
+    if encoder_architecture(hf_config):
+        return "pooling"
+    archs = getattr(hf_config, "architectures", None) or [""]
+    return "pooling" if archs[0].endswith("Model") and decoder_class(hf_config) else "generate"
+
+
+def _cannot_pool(path: Any, hf_config: Any, decoder: bool) -> ValueError:
+    archs = getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")]
+    why = ("is a decoder without a sentence-transformers config (modules.json) saying how it pools; "
+           "pooler_config={'pooling_type': 'LAST'} embeds with its last token" if decoder else
+           "is not a pooling architecture")
+    return ValueError(f"{path}: this model cannot pool: {archs[0]!r} {why}; the pooling architectures are "
+                      f"{pooling_architectures()} and vpage's decoders with a sentence-transformers config "
+                      "(runner='generate' serves the decoders)")
+
+
+def load_pooling_model(model: Optional[str], dtype: str = "auto", device: str = "auto",
+                       pooler_override: Optional[dict] = None) -> LoadedPoolingModel:
+    """Loads a Hugging Face folder (safetensors, float32, bfloat16 or float16; float16 runs as
+    bfloat16 on the CPU) of one of ``pooling_architectures()``, or of one of vpage's decoders
+    when the folder has a sentence-transformers config (``modules.json``) or ``pooler_override``
+    says how to pool. ``max_model_len`` is the positions the model has (less RoBERTa's
+    ``pad_token_id + 1`` offset), capped at a sentence-transformers ``max_seq_length``.
+    ValueError naming the path for another architecture, a GGUF file, or a broken checkpoint;
+    FileNotFoundError for missing files."""
+    source = resolve_model_source(model)
+    hf_config = load_hf_config(model)
+    architecture = None if source.gguf_file else encoder_architecture(hf_config)
+    decoder = None if architecture or source.gguf_file else decoder_class(hf_config)
+    if architecture is None and (decoder is None or not ((source.folder / "modules.json").is_file()
+                                                         or pooler_override)):
+        raise _cannot_pool(source.path, hf_config, decoder is not None)
+    torch_device = resolve_device(device)
+    torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
+    try:
+        with parallel_state.single_rank(), torch.device(torch_device):
+            if decoder is not None:
+                architecture = hf_config.architectures[0]
+                net = DecoderEmbedder(decoder, hf_config, torch_dtype)
+            else:
+                net = EncoderModel(hf_config, torch_dtype, ENCODER_ARCHITECTURES[architecture])
+        net.load_weights(iterate_safetensors(safetensors_files(source.folder)))
+    except ValueError as e:
+        raise ValueError(f"{source.path}: {e}") from e
+    net.eval()
+    if torch_device.type == "cpu":
+        pack_dense_weights(net)
+    tokenizer = get_tokenizer(source.folder) if model_has_tokenizer(model) else None
+    max_len = _max_model_len(hf_config) if decoder else int(hf_config.max_position_embeddings) - net.position_offset
+    if max_seq_length(source.folder):
+        max_len = min(max_len, max_seq_length(source.folder))
+    if net.head is not None:
+        pooler = PoolerConfig("CLS", False)
+    else:
+        pooler = read_pooler_config(source.folder, _DECODER_DEFAULT if decoder else _ENCODER_DEFAULT,
+                                    pooler_override)
+    return LoadedPoolingModel(net, architecture, hf_config, tokenizer, torch_device, torch_dtype, pooler, max_len,
+                              net.num_labels)
