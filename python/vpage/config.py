@@ -26,6 +26,9 @@ class ModelConfig:
     # No tokenizer with the weights (a server's engine-core process, which handles no text; a
     # grammar that needs the vocabulary loads it then).
     skip_tokenizer_init: bool = False
+    # runner "pooling" on a decoder: how its requests pool (a vpage.pooling PoolerConfig, LAST);
+    # None: the engine generates.
+    pooler: Optional[Any] = None
 
 
 @dataclass(frozen=True)

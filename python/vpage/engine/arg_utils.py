@@ -15,7 +15,8 @@ _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
 _GENERATION_CONFIG_MODES = ("auto", "vpage")
 RUNNERS = ("auto", "generate", "pooling")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # generation; the pooling runner's default is 8192 (vLLM's)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # generation
+POOLING_MAX_NUM_BATCHED_TOKENS = 8192  # the pooling runner's (vLLM's)
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar", "llguidance")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -33,9 +34,10 @@ class EngineArgs:
     a dtype name; on CPU float16 or bfloat16 may hold the cache of float32 activations.
     speculative_config: vLLM's dict (or its JSON text), e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` (see ``SpeculativeConfig``).
-    runner: "generate" (LLMEngine), "pooling" (``vpage.pooling.PoolingEngine``: embeddings,
-    classification, scores) or "auto" (pooling for the encoder architectures, as ``LLM``
-    resolves it). max_num_batched_tokens: None is 2048 for generation, 8192 for pooling.
+    runner: "generate", "pooling" (embeddings, classification, scores: an encoder runs on
+    ``vpage.pooling.PoolingEngine``, a decoder on this engine, its requests pooling the last
+    prompt token's hidden state) or "auto" (pooling for the encoder architectures and a
+    decoder's base model, as ``LLM`` resolves it). max_num_batched_tokens: None is 2048 for generation, 8192 for pooling.
     pooler_config: vLLM's pooler override, ``{"pooling_type": "CLS" | "MEAN" | "LAST",
     "normalize": bool}`` over the model's sentence-transformers configuration.
     """
@@ -135,12 +137,16 @@ class EngineArgs:
         from vpage.model_executor import inspect_model, resolve_device
         from vpage.model_executor.loader.generation_config import generation_defaults
 
-        if self.runner == "pooling":
-            raise ValueError("runner 'pooling' is served by vpage.pooling.PoolingEngine, not LLMEngine")
+        pooler = None
+        if self.runner == "pooling":  # a decoder pooling through this engine (encoders: PoolingEngine)
+            from vpage.pooling.loader import decoder_pooler
+
+            pooler = decoder_pooler(self.model, self.pooler_config)
         device = resolve_device(self.device)
         facts = inspect_model(self.model)
         max_model_len = min(self.max_model_len or facts.max_model_len, facts.max_model_len)
-        max_num_batched_tokens = self._generate_batched_tokens()
+        max_num_batched_tokens = self.max_num_batched_tokens or (
+            POOLING_MAX_NUM_BATCHED_TOKENS if pooler is not None else DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if not self.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) "
                              f"must be >= max_model_len ({max_model_len})")
@@ -156,7 +162,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
                               device=device.type, max_model_len=max_model_len, seed=self.seed,
-                              generation_defaults=generation_defaults(self.model, self.generation_config)),
+                              generation_defaults=generation_defaults(self.model, self.generation_config),
+                              pooler=pooler),
             cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                               kv_cache_memory=self.kv_cache_memory,
                               gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,

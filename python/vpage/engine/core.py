@@ -11,6 +11,7 @@ leave the core untouched; a failed step leaves it consistent (nothing was commit
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -18,6 +19,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 
 from vpage import _core
 from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -29,7 +31,9 @@ from vpage.engine.prompt_logprobs import PromptLogprobs
 from vpage.engine.structured_outputs import StructuredOutputs
 from vpage.executor.abstract import Executor
 from vpage.model_executor.loader.model_loader import load_tokenizer, model_has_tokenizer
+from vpage.pooling.pooler import embedding
 from vpage.sampler import beam_candidates
+from vpage.sampling_params import SamplingParams
 from vpage.spec_decode.draft_proposer import DraftModelProposer
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
@@ -38,6 +42,8 @@ logger = logging.getLogger("vpage")
 _PREEMPTION = {"auto": _core.PreemptionMode.AUTO, "recompute": _core.PreemptionMode.RECOMPUTE,
                "swap": _core.PreemptionMode.SWAP}
 _STOPPED = int(_core.SequenceStatus.FINISHED_STOPPED)
+# What a pooling request samples: its prefill's one token (dropped), which ends it.
+_POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0)
 _FINISH_REASONS = {
     _STOPPED: "stop",
     int(_core.SequenceStatus.FINISHED_LENGTH): "length",
@@ -97,6 +103,7 @@ class EngineCore:
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
+        self.pooler = config.model.pooler  # runner "pooling": how requests pool (else None)
         self.requests: dict[str, CoreRequest] = {}
         self.seq_owner: dict[int, CoreRequest] = {}
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
@@ -128,6 +135,8 @@ class EngineCore:
         prompt, token ids out of the vocabulary, or parameters the engine cannot serve; the core
         is unchanged then. A request with structured outputs waits until its grammar compiles;
         one whose grammar fails to compile ends without output (``take_request_errors``)."""
+        if request.pooling is not None or self.pooler is not None:
+            request = self._pooling_request(request)
         params, ids, request_id = request.params, request.prompt_token_ids, request.request_id
         if request_id in self.requests or self.structured.is_pending(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -183,6 +192,22 @@ class EngineCore:
             admit()
         else:
             self.structured.submit(request_id, params, admit)
+
+    def _pooling_request(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """A pooling request as the core runs it (its prefill samples one token, which ends it);
+        ValueError when the engine and the request disagree on pooling."""
+        pooling = request.pooling
+        if self.pooler is None:
+            raise ValueError("this engine generates; pooling requests need an engine started with runner='pooling'")
+        if pooling is None:
+            raise ValueError("this engine pools (runner='pooling'): it takes pooling requests, not generation")
+        pooling.verify()
+        if pooling.task != "embed":
+            raise ValueError(f"a decoder model pools embeddings (task 'embed'), not {pooling.task!r}")
+        hidden = self.model_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise ValueError(f"dimensions is {pooling.dimensions}; this model's embeddings have {hidden}")
+        return dataclasses.replace(request, params=_POOLING_SAMPLING)
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         """Aborts unfinished requests (unknown ids are ignored) and frees their blocks."""
@@ -257,7 +282,8 @@ class EngineCore:
             prompt_rows = self.prompt_logprobs.rows(plan)
             sampling = SamplingMetadata([self.seq_owner[s].seqs[s].row for s in seq_ids],
                                         self.structured.bitmask(seq_ids, self.seq_owner),
-                                        prompt_rows.scored if prompt_rows is not None else None)
+                                        prompt_rows.scored if prompt_rows is not None else None,
+                                        list(range(len(seq_ids))) if self.pooler else None)  # all pool, or none
         sampled = self.executor.execute(plan, sampling, drafts)
         if sampled is not None:
             if prompt_rows is not None:
@@ -287,6 +313,8 @@ class EngineCore:
             self._forget(state)
         commits: list[_Commit] = []
         if sampled is not None:
+            if sampled.pooled is not None:
+                self._pool(seq_ids, sampled.pooled)
             commits = self._commits(seq_ids, sampled, touched, finished)
         result = self.scheduler.commit(np.array([c[0] for c in commits], dtype=np.int64),
                                        np.array([c[1] for c in commits], dtype=np.int32))
@@ -309,6 +337,15 @@ class EngineCore:
             self._finish_request(state)
         self.metrics.on_generated(len(commits))
         return [state.output() for state in touched.values()]
+
+    def _pool(self, seq_ids: list[int], hidden: torch.Tensor) -> None:
+        """Stores the embeddings of the requests sampled this step (a pooling engine's requests
+        all pool; in plan order, their last prompt token's final hidden state), by the engine's
+        pooler and their parameters; the token each one samples then ends it."""
+        for owner, vector in zip((self.seq_owner[s] for s in seq_ids), hidden):
+            pooling = owner.pooling
+            normalize = self.pooler.normalize if pooling.normalize is None else pooling.normalize
+            owner.pooled = embedding(vector, pooling.dimensions, normalize).tolist()
 
     def _mark_scheduled(self, plan: _core.SchedulePlan, now: float) -> None:
         """Stamps first_scheduled_time on the requests this step ran for the first time (only

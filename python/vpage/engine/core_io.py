@@ -4,7 +4,8 @@ In: an ``EngineCoreRequest`` per request (token ids, parameters, arrival), abort
 sequences that a stop string finished (the front end matches stop strings; the core then
 drops the sequence's later tokens). Out: per step, one ``EngineCoreOutput`` for each request
 that advanced or ended, with each sample's new tokens, their logprobs and its finish, the
-prompt logprobs scored this step, and a beam search's answers when it ends. Between processes
+prompt logprobs scored this step, a beam search's answers when it ends, and a pooling
+request's embedding. Between processes
 these travel pickled (``core_messages``).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from vpage.engine.beam_search import BeamHypothesis
+from vpage.pooling_params import PoolingParams
 from vpage.sampling_params import SamplingParams
 
 
@@ -26,6 +28,9 @@ class EngineCoreRequest:
     params: SamplingParams
     arrival_time: float  # time.monotonic() (one clock for every process of the machine)
     cache_salt: Optional[str] = None
+    # A pooling request (an engine started with runner "pooling"): its prompt is prefilled and
+    # its last token's final hidden state pooled; ``params`` are ignored.
+    pooling: Optional[PoolingParams] = None
 
 
 @dataclass
@@ -60,3 +65,4 @@ class EngineCoreOutput:
     first_token_time: Optional[float] = None
     prompt_logprobs: list[PromptTokenScore] = field(default_factory=list)  # positions scored this step, in order
     beams: Optional[list[BeamHypothesis]] = None  # a beam search's n best, when it ends
+    pooled: Optional[list[float]] = None  # a pooling request's embedding, when it ends

@@ -90,6 +90,8 @@ class CoreRequest:
         # scores not reported yet (engine/prompt_logprobs.py).
         self.num_prompt_scored = 1
         self.new_prompt_scores: list[PromptTokenScore] = []
+        self.pooling = request.pooling
+        self.pooled: Optional[list[float]] = None  # the embedding of a pooling request
 
     def fork(self, parent: int, child: int) -> None:
         """A new beam `child` continuing `parent` (before parent's token of this step)."""
@@ -121,6 +123,9 @@ class CoreRequest:
                                first_scheduled_time=self.first_scheduled_time, first_token_time=self.first_token_time)
         if self.new_prompt_scores:
             out.prompt_logprobs, self.new_prompt_scores = self.new_prompt_scores, []
+        if self.pooling is not None:  # its one sampled token is not an output
+            out.pooled = self.pooled
+            return out
         if self.beam is not None:
             if self.finished:
                 out.beams = self.beam.best(self.params.n)

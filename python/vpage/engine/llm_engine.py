@@ -16,8 +16,9 @@ from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.metrics import EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
-from vpage.outputs import RequestOutput
-from vpage.sampling_params import SamplingParams
+from vpage.outputs import PoolingRequestOutput, RequestOutput
+from vpage.pooling_params import PoolingParams
+from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vpage")
 
@@ -75,15 +76,21 @@ class LLMEngine:
             return prompt, list(self.tokenizer.encode(prompt))
         return None, [int(t) for t in prompt]
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
         """Queues a request. Raises ValueError for a duplicate id, an empty or too long prompt,
         or parameters the engine cannot serve; the engine is unchanged then. A request with
         structured outputs waits in the engine until its grammar compiles; one whose grammar
-        fails to compile then ends without output (``take_request_errors``)."""
+        fails to compile then ends without output (``take_request_errors``). An engine started
+        with runner "pooling" takes PoolingParams instead: its output is an
+        ``EmbeddingRequestOutput`` (the last prompt token's hidden state, pooled)."""
         params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = params, SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+            prompt = self._truncated(prompt, pooling.truncate_prompt_tokens)
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         request_id = str(request_id)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -93,8 +100,15 @@ class LLMEngine:
             params.update_from_tokenizer(self.tokenizer)
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.core.add_request(EngineCoreRequest(request_id, ids, params, arrival, cache_salt))
+        self.core.add_request(EngineCoreRequest(request_id, ids, params, arrival, cache_salt, pooling))
         self.outputs.add(RequestState(request_id, text, ids, params, self.tokenizer, arrival))
+
+    def _truncated(self, prompt: PromptType, k: Optional[int]) -> list[int]:
+        """A pooling prompt's token ids, cut to its last ``k`` (-1: the last max_model_len - 1)."""
+        ids = self._prompt_ids(prompt)[1]
+        if k is None:
+            return ids
+        return ids[-(self.max_model_len - 1 if k == -1 else k):]
 
     def abort_request(self, request_id: Union[str, Sequence[str]]) -> None:
         """Aborts unfinished requests (unknown ids are ignored) and frees their blocks."""
@@ -131,7 +145,7 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Runs one engine step (the core's schedule, execute and update), then turns its news
         into text and outputs; returns the outputs of requests that advanced or finished."""
         core_outputs = self.core.step()

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from vpage.engine.core_io import EngineCoreOutput, PromptTokenScore
 from vpage.engine.request_state import RequestState
-from vpage.outputs import Logprob, RequestOutput
+from vpage.outputs import EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
@@ -34,15 +34,21 @@ class OutputProcessor:
         if state is not None:
             state.finish_all("abort", time.monotonic())
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """The step's ``RequestOutput``s (of the requests that advanced or finished), and the
-        (request id, sample index) of the samples a stop string ended, which the core must end."""
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[Any], list[tuple[str, int]]]:
+        """The step's ``RequestOutput``s (of the requests that advanced or finished; an
+        ``EmbeddingRequestOutput`` for a pooling request), and the (request id, sample index) of
+        the samples a stop string ended, which the core must end."""
         now = time.monotonic()
         results: list[RequestOutput] = []
         stopped: list[tuple[str, int]] = []
         for out in outputs:
             state = self.requests.get(out.request_id)
             if state is None:  # ended here already (a stop string, an abort): later news is dropped
+                continue
+            if out.pooled is not None:  # a pooling request: its embedding is the whole answer
+                del self.requests[out.request_id]
+                results.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
+                                                      state.prompt_token_ids))
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             state.metrics.first_scheduled_time = out.first_scheduled_time

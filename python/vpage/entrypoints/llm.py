@@ -12,7 +12,7 @@ from vpage.engine.llm_engine import LLMEngine, PromptType
 from vpage.entrypoints.llm_pooling import PoolingFrontEnd
 from vpage.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                            ScoringRequestOutput)
-from vpage.pooling import PoolingEngine, resolve_runner
+from vpage.pooling import make_pooling_engine, resolve_runner
 from vpage.pooling_params import PoolingParams
 from vpage.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,7 +54,7 @@ class LLM:
         self.runner = resolve_runner(model, kwargs.pop("runner", "auto"))
         self._ids = itertools.count()
         if self.runner == "pooling":
-            self.engine: Any = PoolingEngine(EngineArgs(model=model, runner="pooling", **kwargs))
+            self.engine: Any = make_pooling_engine(EngineArgs(model=model, runner="pooling", **kwargs))
             self._pooling: Optional[PoolingFrontEnd] = PoolingFrontEnd(self.engine, self._ids)
         else:
             self.engine = LLMEngine(EngineArgs(model=model, runner="generate", **kwargs))

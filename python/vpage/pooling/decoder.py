@@ -1,98 +1,72 @@
 """Decoder embedding models (Qwen3-Embedding's kind: a Llama / Qwen folder whose
-sentence-transformers config pools the last token) on vpage's own decoder classes.
+sentence-transformers config pools the last token) on the paged engine.
 
-Each step is one causal prefill of the packed sequences into a scratch paged KV cache (grown to
-the largest step seen, reused after), through ``model(batch, kv_caches)``, which returns the
-final-normed hidden states the pooler reads. No language-model head is loaded or needed:
-checkpoints saved from the base model (``Qwen3Model``: no ``model.`` prefix, no ``lm_head``)
-load as they are.
+An ``LLMEngine`` started with runner "pooling" prefills each request's prompt through the
+scheduler like any other (continuous batching, chunked prefill, the prefix cache: a shared
+instruction prefix is computed once, tensor parallelism) and returns the final hidden state of
+its last prompt token, pooled, instead of a generated token. ``DecoderPoolingEngine`` gives it
+``PoolingEngine``'s interface, so ``LLM.embed`` and the server's pooling routes take either.
 """
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Iterable, Iterator, Optional, Sequence
+import dataclasses
+from typing import Any, Iterable, Optional, Sequence, Union
 
-import torch
-from torch import nn
-
-from vpage import ops
-from vpage.model_executor.forward_batch import ForwardBatch
-from vpage.model_executor.models import get_model_class
-from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of
-from vpage.pooling.batch import PackedBatch
-
-_BLOCK_SIZE = 16
+from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.llm_engine import LLMEngine
+from vpage.outputs import PoolingRequestOutput
+from vpage.pooling.engine import tokenize
+from vpage.pooling_params import PoolingParams
 
 
-def decoder_class(hf_config: Any) -> Optional[type[LlamaForCausalLM]]:
-    """vpage's decoder class for the config's architecture (``XForCausalLM``, or the base
-    ``XModel`` an embedding checkpoint names), None when there is none."""
-    for name in (getattr(hf_config, "architectures", None) or [])[:1]:
-        for candidate in (name, name.removesuffix("Model") + "ForCausalLM"):
-            try:
-                return get_model_class(candidate)
-            except ValueError:
-                continue
-    return None
+class DecoderPoolingEngine:
+    """An embedding decoder's engine with ``PoolingEngine``'s interface (``add_request``,
+    ``step``, ``tokenize``, ``supported_tasks``, ...). Tasks: "embed", and "score" by the cosine
+    of two embeddings (the front end's); not thread-safe: one thread drives it."""
 
-
-def _with_model_prefix(weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """A base model's tensor names (``layers.0...``, ``embed_tokens``, ``norm``) as the causal
-    LM's (``model.layers.0...``)."""
-    for name, tensor in weights:
-        yield (name if name.startswith(("model.", "lm_head.")) else f"model.{name}"), tensor
-
-
-class DecoderEmbedder(nn.Module):
-    """A decoder as a pooling model: ``forward(batch, rows)`` gives final-normed hidden states
-    (all rows, or ``rows``), like ``EncoderModel``; no classification head."""
-
+    supported_tasks = {"embed", "score"}
+    is_cross_encoder = False
     num_labels = None
-    head = None
-    position_offset = 0
 
-    def __init__(self, net_class: type[LlamaForCausalLM], hf_config: Any, dtype: torch.dtype):
-        super().__init__()
-        hf_config = copy.deepcopy(hf_config)
-        hf_config.tie_word_embeddings = True  # no lm_head parameter: pooling never computes logits
-        self.net = net_class(hf_config, dtype)
-        self.num_layers = int(hf_config.num_hidden_layers)
-        self.num_kv_heads = num_kv_heads_of(hf_config)
-        self.head_size = head_size_of(hf_config)
-        self.dtype = dtype
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._num_blocks = 0
+    def __init__(self, args: EngineArgs):
+        self.engine = LLMEngine(dataclasses.replace(args, runner="pooling"))
+        config = self.engine.model_config
+        self.model_name = str(args.model)
+        self.architecture = config.architecture
+        self.tokenizer: Any = self.engine.tokenizer
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.pooler_config = self.engine.config.model.pooler
+        self.max_model_len: int = self.engine.max_model_len - 1  # the engine keeps a position for a sample
 
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        self.net.load_weights(_with_model_prefix(weights))
+    def tokenize(self, text: str, text_pair: Optional[str] = None,
+                 truncate_prompt_tokens: Optional[int] = None) -> tuple[list[int], Optional[list[int]]]:
+        return tokenize(self.tokenizer, self.max_model_len, text, text_pair, truncate_prompt_tokens)
 
-    def _kv_caches(self, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Scratch caches of at least ``num_blocks`` blocks per layer (grown, never shrunk:
-        reused while the steps fit, so the model's C++ layer loop is built once)."""
-        if num_blocks > self._num_blocks:
-            shape = (num_blocks, self.num_kv_heads, self.head_size, _BLOCK_SIZE, self.dtype)
-            self._caches = [(torch.empty(ops.key_cache_shape(*shape), dtype=self.dtype, device=device),
-                             torch.empty(ops.value_cache_shape(*shape), dtype=self.dtype, device=device))
-                            for _ in range(self.num_layers)]
-            self._num_blocks = num_blocks
-        return self._caches
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: PoolingParams,
+                    token_type_ids: Optional[Sequence[int]] = None) -> None:
+        """Queues a request (ValueError, nothing queued, for a task other than "embed", token
+        type ids, or what ``LLMEngine.add_request`` refuses)."""
+        params.verify()
+        if params.task != "embed":
+            raise ValueError(f"this embedding model pools embeddings; task {params.task!r} needs a classification "
+                             "model (a pair scores by the cosine of its two embeddings)")
+        if token_type_ids is not None:
+            raise ValueError("a decoder takes no token type ids")
+        self.engine.add_request(request_id, list(prompt_token_ids), params)
 
-    def forward(self, batch: PackedBatch, rows: Optional[Sequence[int]] = None) -> torch.Tensor:
-        device = batch.input_ids.device
-        blocks = [-(-n // _BLOCK_SIZE) for n in batch.lens]
-        first_block = [0] * len(blocks)
-        for i in range(1, len(blocks)):
-            first_block[i] = first_block[i - 1] + blocks[i - 1]
-        width = max(blocks)
-        tables = torch.tensor([list(range(b, b + n)) + [0] * (width - n) for b, n in zip(first_block, blocks)],
-                              dtype=torch.int32, device=device)
-        positions = batch.positions()
-        seq = batch.sequence_index()
-        first_slot = torch.tensor(first_block, dtype=torch.int64, device=device) * _BLOCK_SIZE
-        starts = torch.tensor([*batch.starts, batch.num_tokens], dtype=torch.int32, device=device)
-        step = ForwardBatch(input_ids=batch.input_ids, positions=positions, slot_mapping=first_slot[seq] + positions,
-                            block_tables=tables, context_lens=torch.tensor(batch.lens, dtype=torch.int32, device=device),
-                            query_start_loc=starts, max_context_len=max(batch.lens), max_query_len=max(batch.lens))
-        hidden = self.net(step, self._kv_caches(sum(blocks), device))
-        return hidden if rows is None else hidden[torch.tensor(rows, dtype=torch.int64, device=device)]
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        self.engine.abort_request([request_ids] if isinstance(request_ids, str) else list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def step(self) -> list[PoolingRequestOutput]:
+        return [out for out in self.engine.step() if isinstance(out, PoolingRequestOutput)]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

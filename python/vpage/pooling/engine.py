@@ -9,16 +9,43 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from vpage import ops
-from vpage.engine.arg_utils import EngineArgs
+from vpage.engine.arg_utils import POOLING_MAX_NUM_BATCHED_TOKENS, EngineArgs
 from vpage.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                            EmbeddingRequestOutput, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
-from vpage.pooling.loader import load_pooling_model
+from vpage.pooling.loader import is_encoder, load_pooling_model
 from vpage.pooling.runner import PoolingRunner
 from vpage.pooling.scheduler import PoolingRequest, PoolingScheduler
 from vpage.pooling_params import PoolingParams
 
 logger = logging.getLogger("vpage")
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM's pooling default
+
+
+def tokenize(tokenizer: Any, max_model_len: int, text: str, text_pair: Optional[str] = None,
+             truncate_prompt_tokens: Optional[int] = None) -> tuple[list[int], Optional[list[int]]]:
+    """(input ids, token type ids or None) of a text, or of a pair in the tokenizer's pair
+    encoding (a cross-encoder's input), with special tokens; ``truncate_prompt_tokens`` k
+    truncates to k tokens the tokenizer's way (-1: max_model_len)."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer: pass prompt token ids")
+    kwargs: dict[str, Any] = {}
+    if truncate_prompt_tokens is not None:
+        k = truncate_prompt_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or (k < 1 and k != -1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
+        kwargs = dict(truncation=True, max_length=max_model_len if k == -1 else k)
+    encoded = tokenizer(text, text_pair, **kwargs)
+    types = encoded.get("token_type_ids")
+    return list(encoded["input_ids"]), None if types is None else list(types)
+
+
+def make_pooling_engine(args: EngineArgs) -> Any:
+    """The engine that pools ``args.model``: a PoolingEngine for an encoder, the paged engine
+    (``DecoderPoolingEngine``) for a decoder."""
+    if is_encoder(args.model):
+        return PoolingEngine(args)
+    from vpage.pooling.decoder import DecoderPoolingEngine
+
+    return DecoderPoolingEngine(args)
 
 
 class PoolingEngine:
@@ -64,7 +91,7 @@ class PoolingEngine:
             self.supported_tasks: set[str] = {"embed", "score"}
         else:
             self.supported_tasks = {"classify", "score"} if self.is_cross_encoder else {"classify"}
-        self.max_num_batched_tokens = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        self.max_num_batched_tokens = args.max_num_batched_tokens or POOLING_MAX_NUM_BATCHED_TOKENS
         self.scheduler = PoolingScheduler(self.max_num_batched_tokens, args.max_num_seqs)
         self.runner = PoolingRunner(loaded)
         logger.info("vpage: pooling %s on %s (%s), tasks %s, pooling %s%s, max_model_len %d, %d tokens per step",
@@ -84,24 +111,7 @@ class PoolingEngine:
 
     def tokenize(self, text: str, text_pair: Optional[str] = None,
                  truncate_prompt_tokens: Optional[int] = None) -> tuple[list[int], Optional[list[int]]]:
-        """(input ids, token type ids or None) of a text, or of a pair in the tokenizer's pair
-        encoding (a cross-encoder's input), with special tokens; ``truncate_prompt_tokens`` k
-        truncates to k tokens the tokenizer's way (-1: max_model_len)."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids")
-        kwargs: dict[str, Any] = {}
-        if truncate_prompt_tokens is not None:
-            kwargs = dict(truncation=True, max_length=self._truncation(truncate_prompt_tokens))
-        encoded = self.tokenizer(text, text_pair, **kwargs)
-        types = encoded.get("token_type_ids")
-        return list(encoded["input_ids"]), None if types is None else list(types)
-
-    def _truncation(self, k: int) -> int:
-        if k == -1:
-            return self.max_model_len
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {k!r}")
-        return k
+        return tokenize(self.tokenizer, self.max_model_len, text, text_pair, truncate_prompt_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: PoolingParams,
                     token_type_ids: Optional[Sequence[int]] = None) -> None:
@@ -127,7 +137,8 @@ class PoolingEngine:
         if types is not None and len(types) != len(ids):
             raise ValueError(f"token_type_ids has {len(types)} entries for {len(ids)} prompt tokens")
         if params.truncate_prompt_tokens is not None:
-            keep = self._truncation(params.truncate_prompt_tokens)
+            k = params.truncate_prompt_tokens
+            keep = self.max_model_len if k == -1 else k
             ids, types = ids[-keep:], None if types is None else types[-keep:]
         if not ids:
             raise ValueError("the prompt is empty")

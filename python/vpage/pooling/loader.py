@@ -12,10 +12,10 @@ from torch import nn
 from vpage.distributed import parallel_state
 from vpage.model_executor.layers.linear import pack_dense_weights
 from vpage.model_executor.loader.default_model import DEFAULT_MODEL_NAME
-from vpage.model_executor.loader.model_loader import (_max_model_len, _resolve_dtype, load_hf_config,
+from vpage.model_executor.loader.model_loader import (_resolve_dtype, load_hf_config,
                                                       model_has_tokenizer, resolve_device, resolve_model_source)
 from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
-from vpage.pooling.decoder import DecoderEmbedder, decoder_class
+from vpage.model_executor.models import get_model_class
 from vpage.pooling.models import ENCODER_ARCHITECTURES, EncoderModel, encoder_architecture
 from vpage.pooling.st_config import PoolerConfig, max_seq_length, read_pooler_config
 from vpage.tokenizer import get_tokenizer
@@ -30,8 +30,7 @@ _DECODER_DEFAULT = PoolerConfig("LAST", True)  # vLLM's for a decoder run as an 
 class LoadedPoolingModel:
     """A pooling model ready to run and what the engine needs around it."""
 
-    # EncoderModel or DecoderEmbedder: model(batch, rows) -> hidden states; an encoder with a
-    # head also classify(first) -> logits
+    # model(batch, rows) -> hidden states; with a head also classify(first) -> logits
     model: nn.Module
     architecture: str
     hf_config: Any
@@ -78,31 +77,61 @@ def _cannot_pool(path: Any, hf_config: Any, decoder: bool) -> ValueError:
                       "(runner='generate' serves the decoders)")
 
 
+def decoder_class(hf_config: Any) -> Optional[type]:
+    """vpage's decoder class for the config's architecture (``XForCausalLM``, or the base
+    ``XModel`` an embedding checkpoint names), None when there is none."""
+    for name in (getattr(hf_config, "architectures", None) or [])[:1]:
+        try:
+            return get_model_class(name)
+        except ValueError:
+            return None
+    return None
+
+
+def decoder_pooler(model: Optional[str], override: Optional[dict] = None) -> PoolerConfig:
+    """How a decoder pools on the paged engine (runner "pooling"): its sentence-transformers
+    config or ``override`` (EngineArgs.pooler_config), last-token pooling only (the engine
+    keeps no hidden state of the tokens before the last). ValueError naming the path for a
+    model that cannot pool so."""
+    source = resolve_model_source(model)
+    hf_config = load_hf_config(model)
+    if not source.gguf_file and encoder_architecture(hf_config):
+        raise ValueError(f"{source.path}: {encoder_architecture(hf_config)} is an encoder: it pools on "
+                         "vpage.pooling.PoolingEngine (LLM and vpage serve choose it), not LLMEngine")
+    decoder = None if source.gguf_file else decoder_class(hf_config)
+    if decoder is None or not ((source.folder / "modules.json").is_file() or override):
+        raise _cannot_pool(source.path, hf_config, decoder is not None)
+    pooler = read_pooler_config(source.folder, _DECODER_DEFAULT, override)
+    if pooler.pooling_type != "LAST":
+        raise ValueError(f"{source.path}: a decoder pools its last token (pooling_type LAST); {pooler.pooling_type} "
+                         "pooling needs the hidden states of every prompt token, which the paged engine does not keep")
+    return pooler
+
+
+def is_encoder(model: Optional[str]) -> bool:
+    """Whether ``model`` is one of ``pooling_architectures()`` (else a decoder, or nothing that pools)."""
+    if model is None or model == DEFAULT_MODEL_NAME or resolve_model_source(model).gguf_file:
+        return False
+    return encoder_architecture(load_hf_config(model)) is not None
+
+
 def load_pooling_model(model: Optional[str], dtype: str = "auto", device: str = "auto",
                        pooler_override: Optional[dict] = None) -> LoadedPoolingModel:
     """Loads a Hugging Face folder (safetensors, float32, bfloat16 or float16; float16 runs as
-    bfloat16 on the CPU) of one of ``pooling_architectures()``, or of one of vpage's decoders
-    when the folder has a sentence-transformers config (``modules.json``) or ``pooler_override``
-    says how to pool. ``max_model_len`` is the positions the model has (less RoBERTa's
-    ``pad_token_id + 1`` offset), capped at a sentence-transformers ``max_seq_length``.
-    ValueError naming the path for another architecture, a GGUF file, or a broken checkpoint;
-    FileNotFoundError for missing files."""
+    bfloat16 on the CPU) of one of ``pooling_architectures()``. ``max_model_len`` is the
+    positions the model has (less RoBERTa's ``pad_token_id + 1`` offset), capped at a
+    sentence-transformers ``max_seq_length``. ValueError naming the path for another
+    architecture, a GGUF file, or a broken checkpoint; FileNotFoundError for missing files."""
     source = resolve_model_source(model)
     hf_config = load_hf_config(model)
     architecture = None if source.gguf_file else encoder_architecture(hf_config)
-    decoder = None if architecture or source.gguf_file else decoder_class(hf_config)
-    if architecture is None and (decoder is None or not ((source.folder / "modules.json").is_file()
-                                                         or pooler_override)):
-        raise _cannot_pool(source.path, hf_config, decoder is not None)
+    if architecture is None:
+        raise _cannot_pool(source.path, hf_config, False)
     torch_device = resolve_device(device)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)
     try:
         with parallel_state.single_rank(), torch.device(torch_device):
-            if decoder is not None:
-                architecture = hf_config.architectures[0]
-                net = DecoderEmbedder(decoder, hf_config, torch_dtype)
-            else:
-                net = EncoderModel(hf_config, torch_dtype, ENCODER_ARCHITECTURES[architecture])
+            net = EncoderModel(hf_config, torch_dtype, ENCODER_ARCHITECTURES[architecture])
         net.load_weights(iterate_safetensors(safetensors_files(source.folder)))
     except ValueError as e:
         raise ValueError(f"{source.path}: {e}") from e
@@ -110,13 +139,12 @@ def load_pooling_model(model: Optional[str], dtype: str = "auto", device: str = 
     if torch_device.type == "cpu":
         pack_dense_weights(net)
     tokenizer = get_tokenizer(source.folder) if model_has_tokenizer(model) else None
-    max_len = _max_model_len(hf_config) if decoder else int(hf_config.max_position_embeddings) - net.position_offset
+    max_len = int(hf_config.max_position_embeddings) - net.position_offset
     if max_seq_length(source.folder):
         max_len = min(max_len, max_seq_length(source.folder))
     if net.head is not None:
         pooler = PoolerConfig("CLS", False)
     else:
-        pooler = read_pooler_config(source.folder, _DECODER_DEFAULT if decoder else _ENCODER_DEFAULT,
-                                    pooler_override)
+        pooler = read_pooler_config(source.folder, _ENCODER_DEFAULT, pooler_override)
     return LoadedPoolingModel(net, architecture, hf_config, tokenizer, torch_device, torch_dtype, pooler, max_len,
                               net.num_labels)

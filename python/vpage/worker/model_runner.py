@@ -110,7 +110,11 @@ class ModelRunner:
         (the driver rank's work; other ranks compute ``logits`` alone). ``layer_events``
         (CUDA): layer i's attention waits on event i (that layer's swaps)."""
         draft = DraftRows.of(plan)
-        logits = self.logits(plan, layer_events, extra_logit_rows(plan, sampling, draft))
+        hidden, rows = self._forward(plan, layer_events)
+        pooled = None
+        if sampling.pooled:  # a pooling request's sampled row is its last prompt token (prefill ends)
+            pooled = hidden.index_select(0, rows[sampling.pooled]).float().cpu()
+        logits = self._logits_of(hidden, rows, extra_logit_rows(plan, sampling, draft))
         num_samples = len(sampling.rows)
         extra = logits[num_samples:]
         prompt_scores = None
@@ -126,17 +130,23 @@ class ModelRunner:
             sampled, runs = verified.sampled, verified.runs
             num_drafts, num_accepted = verified.num_drafts, verified.num_accepted
         return ModelRunnerOutput(sampled.token_ids.tolist(), sampled.logprobs.tolist(), sampled.top_logprobs, runs,
-                                 num_drafts, num_accepted, prompt_scores)
+                                 num_drafts, num_accepted, prompt_scores, pooled)
 
     def logits(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None,
                logit_rows: Optional[np.ndarray] = None) -> torch.Tensor:
         """Forward of the plan's tokens; float32 logits ``[num_samples + len(logit_rows), vocab]``:
         the sampled rows', then those of ``logit_rows`` (int64 token indices)."""
+        hidden, rows = self._forward(plan, layer_events)
+        return self._logits_of(hidden, rows, logit_rows)
+
+    def _forward(self, plan: _core.SchedulePlan, layer_events: Optional[list]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states of the plan's tokens, and the token indices of its samples."""
         if self.staging is None:
-            hidden = self.model(self.batch_of(plan), self.kv_caches)
-            rows = self._tensor(plan.sample_token_indices)
-        else:
-            hidden, rows = self._execute_staged(plan, layer_events)
+            return self.model(self.batch_of(plan), self.kv_caches), self._tensor(plan.sample_token_indices)
+        return self._execute_staged(plan, layer_events)
+
+    def _logits_of(self, hidden: torch.Tensor, rows: torch.Tensor, logit_rows: Optional[np.ndarray]) -> torch.Tensor:
+        """Float32 logits of the sampled ``rows``, then of ``logit_rows`` (int64 token indices)."""
         if logit_rows is None:
             return self.model.compute_logits(hidden.index_select(0, rows), self._logits_buffer(rows.shape[0]))
         # Up to a whole chunk of rows, rarely: a fresh tensor, not the kept buffer grown for good.

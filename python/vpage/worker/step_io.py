@@ -2,8 +2,8 @@
 
 In: ``SamplingMetadata`` (per sampled sequence its sampling row, the grammar bitmask, the
 prompt rows to score) and, for a draft model, a ``DraftRequest``. Out: ``ModelRunnerOutput``,
-numbers only (token ids, logprobs, accepted drafts, prompt logprob scores): no logits tensor
-leaves the model runner. Under tensor parallelism the driver rank's output is the answer.
+numbers only (token ids, logprobs, accepted drafts, prompt logprob scores, the hidden states
+that pooling requests asked for): no logits tensor leaves the model runner. Under tensor parallelism the driver rank's output is the answer.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class SamplingMetadata:
     rows: list[SamplingRow]
     token_bitmask: Optional[torch.Tensor] = None
     prompt_logprobs: Optional[PromptLogprobRows] = None
+    # Pooling requests: the samples (indices into ``rows``) whose final hidden state (the last
+    # prompt token's, when their prefill ends) is returned in ``ModelRunnerOutput.pooled``.
+    pooled: Optional[list[int]] = None
 
 
 @dataclass
@@ -54,3 +57,4 @@ class ModelRunnerOutput:
     num_drafts: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     prompt_logprobs: Optional[PromptScores] = None
+    pooled: Optional[torch.Tensor] = None  # float32 [len(SamplingMetadata.pooled), hidden_size], on the CPU

@@ -49,7 +49,7 @@ class Worker:
         self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
         m = config.model
         self.loaded: LoadedModel = load_model(m.model, m.dtype, m.device, m.quantization,
-                                              with_tokenizer=not m.skip_tokenizer_init)
+                                              with_tokenizer=not m.skip_tokenizer_init, pooling=m.pooler is not None)
         self.device = self.loaded.device
         spec = config.speculative
         # Speculative decoding's draft model: its own dtype (a GGUF draft stays quantized), whole

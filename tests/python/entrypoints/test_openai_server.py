@@ -139,7 +139,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400,
      "max_completion_tokens"),
     ("/v1/completions", {"prompt": "x" * 300000}, 413, "exceeds"),
-    ("/v1/embeddings", {"input": "x"}, 404, "no route"),
+    ("/v1/moderations", {"input": "x"}, 404, "no route"),
 ]
 
 

@@ -27,7 +27,7 @@ from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from vpage.entrypoints.pooling.client import PoolingClient
 from vpage.entrypoints.pooling.metrics import PoolingMetrics
 from vpage.entrypoints.pooling.serving import PoolingServing
-from vpage.pooling import PoolingEngine, resolve_runner
+from vpage.pooling import make_pooling_engine, resolve_runner
 from vpage.entrypoints.responses.store import ResponseStore
 
 logger = logging.getLogger("vpage")
@@ -110,7 +110,7 @@ async def _start_generation(args: EngineArgs, options: ServerOptions) -> OpenAIS
 
 async def _start_pooling(args: EngineArgs, options: ServerOptions) -> PoolingServing:
     """The pooling engine, loaded off the event loop, on its own thread in this process."""
-    engine = await asyncio.get_running_loop().run_in_executor(None, PoolingEngine, args)
+    engine = await asyncio.get_running_loop().run_in_executor(None, make_pooling_engine, args)
     metrics = PoolingMetrics(options.model_name)
     return PoolingServing(PoolingClient(engine, on_step=metrics.on_step), options.model_name, metrics)
 

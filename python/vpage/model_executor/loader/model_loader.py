@@ -204,7 +204,7 @@ def load_hf_config(model: str | None = None) -> Any:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", device: str = "auto",
-               quantization: str = "auto", with_tokenizer: bool = True) -> LoadedModel:
+               quantization: str = "auto", with_tokenizer: bool = True, pooling: bool = False) -> LoadedModel:
     """Load a model for inference.
 
     model: None or "smollm2" (the default SmolLM2-135M-Instruct GGUF), a Hugging Face
@@ -213,7 +213,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     activation dtype). device: auto|cpu|cuda. quantization: "auto" keeps a GGUF file's
     Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
     the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
-    ``with_tokenizer=False`` leaves ``LoadedModel.tokenizer`` None (the engine-core process of
+    ``pooling=True`` (runner "pooling") ties the LM head to the embeddings whatever the config
+    says, so a base model's checkpoint (Qwen3-Embedding's) loads. ``with_tokenizer=False`` leaves ``LoadedModel.tokenizer`` None (the engine-core process of
     a server handles no text): the tokenizer's EOS id is then read from its files where they
     tell it, and the tokenizer is loaded only to read it where they do not.
     Under tensor parallelism (``vpage.distributed.parallel_state``) the model is this rank's
@@ -228,6 +229,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     torch_device = resolve_device(device)
     reader = GgufFile(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
+    if pooling:  # its requests' one sampled token is dropped: no lm_head needed (a base model's checkpoint has none)
+        hf_config.tie_word_embeddings = True
     architecture = architecture_of(hf_config)
     model_class = get_model_class(architecture)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)

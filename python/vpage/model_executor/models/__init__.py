@@ -37,7 +37,10 @@ def supported_architectures() -> list[str]:
 def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The class for a Hugging Face (``LlamaForCausalLM``) or GGUF (``llama``) architecture
     name; ValueError naming the supported ones otherwise."""
-    cls = _BY_NAME.get(architecture) or _BY_GGUF_NAME.get(architecture)
+    # A base model's name (Qwen3Model: how sentence-transformers saves an embedding model) is
+    # its causal LM's class.
+    cls = (_BY_NAME.get(architecture) or _BY_GGUF_NAME.get(architecture)
+           or _BY_NAME.get(architecture.removesuffix("Model") + "ForCausalLM"))
     if cls is None:
         raise ValueError(f"unsupported model architecture {architecture!r}; supported: {supported_architectures()}")
     return cls

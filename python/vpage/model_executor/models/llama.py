@@ -308,6 +308,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: dict[str, set] = {name: set() for name in params}
         for name, tensor in weights:
+            if not name.startswith(("model.", "lm_head.")) and self.arch.param_for(name) is not None:
+                name = "model." + name  # a base model's checkpoint (Qwen3-Embedding's: saved as Qwen3Model)
             target = self.arch.param_for(name)
             if target is None or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
