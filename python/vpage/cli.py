@@ -4,6 +4,7 @@ OpenAI-compatible API."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -126,6 +127,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-model-len", type=int, default=None, help="context length at most (default: the model's)")
     serve.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="tokens per step at most (default: 2048; 8192 with the pooling runner)")
+    serve.add_argument("--hf-overrides", default=None, metavar="JSON",
+                       help="with --runner pooling, a causal LM as a classifier of its next-token logits, e.g. "
+                            "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                            "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' (Qwen3-Reranker)")
     serve.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
                        help="generate text, or pool (embeddings, scores, reranking); auto: pooling for an "
                             "encoder model (BERT, XLM-RoBERTa), else generate")
@@ -180,6 +185,19 @@ def _engine(args: argparse.Namespace):
                                 speculative_config=args.speculative_config))
 
 
+def _json_option(flag: str, text: Optional[str]) -> Optional[dict]:
+    """A flag's JSON object (None when unset); ValueError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from vpage.engine.arg_utils import EngineArgs
     from vpage.entrypoints.openai.api_server import HttpLimits
@@ -199,7 +217,7 @@ def _serve(args: argparse.Namespace) -> int:
                              generation_config=args.generation_config,
                              structured_outputs_backend=args.structured_outputs_backend,
                              reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config,
-                             runner=args.runner)
+                             runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides))
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),

@@ -29,6 +29,10 @@ class ModelConfig:
     # runner "pooling" on a decoder: how its requests pool (a vpage.pooling PoolerConfig, LAST);
     # None: the engine generates.
     pooler: Optional[Any] = None
+    # With a pooler, a classifier of the last token's next-token logits (Qwen3-Reranker): the
+    # class token ids, and whether two of them make one score (sigmoid of their difference).
+    classifier_token_ids: Optional[tuple[int, ...]] = None
+    binary_classifier: bool = False
 
 
 @dataclass(frozen=True)

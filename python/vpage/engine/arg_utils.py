@@ -39,7 +39,10 @@ class EngineArgs:
     prompt token's hidden state) or "auto" (pooling for the encoder architectures and a
     decoder's base model, as ``LLM`` resolves it). max_num_batched_tokens: None is 2048 for generation, 8192 for pooling.
     pooler_config: vLLM's pooler override, ``{"pooling_type": "CLS" | "MEAN" | "LAST",
-    "normalize": bool}`` over the model's sentence-transformers configuration.
+    "normalize": bool}`` over the model's sentence-transformers configuration. hf_overrides
+    (runner "pooling", vLLM's): ``{"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}`` scores a pair by
+    the last token's next-token logits (Qwen3-Reranker); see ``vpage.pooling.loader.token_classifier``.
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -68,6 +71,7 @@ class EngineArgs:
     speculative_config: Optional[Union[dict[str, Any], str]] = None
     runner: str = "auto"
     pooler_config: Optional[dict[str, Any]] = None
+    hf_overrides: Optional[dict[str, Any]] = None  # runner "pooling": a causal LM as a token classifier
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -137,11 +141,14 @@ class EngineArgs:
         from vpage.model_executor import inspect_model, resolve_device
         from vpage.model_executor.loader.generation_config import generation_defaults
 
-        pooler = None
+        pooler, classifier = None, None
         if self.runner == "pooling":  # a decoder pooling through this engine (encoders: PoolingEngine)
-            from vpage.pooling.loader import decoder_pooler
+            from vpage.pooling.loader import decoder_pooler, token_classifier
 
-            pooler = decoder_pooler(self.model, self.pooler_config)
+            classifier = token_classifier(self.model, self.hf_overrides)
+            pooler = decoder_pooler(self.model, self.pooler_config, classifier is not None)
+        elif self.hf_overrides:
+            raise ValueError("hf_overrides applies to runner 'pooling' (a causal LM as a classifier)")
         device = resolve_device(self.device)
         facts = inspect_model(self.model)
         max_model_len = min(self.max_model_len or facts.max_model_len, facts.max_model_len)
@@ -163,7 +170,8 @@ class EngineArgs:
             model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
                               device=device.type, max_model_len=max_model_len, seed=self.seed,
                               generation_defaults=generation_defaults(self.model, self.generation_config),
-                              pooler=pooler),
+                              pooler=pooler, classifier_token_ids=classifier[0] if classifier else None,
+                              binary_classifier=bool(classifier and classifier[1])),
             cache=CacheConfig(block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
                               kv_cache_memory=self.kv_cache_memory,
                               gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,

@@ -104,6 +104,8 @@ class EngineCore:
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
         self.pooler = config.model.pooler  # runner "pooling": how requests pool (else None)
+        self.classifier_token_ids = config.model.classifier_token_ids  # a token classifier's classes
+        self.binary_classifier = config.model.binary_classifier
         self.requests: dict[str, CoreRequest] = {}
         self.seq_owner: dict[int, CoreRequest] = {}
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
@@ -202,8 +204,10 @@ class EngineCore:
         if pooling is None:
             raise ValueError("this engine pools (runner='pooling'): it takes pooling requests, not generation")
         pooling.verify()
-        if pooling.task != "embed":
-            raise ValueError(f"a decoder model pools embeddings (task 'embed'), not {pooling.task!r}")
+        tasks = ("embed",) if self.classifier_token_ids is None else (
+            ("score", "classify") if self.binary_classifier else ("classify",))
+        if pooling.task not in tasks:
+            raise ValueError(f"this model's pooling tasks are {list(tasks)}, not {pooling.task!r}")
         hidden = self.model_config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden:
             raise ValueError(f"dimensions is {pooling.dimensions}; this model's embeddings have {hidden}")
@@ -283,7 +287,8 @@ class EngineCore:
             sampling = SamplingMetadata([self.seq_owner[s].seqs[s].row for s in seq_ids],
                                         self.structured.bitmask(seq_ids, self.seq_owner),
                                         prompt_rows.scored if prompt_rows is not None else None,
-                                        list(range(len(seq_ids))) if self.pooler else None)  # all pool, or none
+                                        list(range(len(seq_ids))) if self.pooler else None,  # all pool, or none
+                                        list(self.classifier_token_ids) if self.classifier_token_ids else None)
         sampled = self.executor.execute(plan, sampling, drafts)
         if sampled is not None:
             if prompt_rows is not None:
@@ -339,11 +344,20 @@ class EngineCore:
         return [state.output() for state in touched.values()]
 
     def _pool(self, seq_ids: list[int], hidden: torch.Tensor) -> None:
-        """Stores the embeddings of the requests sampled this step (a pooling engine's requests
-        all pool; in plan order, their last prompt token's final hidden state), by the engine's
-        pooler and their parameters; the token each one samples then ends it."""
+        """Stores the pooled outputs of the requests sampled this step (a pooling engine's requests
+        all pool; in plan order): embeddings of their last prompt token's final hidden state, or a
+        token classifier's class probabilities (or score) of its next-token logits; the token each
+        request samples then ends it."""
         for owner, vector in zip((self.seq_owner[s] for s in seq_ids), hidden):
             pooling = owner.pooling
+            if self.classifier_token_ids is not None:  # ``vector``: the class tokens' logits
+                activate = pooling.use_activation is not False
+                if self.binary_classifier:  # one score: sigmoid(logit of the second - logit of the first)
+                    logit = vector[1] - vector[0]
+                    owner.pooled = [float(torch.sigmoid(logit) if activate else logit)]
+                else:
+                    owner.pooled = (torch.softmax(vector, 0) if activate else vector).tolist()
+                continue
             normalize = self.pooler.normalize if pooling.normalize is None else pooling.normalize
             owner.pooled = embedding(vector, pooling.dimensions, normalize).tolist()
 

@@ -83,7 +83,8 @@ class LLMEngine:
         structured outputs waits in the engine until its grammar compiles; one whose grammar
         fails to compile then ends without output (``take_request_errors``). An engine started
         with runner "pooling" takes PoolingParams instead: its output is an
-        ``EmbeddingRequestOutput`` (the last prompt token's hidden state, pooled)."""
+        ``EmbeddingRequestOutput`` (the last prompt token's hidden state, pooled), or for a token
+        classifier a ``ClassificationRequestOutput`` or ``ScoringRequestOutput``."""
         params = params or SamplingParams()
         pooling = None
         if isinstance(params, PoolingParams):
@@ -101,7 +102,9 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.core.add_request(EngineCoreRequest(request_id, ids, params, arrival, cache_salt, pooling))
-        self.outputs.add(RequestState(request_id, text, ids, params, self.tokenizer, arrival))
+        state = RequestState(request_id, text, ids, params, self.tokenizer, arrival)
+        state.pooling_task = pooling.task if pooling is not None else None
+        self.outputs.add(state)
 
     def _truncated(self, prompt: PromptType, k: Optional[int]) -> list[int]:
         """A pooling prompt's token ids, cut to its last ``k`` (-1: the last max_model_len - 1)."""

@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from vpage.engine.core_io import EngineCoreOutput, PromptTokenScore
 from vpage.engine.request_state import RequestState
-from vpage.outputs import EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from vpage.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                           Logprob, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 
 
 class OutputProcessor:
@@ -45,10 +46,9 @@ class OutputProcessor:
             state = self.requests.get(out.request_id)
             if state is None:  # ended here already (a stop string, an abort): later news is dropped
                 continue
-            if out.pooled is not None:  # a pooling request: its embedding is the whole answer
+            if out.pooled is not None:  # a pooling request: its pooled output is the whole answer
                 del self.requests[out.request_id]
-                results.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.pooled),
-                                                      state.prompt_token_ids))
+                results.append(_pooled_output(out.request_id, state, out.pooled))
                 continue
             state.num_cached_tokens = out.num_cached_tokens
             state.metrics.first_scheduled_time = out.first_scheduled_time
@@ -86,3 +86,13 @@ class OutputProcessor:
         if text is None:
             text = self._texts[token] = self.tokenizer.decode([token])
         return text
+
+
+def _pooled_output(request_id: str, state: RequestState, pooled: list[float]) -> PoolingRequestOutput:
+    """The output of a pooling request by its task: an embedding, class probabilities, a score."""
+    task, ids = state.pooling_task, state.prompt_token_ids
+    if task == "score":
+        return ScoringRequestOutput(request_id, ScoringOutput(pooled[0]), ids)
+    if task == "classify":
+        return ClassificationRequestOutput(request_id, ClassificationOutput(pooled), ids)
+    return EmbeddingRequestOutput(request_id, EmbeddingOutput(pooled), ids)

@@ -133,6 +133,7 @@ class RequestState:
         self.beams: Optional[list[BeamHypothesis]] = None
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
+        self.pooling_task: Optional[str] = None  # a pooling request's task ("embed", "classify", "score")
         self.finished = False
         # With params.prompt_logprobs: per prompt token scored so far (None for the first);
         # the output processor fills it. A DELTA output hands it out once, then drops it.

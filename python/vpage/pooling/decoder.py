@@ -21,16 +21,20 @@ from vpage.pooling_params import PoolingParams
 
 
 class DecoderPoolingEngine:
-    """An embedding decoder's engine with ``PoolingEngine``'s interface (``add_request``,
-    ``step``, ``tokenize``, ``supported_tasks``, ...). Tasks: "embed", and "score" by the cosine
-    of two embeddings (the front end's); not thread-safe: one thread drives it."""
-
-    supported_tasks = {"embed", "score"}
-    is_cross_encoder = False
-    num_labels = None
+    """A pooling decoder's engine with ``PoolingEngine``'s interface (``add_request``, ``step``,
+    ``tokenize``, ``supported_tasks``, ...). Tasks: an embedding model "embed", and "score" by
+    the cosine of two embeddings (the front end's); a classifier of next-token logits
+    (``hf_overrides``) "classify", and "score" as a cross-encoder when it gives one score
+    (Qwen3-Reranker). Not thread-safe: one thread drives it."""
 
     def __init__(self, args: EngineArgs):
         self.engine = LLMEngine(dataclasses.replace(args, runner="pooling"))
+        classes = self.engine.config.model.classifier_token_ids
+        binary = self.engine.config.model.binary_classifier
+        self.is_cross_encoder = binary
+        self.num_labels: Optional[int] = None if classes is None else (1 if binary else len(classes))
+        self.supported_tasks = ({"embed", "score"} if classes is None else
+                                {"classify", "score"} if binary else {"classify"})
         config = self.engine.model_config
         self.model_name = str(args.model)
         self.architecture = config.architecture
@@ -46,12 +50,12 @@ class DecoderPoolingEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: PoolingParams,
                     token_type_ids: Optional[Sequence[int]] = None) -> None:
-        """Queues a request (ValueError, nothing queued, for a task other than "embed", token
+        """Queues a request (ValueError, nothing queued, for a task the model has not, token
         type ids, or what ``LLMEngine.add_request`` refuses)."""
         params.verify()
-        if params.task != "embed":
-            raise ValueError(f"this embedding model pools embeddings; task {params.task!r} needs a classification "
-                             "model (a pair scores by the cosine of its two embeddings)")
+        if params.task == "score" and not self.is_cross_encoder:
+            raise ValueError("an embedding model scores a pair by the cosine similarity of the two texts' "
+                             "embeddings: add each text with task 'embed' (LLM.score does this)")
         if token_type_ids is not None:
             raise ValueError("a decoder takes no token type ids")
         self.engine.add_request(request_id, list(prompt_token_ids), params)

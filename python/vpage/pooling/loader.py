@@ -88,17 +88,20 @@ def decoder_class(hf_config: Any) -> Optional[type]:
     return None
 
 
-def decoder_pooler(model: Optional[str], override: Optional[dict] = None) -> PoolerConfig:
+def decoder_pooler(model: Optional[str], override: Optional[dict] = None, classifier: bool = False) -> PoolerConfig:
     """How a decoder pools on the paged engine (runner "pooling"): its sentence-transformers
     config or ``override`` (EngineArgs.pooler_config), last-token pooling only (the engine
-    keeps no hidden state of the tokens before the last). ValueError naming the path for a
-    model that cannot pool so."""
+    keeps no hidden state of the tokens before the last); a classifier of next-token logits
+    (``token_classifier``) reads the last token without a sentence-transformers config.
+    ValueError naming the path for a model that cannot pool so."""
     source = resolve_model_source(model)
     hf_config = load_hf_config(model)
     if not source.gguf_file and encoder_architecture(hf_config):
         raise ValueError(f"{source.path}: {encoder_architecture(hf_config)} is an encoder: it pools on "
                          "vpage.pooling.PoolingEngine (LLM and vpage serve choose it), not LLMEngine")
     decoder = None if source.gguf_file else decoder_class(hf_config)
+    if classifier and decoder is not None:
+        return PoolerConfig("LAST", False)
     if decoder is None or not ((source.folder / "modules.json").is_file() or override):
         raise _cannot_pool(source.path, hf_config, decoder is not None)
     pooler = read_pooler_config(source.folder, _DECODER_DEFAULT, override)
@@ -106,6 +109,36 @@ def decoder_pooler(model: Optional[str], override: Optional[dict] = None) -> Poo
         raise ValueError(f"{source.path}: a decoder pools its last token (pooling_type LAST); {pooler.pooling_type} "
                          "pooling needs the hidden states of every prompt token, which the paged engine does not keep")
     return pooler
+
+
+_HF_OVERRIDE_KEYS = {"architectures", "classifier_from_token", "is_original_qwen3_reranker"}
+
+
+def token_classifier(model: Optional[str], hf_overrides: Optional[dict]) -> Optional[tuple[tuple[int, ...], bool]]:
+    """vLLM's ``hf_overrides`` that make a causal LM a classifier of its next-token logits
+    (Qwen3-Reranker: ``{"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}``): the token ids
+    whose logits are the classes, and whether two of them give one score, sigmoid(logit of the
+    second - logit of the first). None without overrides; ValueError for overrides vpage does not
+    apply or tokens that are not single tokens of the vocabulary."""
+    if not hf_overrides:
+        return None
+    unknown = set(hf_overrides) - _HF_OVERRIDE_KEYS
+    archs = hf_overrides.get("architectures") or []
+    tokens = hf_overrides.get("classifier_from_token")
+    if unknown or not tokens or not all(str(a).endswith("ForSequenceClassification") for a in archs):
+        raise ValueError(f"hf_overrides: vpage applies {sorted(_HF_OVERRIDE_KEYS)} to make a causal LM a classifier "
+                         "of its next-token logits (architectures '*ForSequenceClassification' and "
+                         f"classifier_from_token), got {hf_overrides}")
+    binary = bool(hf_overrides.get("is_original_qwen3_reranker", False))
+    if binary and len(tokens) != 2:
+        raise ValueError("is_original_qwen3_reranker scores with two tokens (classifier_from_token: [no, yes])")
+    tokenizer = get_tokenizer(resolve_model_source(model).folder)
+    ids = tuple(int(tokenizer.convert_tokens_to_ids(t)) for t in tokens)
+    bad = [t for t, i in zip(tokens, ids) if i == tokenizer.unk_token_id or i is None or i < 0]
+    if bad:
+        raise ValueError(f"classifier_from_token {bad} are not tokens of this model's vocabulary")
+    return ids, binary
 
 
 def is_encoder(model: Optional[str]) -> bool:

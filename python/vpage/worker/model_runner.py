@@ -112,9 +112,11 @@ class ModelRunner:
         draft = DraftRows.of(plan)
         hidden, rows = self._forward(plan, layer_events)
         pooled = None
-        if sampling.pooled:  # a pooling request's sampled row is its last prompt token (prefill ends)
-            pooled = hidden.index_select(0, rows[sampling.pooled]).float().cpu()
+        if sampling.pooled and sampling.pooled_token_ids is None:  # a pooling request's sampled row is
+            pooled = hidden.index_select(0, rows[sampling.pooled]).float().cpu()  # its last prompt token's
         logits = self._logits_of(hidden, rows, extra_logit_rows(plan, sampling, draft))
+        if sampling.pooled and sampling.pooled_token_ids is not None:  # a classifier of next-token logits
+            pooled = logits[sampling.pooled][:, sampling.pooled_token_ids].cpu()
         num_samples = len(sampling.rows)
         extra = logits[num_samples:]
         prompt_scores = None

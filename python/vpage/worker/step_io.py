@@ -33,6 +33,8 @@ class SamplingMetadata:
     # Pooling requests: the samples (indices into ``rows``) whose final hidden state (the last
     # prompt token's, when their prefill ends) is returned in ``ModelRunnerOutput.pooled``.
     pooled: Optional[list[int]] = None
+    # A token classifier's class token ids: its samples return those logits, not the hidden state.
+    pooled_token_ids: Optional[list[int]] = None
 
 
 @dataclass
@@ -57,4 +59,5 @@ class ModelRunnerOutput:
     num_drafts: list[int] = field(default_factory=list)
     num_accepted: list[int] = field(default_factory=list)
     prompt_logprobs: Optional[PromptScores] = None
-    pooled: Optional[torch.Tensor] = None  # float32 [len(SamplingMetadata.pooled), hidden_size], on the CPU
+    # float32 [len(SamplingMetadata.pooled), hidden_size] (or [.., len(pooled_token_ids)]: logits), on the CPU
+    pooled: Optional[torch.Tensor] = None

@@ -96,3 +96,15 @@ def test_served_decoder_embeddings(qwen3_st):
         assert status == 400 and "pooling runner" in body["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_tensor_parallel_embeddings_equal_one_rank(qwen3_st):
+    folder, _ = qwen3_st
+    one = LLM(str(folder / "st"), kv_cache_memory=0.05)
+    two = LLM(str(folder / "st"), kv_cache_memory=0.05, tensor_parallel_size=2)
+    try:
+        a = np.array([o.outputs.embedding for o in one.embed(TEXTS, use_tqdm=False)])
+        b = np.array([o.outputs.embedding for o in two.embed(TEXTS, use_tqdm=False)])
+        assert np.abs(a - b).max() < 1e-5
+    finally:
+        two.shutdown()

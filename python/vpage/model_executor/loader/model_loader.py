@@ -17,7 +17,7 @@ from vpage.model_executor.loader.gguf_config import hf_config_from_gguf
 from vpage.model_executor.loader.gguf_file import GgufFile
 from vpage.model_executor.loader.gguf_weights import gguf_tensor_types, iterate_gguf
 from vpage.model_executor.layers.quantization import GgufQuantConfig, QuantConfig
-from vpage.model_executor.loader.safetensors_weights import iterate_safetensors, safetensors_files
+from vpage.model_executor.loader.safetensors_weights import has_tensor, iterate_safetensors, safetensors_files
 from vpage.model_executor.models import architecture_of, get_model_class
 from vpage.model_executor.layers.rotary import rope_max_positions
 from vpage.model_executor.models.llama import LlamaForCausalLM, head_size_of, num_kv_heads_of, rope_settings
@@ -213,8 +213,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     activation dtype). device: auto|cpu|cuda. quantization: "auto" keeps a GGUF file's
     Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights quantized on the CPU (matmuls dequantize inside
     the kernel); "none" (and any CUDA load) dequantizes every weight to dtype.
-    ``pooling=True`` (runner "pooling") ties the LM head to the embeddings whatever the config
-    says, so a base model's checkpoint (Qwen3-Embedding's) loads. ``with_tokenizer=False`` leaves ``LoadedModel.tokenizer`` None (the engine-core process of
+    ``pooling=True`` (runner "pooling") ties the LM head to the embeddings when the checkpoint
+    has none, so a base model's checkpoint (Qwen3-Embedding's) loads. ``with_tokenizer=False`` leaves ``LoadedModel.tokenizer`` None (the engine-core process of
     a server handles no text): the tokenizer's EOS id is then read from its files where they
     tell it, and the tokenizer is loaded only to read it where they do not.
     Under tensor parallelism (``vpage.distributed.parallel_state``) the model is this rank's
@@ -229,8 +229,8 @@ def load_model(model: str | None = None, dtype: str = "auto", device: str = "aut
     torch_device = resolve_device(device)
     reader = GgufFile(source.path) if source.gguf_file else None
     hf_config = _load_hf_config(source, reader)
-    if pooling:  # its requests' one sampled token is dropped: no lm_head needed (a base model's checkpoint has none)
-        hf_config.tie_word_embeddings = True
+    if pooling and reader is None and not has_tensor(safetensors_files(source.folder), "lm_head.weight"):
+        hf_config.tie_word_embeddings = True  # a base model's checkpoint: embeddings read no logits
     architecture = architecture_of(hf_config)
     model_class = get_model_class(architecture)
     torch_dtype = _resolve_dtype(dtype, hf_config, source, torch_device)

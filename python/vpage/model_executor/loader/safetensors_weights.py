@@ -47,3 +47,12 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                     yield name, f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
+
+
+def has_tensor(files: list[Path], name: str) -> bool:
+    """Whether one of the safetensors ``files`` holds a tensor ``name`` (headers only)."""
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                return True
+    return False
