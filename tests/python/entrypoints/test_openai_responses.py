@@ -142,6 +142,16 @@ def test_reasoning_items(client):
     assert thought == whole.output[0].content[0].text
 
 
+def test_output_text_logprobs(client):
+    response = _create(client, input="Name a colour.", max_output_tokens=6, top_logprobs=2,
+                       include=["message.output_text.logprobs"])
+    part = response.output[0].content[0]
+    assert len(part.logprobs) == response.usage.output_tokens and "".join(lp.token for lp in part.logprobs) == part.text
+    for lp in part.logprobs:
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].logprob >= lp.top_logprobs[1].logprob
+        assert lp.logprob <= 0 and lp.logprob == lp.top_logprobs[0].logprob  # greedy: the chosen token is the best
+
+
 def test_store_retrieve_and_delete(client):
     response = _create(client, input="Say hello.", max_output_tokens=8, metadata={"case": "store"})
     assert client.responses.retrieve(response.id).model_dump() == response.model_dump()
