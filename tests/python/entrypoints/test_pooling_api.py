@@ -111,6 +111,23 @@ def test_bad_requests_are_400_and_the_server_serves(embed_server, client, embedd
     assert embed_server.metric("request_success_total") > 0 and embed_server.metric("prompt_tokens_total") > 0
 
 
+def test_a_client_that_leaves_aborts_its_prompts(embed_server):
+    import json
+    import socket
+    import time
+
+    before = embed_server.metric("request_success_total")
+    body = json.dumps({"input": [[7] * 120] * 2000}).encode()  # ~2000 steps at a 64-token budget
+    sock = socket.create_connection(("127.0.0.1", embed_server.port))
+    sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    time.sleep(0.5)
+    sock.close()
+    embed_server.wait_idle()
+    assert embed_server.metric("request_success_total") - before < 2000  # the rest were aborted
+    assert embed_server.request("POST", "/v1/embeddings", {"input": "a"})[0] == 200
+
+
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
     folder = _tiny_bert(tmp_path_factory.mktemp("cross") / "bert", transformers.BertForSequenceClassification,

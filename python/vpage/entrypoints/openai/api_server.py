@@ -209,7 +209,16 @@ def _pooling_routes(app: FastAPI, serving: PoolingServing, limits: HttpLimits,
     def pooled(kind: type, answer) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
             authenticate(request)
-            return json_response(200, await answer(parse_body(await read_body(request, limits), kind)))
+            work = asyncio.ensure_future(answer(parse_body(await read_body(request, limits), kind)))
+            watch = asyncio.ensure_future(disconnected(request)())
+            try:
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watch.cancel()
+            if not work.done():  # the client left: its prompts are aborted in the engine
+                work.cancel()
+                raise ApiError(499, "the client disconnected")
+            return json_response(200, work.result())
 
         return route
 

@@ -50,8 +50,8 @@ class _Job:
 
 class PoolingClient:
     """``engine`` (a PoolingEngine) stepped on a thread; ``on_step(num_running, num_waiting,
-    finished)`` is called on the event loop after each step that finished requests, with
-    (arrival time, output) of each (metrics)."""
+    finished)`` is called on the event loop after each step (and each idle wait), with the
+    (arrival time, output) of each request the step finished (metrics)."""
 
     def __init__(self, engine: Any, on_step: Optional[Callable[[int, int, list], None]] = None):
         self.engine = engine
@@ -67,6 +67,7 @@ class PoolingClient:
         self._unfinished = 0  # submitted, not yet answered (read by the event loop)
         self._last_beat = time.monotonic()
         self._stop = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread = threading.Thread(target=self._run, name="vpage-pooling", daemon=True)
         self._thread.start()
 
@@ -77,7 +78,7 @@ class PoolingClient:
         """The pooled output of one prompt; ValueError for a prompt the engine refuses."""
         if self.dead_reason is not None:
             raise PoolingEngineDead(self.dead_reason)
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()  # one event loop serves every request
         job = _Job(f"pool-{next(self._ids)}", prompt_token_ids, params, token_type_ids, loop.create_future(), loop,
                    time.monotonic())
         self._unfinished += 1
@@ -153,26 +154,26 @@ class PoolingClient:
             except queue.Empty:
                 pass
             self._last_beat = time.monotonic()
-            if not self._jobs:
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - every request in flight learns why
-                self.dead_reason = f"the pooling engine failed: {exc}"
-                for job in self._jobs.values():
-                    self._answer(job, error=PoolingEngineDead(self.dead_reason))
-                if self.on_dead is not None and self._jobs:
-                    next(iter(self._jobs.values())).loop.call_soon_threadsafe(self.on_dead, self.dead_reason)
-                self._jobs.clear()
-                return
-            self._last_beat = time.monotonic()
             finished = []
-            for out in outputs:
-                job = self._jobs.pop(out.request_id, None)
-                if job is not None:
-                    self._answer(job, out)
-                    finished.append((job, out))
-            if self.on_step is not None and finished:
-                loop = finished[0][0].loop
-                loop.call_soon_threadsafe(self.on_step, len(self._jobs), self._inbox.qsize(),
-                                          [(job.arrival, out) for job, out in finished])
+            if self._jobs:
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # noqa: BLE001 - every request in flight learns why
+                    self._fail(f"the pooling engine failed: {exc}")
+                    return
+                self._last_beat = time.monotonic()
+                for out in outputs:
+                    job = self._jobs.pop(out.request_id, None)
+                    if job is not None:
+                        self._answer(job, out)
+                        finished.append((job.arrival, out))
+            if self.on_step is not None and self._loop is not None:  # also after aborts, and when idle
+                self._loop.call_soon_threadsafe(self.on_step, len(self._jobs), self._inbox.qsize(), finished)
+
+    def _fail(self, reason: str) -> None:
+        self.dead_reason = reason
+        for job in self._jobs.values():
+            self._answer(job, error=PoolingEngineDead(reason))
+        self._jobs.clear()
+        if self.on_dead is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_dead, reason)
