@@ -1,4 +1,4 @@
-"""The pooling runner: encoder models (BERT, RoBERTa, XLM-R) for embeddings, classification
+"""The pooling runner: encoder models (BERT, RoBERTa, XLM-R, ModernBERT) for embeddings, classification
 and cross-encoder scores, batched by a token budget without padding; decoder embedding models
 (last-token pooling) on the paged engine (``decoder.py``). ``make_pooling_engine`` picks.
 

@@ -1,4 +1,5 @@
-"""Bidirectional attention over packed sequences: no padding, one call per sequence."""
+"""Bidirectional attention over packed sequences: no padding, one call per sequence; optionally
+within a sliding window (ModernBERT's local layers)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: Sequence[int],
                      lens: Sequence[int], q_starts: Sequence[int], q_lens: Sequence[int], num_heads: int,
-                     head_size: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     head_size: int, out: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                     q_offsets: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Non-causal attention of each sequence's queries over all of its keys.
 
     k, v ``[num_tokens, num_heads * head_size]`` (rows may be strided: views of a fused QKV
@@ -20,12 +22,24 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: 
     num_heads * head_size]`` in q's dtype (into ``out`` when given); softmax scale ``head_size ** -0.5``. Each sequence
     is one ``scaled_dot_product_attention`` call on head-major copies of its rows (its CPU
     kernel is several times faster on contiguous heads than on the strided token-major views).
+
+    ``window`` w: a query attends only to the keys at most w positions before or after it
+    (``|query position - key position| <= w``); query j of sequence i sits at position
+    ``q_offsets[i] + j`` of its sequence (``q_offsets`` default: all 0, every token a query).
     """
     if out is None:
         out = q.new_empty(q.shape[0], num_heads * head_size)
-    for start, n, q_start, m in zip(starts, lens, q_starts, q_lens):
+    if q_offsets is None:
+        q_offsets = [0] * len(starts)
+    for start, n, q_start, m, q_offset in zip(starts, lens, q_starts, q_lens, q_offsets):
+        lo, hi, mask = 0, n, None
+        if window is not None and n > window + 1:  # a shorter sequence lies whole in every window
+            lo, hi = max(0, q_offset - window), min(n, q_offset + m + window)  # the keys any query sees
+            q_pos = torch.arange(q_offset, q_offset + m, device=q.device)
+            k_pos = torch.arange(lo, hi, device=q.device)
+            mask = (q_pos[:, None] - k_pos[None, :]).abs() <= window
         heads = [t.view(-1, num_heads, head_size).transpose(0, 1).contiguous().unsqueeze(0)
-                 for t in (q[q_start:q_start + m], k[start:start + n], v[start:start + n])]
-        o = F.scaled_dot_product_attention(*heads)
+                 for t in (q[q_start:q_start + m], k[start + lo:start + hi], v[start + lo:start + hi])]
+        o = F.scaled_dot_product_attention(*heads, attn_mask=mask)
         out[q_start:q_start + m].view(m, num_heads, head_size).copy_(o[0].transpose(0, 1))
     return out

@@ -37,7 +37,7 @@ class LoadedPoolingModel:
     tokenizer: Any  # None for a folder without one
     device: torch.device
     dtype: torch.dtype
-    pooler: PoolerConfig  # a classification model pools its first token (CLS) through its head
+    pooler: PoolerConfig  # a classification model pools through its head: the first token (CLS) or the mean
     max_model_len: int
     num_labels: Optional[int]  # classification models only
 
@@ -175,8 +175,8 @@ def load_pooling_model(model: Optional[str], dtype: str = "auto", device: str = 
     max_len = int(hf_config.max_position_embeddings) - net.position_offset
     if max_seq_length(source.folder):
         max_len = min(max_len, max_seq_length(source.folder))
-    if net.head is not None:
-        pooler = PoolerConfig("CLS", False)
+    if net.head is not None:  # the first token's hidden state, or the mean (a head's ``pooling``)
+        pooler = PoolerConfig(getattr(net.head, "pooling", "CLS"), False)
     else:
         pooler = read_pooler_config(source.folder, _ENCODER_DEFAULT, pooler_override)
     return LoadedPoolingModel(net, architecture, hf_config, tokenizer, torch_device, torch_dtype, pooler, max_len,

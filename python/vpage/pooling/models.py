@@ -1,5 +1,6 @@
 """The encoder architectures the pooling runner serves, by Hugging Face name, and loading
-their checkpoints (with or without the base model's prefix, ``bert.`` / ``roberta.``)."""
+their checkpoints (with or without the base model's prefix, ``bert.`` / ``roberta.`` /
+``model.``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import nn
 from vpage.model_executor.layers.weight_utils import ShardId, shard_ids_of, weight_loader_of
 from vpage.pooling.batch import PackedBatch
 from vpage.pooling.encoder import Encoder
-from vpage.pooling.heads import BertClassifierHead, RobertaClassifierHead
+from vpage.pooling.heads import BertClassifierHead, ModernBertClassifierHead, RobertaClassifierHead
+from vpage.pooling.modernbert import ModernBertEncoder
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class EncoderArch:
     prefix: str
     padding_positions: bool
     head: Optional[type[nn.Module]] = None
+    encoder: type[nn.Module] = Encoder  # built as encoder(hf_config, dtype, padding_positions)
 
 
 ENCODER_ARCHITECTURES: dict[str, EncoderArch] = {
@@ -33,9 +36,12 @@ ENCODER_ARCHITECTURES: dict[str, EncoderArch] = {
     "RobertaForSequenceClassification": EncoderArch("roberta", True, RobertaClassifierHead),
     "XLMRobertaModel": EncoderArch("roberta", True),
     "XLMRobertaForSequenceClassification": EncoderArch("roberta", True, RobertaClassifierHead),
+    "ModernBertModel": EncoderArch("model", False, None, ModernBertEncoder),
+    "ModernBertForSequenceClassification": EncoderArch("model", False, ModernBertClassifierHead, ModernBertEncoder),
 }
 # A config without ``architectures``: the embedding model of its type.
-_BY_MODEL_TYPE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel"}
+_BY_MODEL_TYPE = {"bert": "BertModel", "roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel",
+                 "modernbert": "ModernBertModel"}
 # Checkpoint tensors no pooling model reads: pretraining heads, language-model heads.
 _UNUSED_PREFIXES = ("cls.", "lm_head.", "pooler.")
 
@@ -55,7 +61,7 @@ class EncoderModel(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, arch: EncoderArch):
         super().__init__()
         self.arch = arch
-        self.encoder = Encoder(hf_config, dtype, arch.padding_positions)
+        self.encoder = arch.encoder(hf_config, dtype, arch.padding_positions)
         self.head = None if arch.head is None else arch.head(hf_config, dtype)
         self.num_labels = int(hf_config.num_labels) if self.head is not None else None
         self.position_offset = self.encoder.position_offset
@@ -65,7 +71,8 @@ class EncoderModel(nn.Module):
         return self.encoder(batch, rows)
 
     def classify(self, first: torch.Tensor) -> torch.Tensor:
-        """Logits ``[num_seqs, num_labels]`` float32 from the first tokens' hidden states."""
+        """Logits ``[num_seqs, num_labels]`` float32 from the first tokens' hidden states (the
+        mean of each sequence's for a head whose ``pooling`` is "MEAN")."""
         return self.head(first).float()
 
     def param_for(self, name: str) -> Optional[tuple[str, ShardId]]:

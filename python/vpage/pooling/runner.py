@@ -29,6 +29,8 @@ class PoolingRunner:
                                  self.device)
         hidden = self.model(batch, pooled_rows(self.pooler.pooling_type, batch))
         if self.classifies:
+            if self.pooler.pooling_type == "MEAN":  # a head on the mean of each sequence's tokens
+                hidden = pool(hidden, batch, "MEAN").to(hidden.dtype)
             logits = self.model.classify(hidden).cpu()
             return [logits[i] if r.params.use_activation is False else self.activations[r.params.task](logits[i])
                     for i, r in enumerate(requests)]
