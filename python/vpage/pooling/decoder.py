@@ -35,6 +35,9 @@ class DecoderPoolingEngine:
         self.num_labels: Optional[int] = None if classes is None else (1 if binary else len(classes))
         self.supported_tasks = ({"embed", "score"} if classes is None else
                                 {"classify", "score"} if binary else {"classify"})
+        # The classes' names: the class tokens (a reranker's one class is its score).
+        self.labels: Optional[list[str]] = (None if classes is None else ["score"] if binary else
+                                            [str(t) for t in args.hf_overrides["classifier_from_token"]])
         config = self.engine.model_config
         self.model_name = str(args.model)
         self.architecture = config.architecture

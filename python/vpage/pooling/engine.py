@@ -83,6 +83,9 @@ class PoolingEngine:
         self.pooler_config = loaded.pooler
         self.hidden_size: int = int(hf.hidden_size)
         self.num_labels: Optional[int] = loaded.num_labels
+        # The classes' names, by index (transformers' id2label), for a classification model.
+        self.labels: Optional[list[str]] = (None if self.num_labels is None else
+                                            [str(hf.id2label.get(i, f"LABEL_{i}")) for i in range(self.num_labels)])
         self.vocab_size: int = int(hf.vocab_size)
         self.type_vocab_size: int = max(1, int(getattr(hf, "type_vocab_size", 1)))
         self.max_model_len: int = min(args.max_model_len or loaded.max_model_len, loaded.max_model_len)

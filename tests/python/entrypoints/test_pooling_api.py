@@ -94,7 +94,7 @@ def test_bad_requests_are_400_and_the_server_serves(embed_server, client, embedd
            ("/v1/embeddings", {"input": [[5, 6, 10_000]]}), ("/v1/embeddings", {"input": [long_ids]}),
            ("/v1/embeddings", {"input": "a", "dimensions": 65}),
            ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}),
-           ("/rerank", {"query": "a", "documents": []}),
+           ("/rerank", {"query": "a", "documents": []}), ("/classify", {"input": "a"}),
            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
     for path, body in bad:
         status, answer = embed_server.request("POST", path, body)
@@ -149,5 +149,10 @@ def test_cross_encoder_scores_equal_crossencoder_predict(cross_encoder):
         assert [r["document"]["text"] for r in body["results"]] == [TEXTS[1:][i] for i in np.argsort(-expected)]
         status, body = srv.request("POST", "/v1/embeddings", {"input": "a"})
         assert status == 400 and "does not support embeddings" in body["error"]["message"]
+        status, body = srv.request("POST", "/classify", {"input": [[2, 9, 10, 3], [2, 11, 3]]})
+        assert status == 200 and [(d["label"], d["num_classes"]) for d in body["data"]] == [("LABEL_0", 1)] * 2
+        logits = [reference.model(torch.tensor([ids])).logits[0, 0].item() for ids in ([2, 9, 10, 3], [2, 11, 3])]
+        np.testing.assert_allclose([d["probs"][0] for d in body["data"]], 1 / (1 + np.exp(-np.array(logits))),
+                                   atol=1e-5)
     finally:
         srv.stop()

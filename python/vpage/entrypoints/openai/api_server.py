@@ -4,7 +4,7 @@ Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (``stream: true`` as server-sent events), ``POST /v1/responses``
 with ``GET``/``DELETE /v1/responses/{id}`` (OpenAI's Responses API), ``POST /v1/messages`` and
 ``/v1/messages/count_tokens`` (Anthropic's Messages API); for a pooling model instead
-``POST /v1/embeddings``, ``/pooling``, ``/score`` and ``/rerank`` (also ``/v1/rerank``,
+``POST /v1/embeddings``, ``/pooling``, ``/classify``, ``/score`` and ``/rerank`` (also ``/v1/rerank``,
 ``/v2/rerank``); ``POST /tokenize`` and ``POST /detokenize`` (vLLM's), ``GET /health``
 (milliseconds; 503 when the engine is dead, wedged, or the server is draining) and
 ``GET /metrics`` (Prometheus). Every error, from a bad field to an unknown route or a
@@ -32,7 +32,8 @@ from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from vpage.entrypoints.openai.serving import OpenAIServing
 from vpage.entrypoints.openai.tokenization import Tokenization
-from vpage.entrypoints.pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from vpage.entrypoints.pooling.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                                ScoreRequest)
 from vpage.entrypoints.pooling.serving import PoolingServing
 from vpage.entrypoints.responses.protocol import ResponsesRequest
 from vpage.entrypoints.responses.serving import ResponsesServing
@@ -205,7 +206,7 @@ def _generation_routes(app: FastAPI, serving: OpenAIServing, keys: ApiKeys, limi
 
 def _pooling_routes(app: FastAPI, serving: PoolingServing, limits: HttpLimits,
                     authenticate: Callable[[Request], Optional[str]]) -> None:
-    """Embeddings (OpenAI's), vLLM's /pooling and /score, and rerank (Jina/Cohere shapes)."""
+    """Embeddings (OpenAI's), vLLM's /pooling, /classify and /score, and rerank (Jina/Cohere shapes)."""
     def pooled(kind: type, answer) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
             authenticate(request)
@@ -224,6 +225,7 @@ def _pooling_routes(app: FastAPI, serving: PoolingServing, limits: HttpLimits,
 
     for path, kind, answer in (("/v1/embeddings", EmbeddingRequest, serving.embeddings),
                                ("/pooling", PoolingRequest, serving.pooling),
+                               ("/classify", ClassificationRequest, serving.classify),
                                ("/score", ScoreRequest, serving.score), ("/v1/score", ScoreRequest, serving.score),
                                ("/rerank", RerankRequest, serving.rerank), ("/v1/rerank", RerankRequest, serving.rerank),
                                ("/v2/rerank", RerankRequest, serving.rerank)):
@@ -232,7 +234,8 @@ def _pooling_routes(app: FastAPI, serving: PoolingServing, limits: HttpLimits,
 
 _GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                       "/v1/messages/count_tokens")
-_POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
+_POOLING_ROUTES = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                   "/v2/rerank")
 
 
 def _refused_routes(app: FastAPI, paths: tuple[str, ...], message: str) -> None:

@@ -1,6 +1,6 @@
 """Request bodies of the pooling routes (strict pydantic models): OpenAI's embeddings
 (``input`` as text, texts, token ids or lists of them; ``encoding_format`` float or base64;
-``dimensions``), vLLM's ``/pooling``, ``/score`` (``text_1`` against ``text_2``) and the
+``dimensions``), vLLM's ``/pooling``, ``/classify``, ``/score`` (``text_1`` against ``text_2``) and the
 Jina/Cohere ``/rerank`` (``query``, ``documents``, ``top_n``)."""
 
 from __future__ import annotations
@@ -51,6 +51,21 @@ class PoolingRequest(EmbeddingRequest):
 
 
 Texts = Union[Text, Annotated[list[Text], Field(min_length=1, max_length=_MAX_INPUTS)]]
+
+
+class ClassificationRequest(_Strict):
+    """vLLM's ``/classify``: each input's class probabilities and its most likely label."""
+
+    model: Optional[str] = None
+    input: Union[Texts, TokenIds, Annotated[list[TokenIds], Field(min_length=1, max_length=_MAX_INPUTS)]]
+    truncate_prompt_tokens: Truncate = None
+    use_activation: Optional[bool] = None
+
+    _input_not_empty = field_validator("input", mode="before")(_not_empty)
+
+    def inputs(self) -> list[Union[str, list[int]]]:
+        p = self.input
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
 
 class ScoreRequest(_Strict):

@@ -1,4 +1,4 @@
-"""The pooling routes' answers: ``/v1/embeddings``, ``/pooling``, ``/score``, ``/rerank``.
+"""The pooling routes' answers: ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``, ``/rerank``.
 
 Every input is tokenized and checked here first (empty, token ids outside the vocabulary,
 longer than the context unless ``truncate_prompt_tokens`` cuts it, a task the model has not),
@@ -21,7 +21,8 @@ from vpage.entrypoints.openai.protocol import ApiError
 from vpage.entrypoints.openai.serving import ServedModel
 from vpage.entrypoints.pooling.client import PoolingAborted, PoolingClient, PoolingEngineDead
 from vpage.entrypoints.pooling.metrics import PoolingMetrics
-from vpage.entrypoints.pooling.protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from vpage.entrypoints.pooling.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                                ScoreRequest)
 from vpage.pooling_params import PoolingParams
 
 _TASK_NAMES = {"embed": "embeddings", "classify": "classification", "score": "scores"}
@@ -159,6 +160,16 @@ class PoolingServing(ServedModel):
         data = [{"index": i, "object": "pooling", "data": _encode_vector(v, req.encoding_format)}
                 for i, v in enumerate(vectors)]
         return {**self._head("pool"), "data": data, "usage": self._usage(prompts)}
+
+    async def classify(self, req: ClassificationRequest) -> dict:
+        self._admit(req.model, "classify")
+        params = self._params("classify", use_activation=req.use_activation)
+        prompts = [self._tokenize(item, req.truncate_prompt_tokens) for item in req.inputs()]
+        outputs = await self._run(prompts, params)
+        labels = self.engine.labels
+        data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
+                 "probs": o.outputs.probs, "num_classes": len(o.outputs.probs)} for i, o in enumerate(outputs)]
+        return {**self._head("classify"), "data": data, "usage": self._usage(prompts)}
 
     async def _scores(self, model: Optional[str], firsts: list[str], seconds: list[str], truncate: Optional[int],
                       use_activation: Optional[bool]) -> tuple[list[float], list[_Prompt]]:
