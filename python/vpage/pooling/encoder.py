@@ -49,11 +49,11 @@ def layer_norm_into(norm: nn.LayerNorm, x: torch.Tensor, out: torch.Tensor, ws: 
     return out
 
 
-def activation_of(hf_config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    act = getattr(hf_config, "hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[act]
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An in-place activation by transformers' name; ValueError naming the supported ones."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
 
 
 class EncoderEmbeddings(nn.Module):
@@ -93,7 +93,7 @@ class EncoderLayer(nn.Module):
         self.ffn_in = Linear(hidden, hf_config.intermediate_size, True, dtype)
         self.ffn_out = Linear(hf_config.intermediate_size, hidden, True, dtype)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
-        self.act = activation_of(hf_config)
+        self.act = activation(getattr(hf_config, "hidden_act", "gelu"))
 
     def forward(self, x: torch.Tensor, batch: PackedBatch, ws: Workspace,
                 rows: Optional[Sequence[int]] = None) -> torch.Tensor:

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from vpage.model_executor.layers.linear import Linear
-from vpage.pooling.modernbert import activation, layer_norm
+from vpage.pooling.encoder import activation
+from vpage.pooling.modernbert import layer_norm
 
 
 class BertClassifierHead(nn.Module):

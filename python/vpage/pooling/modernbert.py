@@ -21,7 +21,7 @@ from vpage.model_executor.layers.linear import Linear
 from vpage.model_executor.layers.weight_utils import ShardId, empty_parameter
 from vpage.pooling.attention import packed_attention
 from vpage.pooling.batch import PackedBatch
-from vpage.pooling.encoder import _ACTIVATIONS, layer_norm_into
+from vpage.pooling.encoder import activation, layer_norm_into
 from vpage.pooling.workspace import Workspace
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"  # transformers' layer types
@@ -31,13 +31,6 @@ _OLD_THETA_NAMES = {GLOBAL: "global_rope_theta", LOCAL: "local_rope_theta"}
 _LAYER_PARTS = {"attn_norm": "attn_norm", "attn.Wqkv": "wqkv", "attn.Wo": "wo", "mlp_norm": "mlp_norm",
                 "mlp.Wi": "wi", "mlp.Wo": "wo_mlp"}
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def activation(name: str):
-    """An in-place activation by transformers' name."""
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_ACTIVATIONS)}")
-    return _ACTIVATIONS[name]
 
 
 def layer_types(hf_config: Any) -> list[str]:
