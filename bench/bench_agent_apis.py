@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import httpx
 
-_URL = re.compile(r"serving \S+ on (http://\S+)/v1")
 _TEMPLATE = Path(__file__).resolve().parent.parent / "tests" / "python" / "hermes_tool_template.jinja"
 CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Vienna", "Lisbon", "Prague", "Oslo"]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
@@ -134,16 +132,13 @@ async def run_api(base_url: str, api: str, conversations: int, concurrency: int)
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--port", "0", "--dtype", "float32",
-                             "--device", "cpu", "--kv-cache-memory", "1", "--max-num-seqs", str(args.concurrency),
-                             "--max-model-len", "1024", "--chat-template", str(_TEMPLATE),
-                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        match = _URL.search(line)
-        if match:
-            return proc, match.group(1)
-    raise RuntimeError("vpage serve did not start")
+    """The server and its URL without ``/v1``."""
+    from bench_serving import start_vpage_serve
+
+    proc, url = start_vpage_serve(["--dtype", "float32", "--kv-cache-memory", "1", "--max-num-seqs",
+                                   str(args.concurrency), "--max-model-len", "1024", "--chat-template", str(_TEMPLATE),
+                                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    return proc, url.removesuffix("/v1")
 
 
 def main() -> None:

@@ -39,15 +39,23 @@ def run_offline(args, trace) -> dict:
     return {"tokens": tokens, "wall": time.perf_counter() - start}
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--port", "0", "--dtype", args.dtype,
-                             "--device", "cpu", "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
-                             str(args.max_num_seqs), "--no-prefix-caching"], stdout=subprocess.PIPE, text=True)
+def start_vpage_serve(flags: list[str]) -> tuple[subprocess.Popen, str]:
+    """`vpage serve --port 0 FLAGS` on the CPU: the process and its base URL (ending in /v1),
+    once it serves."""
+    # Only stdout is piped (its start line, read here; nothing after): the server's logs go to
+    # stderr, which a pipe nobody reads would fill and stall.
+    proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--port", "0", "--device", "cpu", *flags],
+                            stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         match = _URL.search(line)
         if match:
             return proc, match.group(1)
-    raise RuntimeError("vpage serve did not start")
+    raise RuntimeError("vpage serve did not start (its error is above)")
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    return start_vpage_serve(["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
+                              "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching"])
 
 
 def main() -> None:

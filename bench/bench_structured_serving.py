@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -28,7 +27,6 @@ from pathlib import Path
 
 from vpage.benchmarks.serve import format_report, request_schemas, run_benchmark, synthetic_trace
 
-_URL = re.compile(r"serving \S+ on (http://\S+/v1)")
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
@@ -77,15 +75,12 @@ def compile_times(schema: dict, backend: str, repeats: int) -> dict:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--port", "0", "--dtype", args.dtype,
-                             "--device", "cpu", "--kv-cache-memory", str(args.kv_cache_memory), "--max-num-seqs",
-                             str(args.max_num_seqs), "--no-prefix-caching", "--structured-outputs-backend",
-                             args.structured_outputs_backend], stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        match = _URL.search(line)
-        if match:
-            return proc, match.group(1)
-    raise RuntimeError("vpage serve did not start")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_serving import start_vpage_serve
+
+    return start_vpage_serve(["--dtype", args.dtype, "--kv-cache-memory", str(args.kv_cache_memory),
+                              "--max-num-seqs", str(args.max_num_seqs), "--no-prefix-caching",
+                              "--structured-outputs-backend", args.structured_outputs_backend])
 
 
 def main() -> None:

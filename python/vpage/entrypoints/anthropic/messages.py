@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Optional
 
 from vpage.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest
+from vpage.entrypoints.openai.serving import chat_chunks
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
@@ -156,11 +157,7 @@ async def message_events(chunks: AsyncIterator[bytes], req: MessagesRequest, mes
     blocks = _Blocks()
     finish: tuple[Optional[str], Any] = (None, None)
     output_tokens = 0
-    async for raw in chunks:
-        data = raw.removeprefix(b"data: ").strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chat_chunks(chunks):
         if "error" in chunk:
             error = chunk["error"]
             yield _event("error", error_body(error.get("code") or 500, error.get("type", "server_error"),

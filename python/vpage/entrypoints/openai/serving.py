@@ -282,6 +282,16 @@ def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+async def chat_chunks(events: AsyncIterator[bytes]) -> AsyncIterator[dict]:
+    """The chunks of ``OpenAIServing.stream``'s events, parsed, up to ``[DONE]`` (what the other
+    APIs on the chat pipeline translate)."""
+    async for raw in events:
+        data = raw.removeprefix(b"data: ").strip()
+        if data == b"[DONE]":
+            return
+        yield json.loads(data)
+
+
 def _aborted(stream: RequestStream, total: Optional[RequestOutput], n: int) -> RequestOutput:
     """``total`` (what the request's deltas add up to) if it finished; otherwise it (or an empty
     output) with every one of the ``n`` sequences that did not finish marked ``abort``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator, Callable, Optional
 
+from vpage.entrypoints.openai.serving import chat_chunks
 from vpage.entrypoints.responses.convert import (function_call_item, message_item, new_id, reasoning_item, status_of,
                                                  text_logprobs, usage_of)
 
@@ -83,11 +84,7 @@ async def response_events(chunks: AsyncIterator[bytes], body: Callable[..., dict
     finish_reason: Optional[str] = None
     chat_usage: dict = {}
     reasoning = ""
-    async for raw in chunks:
-        data = raw.removeprefix(b"data: ").strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
+    async for chunk in chat_chunks(chunks):
         if "error" in chunk:
             error = chunk["error"]
             yield event("error", code=str(error.get("code") or 500), message=error.get("message", ""),
