@@ -40,15 +40,17 @@ SchedulerImpl::SchedulerImpl(const SchedulerConfig& config, const BlockManagerCo
 std::vector<SeqId> SchedulerImpl::add_sequence_group(const std::string& request_id,
                                                      std::vector<TokenId> prompt, int32_t num_seqs,
                                                      const StopConditions& stop, double arrival_time,
-                                                     const std::string& cache_salt, bool speculate) {
+                                                     const std::string& cache_salt, bool speculate,
+                                                     int32_t lora_id) {
   VPAGE_CHECK(!prompt.empty(), "request '" << request_id << "' has an empty prompt");
   VPAGE_CHECK(num_seqs >= 1, "request '" << request_id << "' needs at least one sequence");
   VPAGE_CHECK(stop.max_tokens >= 1, "max_tokens must be >= 1, got " << stop.max_tokens);
   VPAGE_CHECK(stop.min_tokens >= 0 && stop.min_tokens <= stop.max_tokens,
               "min_tokens must be in [0, max_tokens], got " << stop.min_tokens);
   VPAGE_CHECK(!groups_.count(request_id), "request id '" << request_id << "' is already in use");
+  VPAGE_CHECK(lora_id >= 0, "lora_id must be >= 0, got " << lora_id);
   auto group = std::make_unique<SequenceGroup>(request_id, arrival_time, stop, cache_salt,
-                                               blocks_.hash_salt(cache_salt), speculate);
+                                               blocks_.hash_salt(cache_salt), speculate, lora_id);
   std::vector<SeqId> ids;
   for (int32_t i = 0; i < num_seqs; ++i) {
     group->seqs_.push_back(std::make_unique<Sequence>(next_seq_id_++, prompt));
@@ -183,7 +185,7 @@ void SchedulerImpl::schedule_group(SequenceGroup& group, StepBudget& budget, Ste
     const int32_t n = std::min(seq.num_uncomputed_tokens() + num_drafts, budget.tokens);
     if (n == 0) continue;
     budget.tokens -= n;
-    const int64_t last = step.add_row(seq, n);
+    const int64_t last = step.add_row(seq, n, group.lora_id_);
     const bool samples = seq.num_computed_ + n - num_drafts == seq.num_tokens();
     const size_t followers_end = group.identical_ ? live.size() : i + 1;
     for (size_t j = i; j < followers_end; ++j) {
@@ -202,6 +204,15 @@ void SchedulerImpl::make_running(SequenceGroup& group, StepBudget& budget) {
   set_status(group, SequenceStatus::kRunning);
   insert_by_arrival(running_, &group);
   budget.num_seqs += group.num_unfinished();
+  if (group.lora_id_ > 0 && std::find(budget.loras.begin(), budget.loras.end(), group.lora_id_) == budget.loras.end()) {
+    budget.loras.push_back(group.lora_id_);
+  }
+}
+
+bool SchedulerImpl::lora_fits(const SequenceGroup& group, const StepBudget& budget) const {
+  return group.lora_id_ == 0 || config_.max_loras == 0 ||
+         std::find(budget.loras.begin(), budget.loras.end(), group.lora_id_) != budget.loras.end() ||
+         static_cast<int32_t>(budget.loras.size()) < config_.max_loras;
 }
 
 void SchedulerImpl::preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan) {
@@ -303,7 +314,7 @@ void SchedulerImpl::schedule_swapped(StepBudget& budget, StepBuilder& step, Sche
     const int32_t k = group.num_unfinished();
     const bool decode = is_decode(group);
     if (status == AllocStatus::kLater || budget.num_seqs + k > config_.max_num_seqs ||
-        budget.tokens < (decode ? k : 1)) {
+        budget.tokens < (decode ? k : 1) || !lora_fits(group, budget)) {
       break;
     }
     swapped_.pop_front();
@@ -351,8 +362,13 @@ AllocStatus SchedulerImpl::admission_status(SequenceGroup& group, int32_t len, s
 }
 
 void SchedulerImpl::schedule_waiting(StepBudget& budget, StepBuilder& step, SchedulePlan& plan) {
-  while (!budget.preempted && swapped_.empty() && !waiting_.empty() && budget.tokens > 0) {
-    SequenceGroup& group = *waiting_.front();
+  size_t next = 0;  // groups before it wait for an adapter slot (max_loras); later ones may go first
+  while (!budget.preempted && swapped_.empty() && next < waiting_.size() && budget.tokens > 0) {
+    SequenceGroup& group = *waiting_[next];
+    if (!lora_fits(group, budget)) {
+      ++next;
+      continue;
+    }
     int32_t len = 0, total = 0;
     for (auto& s : group.seqs_) {
       if (is_finished(s->status_)) continue;
@@ -362,14 +378,13 @@ void SchedulerImpl::schedule_waiting(StepBudget& budget, StepBuilder& step, Sche
     std::string reason;
     const AllocStatus status = admission_status(group, len, reason);
     if (status == AllocStatus::kNever) {
-      waiting_.pop_front();
-      ignore(group, reason, plan);
+      ignore(group, reason, plan);  // leaves waiting_
       continue;
     }
     if (status == AllocStatus::kLater) break;
     if (budget.num_seqs + group.num_unfinished() > config_.max_num_seqs) break;
     if (!config_.enable_chunked_prefill && total > budget.tokens) break;
-    waiting_.pop_front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(next));
     blocks_.allocate(group);
     stats_.num_cached_prompt_tokens += group.num_cached_tokens_;
     make_running(group, budget);
@@ -397,6 +412,11 @@ std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   // 1. Slots for the newest tokens of running groups, FCFS, preempting the latest arrivals
   //    when blocks run out; decodes are scheduled right away.
   schedule_running(budget, step, plan);
+  for (const SequenceGroup* g : running_) {  // the adapters of the groups that stay running
+    if (g->lora_id_ > 0 && std::find(budget.loras.begin(), budget.loras.end(), g->lora_id_) == budget.loras.end()) {
+      budget.loras.push_back(g->lora_id_);
+    }
+  }
   // 2. Swapped groups come back (FCFS) before any new prompt, unless this step preempted.
   schedule_swapped(budget, step, plan);
   // 3. Prefill chunks of running groups.
@@ -510,9 +530,9 @@ Scheduler& Scheduler::operator=(Scheduler&&) noexcept = default;
 std::vector<SeqId> Scheduler::add_sequence_group(const std::string& request_id, std::vector<TokenId> prompt,
                                                  int32_t num_seqs, const StopConditions& stop,
                                                  double arrival_time, const std::string& cache_salt,
-                                                 bool speculate) {
+                                                 bool speculate, int32_t lora_id) {
   return impl_->add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt,
-                                   speculate);
+                                   speculate, lora_id);
 }
 bool Scheduler::abort(const std::string& request_id) { return impl_->abort(request_id); }
 std::shared_ptr<const SchedulePlan> Scheduler::schedule() { return impl_->schedule(); }

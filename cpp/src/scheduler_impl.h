@@ -27,7 +27,7 @@ class SchedulerImpl {
   std::vector<SeqId> add_sequence_group(const std::string& request_id,
                                         std::vector<TokenId> prompt, int32_t num_seqs,
                                         const StopConditions& stop, double arrival_time,
-                                        const std::string& cache_salt, bool speculate);
+                                        const std::string& cache_salt, bool speculate, int32_t lora_id);
   bool abort(const std::string& request_id);
   std::shared_ptr<const SchedulePlan> schedule();
   CommitResult commit(const SeqId* seq_ids, const TokenId* token_ids, int64_t count);
@@ -71,7 +71,10 @@ class SchedulerImpl {
     int32_t num_seqs = 0;    // unfinished sequences of running groups (<= max_num_seqs)
     bool preempted = false;  // this step preempted a group: nothing swapped or new is admitted
     bool speculate = false;  // decoding sequences may get draft tokens in this step
+    std::vector<int32_t> loras;  // distinct adapters (lora_id > 0) of the running groups
   };
+  // Whether `group` may join the running groups without exceeding max_loras distinct adapters.
+  bool lora_fits(const SequenceGroup& group, const StepBudget& budget) const;
   // The phases of schedule(), in order.
   void schedule_running(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
   void schedule_swapped(StepBudget& budget, StepBuilder& step, SchedulePlan& plan);
@@ -83,7 +86,7 @@ class SchedulerImpl {
   static constexpr int32_t kMaxProbeGap = 32;  // decode steps between probes at most
   // Schedules as many of the group's uncomputed tokens (and drafts) as the budget allows.
   void schedule_group(SequenceGroup& group, StepBudget& budget, StepBuilder& step);
-  // Moves a group into the running queue (arrival order) and counts its sequences.
+  // Moves a group into the running queue (arrival order) and counts its sequences (and adapter).
   void make_running(SequenceGroup& group, StepBudget& budget);
   // Preempts running_[index] (it leaves the queue).
   void preempt_running(size_t index, StepBudget& budget, SchedulePlan& plan);

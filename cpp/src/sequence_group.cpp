@@ -34,9 +34,10 @@ SequenceGroupSnapshot SequenceGroup::snapshot() const {
 }
 
 SequenceGroup::SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                             std::string cache_salt, const BlockHash& cache_salt_hash, bool speculate)
+                             std::string cache_salt, const BlockHash& cache_salt_hash, bool speculate,
+                             int32_t lora_id)
     : request_id_(std::move(request_id)), arrival_time_(arrival_time), stop_(std::move(stop)),
-      cache_salt_(std::move(cache_salt)), cache_salt_hash_(cache_salt_hash), speculate_(speculate) {}
+      cache_salt_(std::move(cache_salt)), cache_salt_hash_(cache_salt_hash), speculate_(speculate), lora_id_(lora_id) {}
 
 int32_t SequenceGroup::num_unfinished() const {
   int32_t count = 0;

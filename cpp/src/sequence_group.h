@@ -72,7 +72,7 @@ class Sequence {
 class SequenceGroup {
  public:
   SequenceGroup(std::string request_id, double arrival_time, StopConditions stop,
-                std::string cache_salt, const BlockHash& cache_salt_hash, bool speculate);
+                std::string cache_salt, const BlockHash& cache_salt_hash, bool speculate, int32_t lora_id = 0);
   SequenceGroup(const SequenceGroup&) = delete;
   SequenceGroup& operator=(const SequenceGroup&) = delete;
 
@@ -88,6 +88,8 @@ class SequenceGroup {
   int32_t num_preemptions() const { return num_preemptions_; }
   /// Prompt tokens served from the prefix cache at the last admission.
   int32_t num_cached_prompt_tokens() const { return num_cached_tokens_; }
+  /// The LoRA adapter the request runs under (0: the base model).
+  int32_t lora_id() const { return lora_id_; }
   SequenceGroupSnapshot snapshot() const;
 
  private:
@@ -111,6 +113,7 @@ class SequenceGroup {
   int32_t num_preemptions_ = 0;
   int32_t num_cached_tokens_ = 0;
   bool speculate_ = true;  // may get draft tokens
+  int32_t lora_id_ = 0;
   int64_t last_step_ = -1;  // last step that scheduled this group
 };
 

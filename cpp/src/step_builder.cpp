@@ -9,6 +9,7 @@ void SchedulePlan::clear() {
   seq_ids.clear();
   query_start_loc.clear();
   context_lens.clear();
+  lora_ids.clear();
   block_tables.clear();
   max_blocks = max_context_len = max_query_len = 0;
   input_ids.clear();
@@ -25,7 +26,7 @@ void SchedulePlan::clear() {
   num_preempted_recompute = num_preempted_swap = 0;
 }
 
-int64_t StepBuilder::add_row(const Sequence& seq, int32_t num_tokens) {
+int64_t StepBuilder::add_row(const Sequence& seq, int32_t num_tokens, int32_t lora_id) {
   if (plan_.query_start_loc.empty()) plan_.query_start_loc.push_back(0);
   const int32_t start = seq.num_computed_tokens();
   const int32_t end = start + num_tokens;
@@ -45,6 +46,7 @@ int64_t StepBuilder::add_row(const Sequence& seq, int32_t num_tokens) {
   plan_.seq_ids.push_back(seq.seq_id());
   plan_.query_start_loc.push_back(static_cast<int32_t>(plan_.input_ids.size()));
   plan_.context_lens.push_back(end);
+  plan_.lora_ids.push_back(lora_id);
   plan_.max_context_len = std::max(plan_.max_context_len, end);
   plan_.max_query_len = std::max(plan_.max_query_len, num_tokens);
   (num_tokens > 1 && drafts.empty() ? plan_.num_prefill_tokens : plan_.num_decode_tokens) += num_tokens;

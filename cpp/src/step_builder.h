@@ -17,8 +17,8 @@ class StepBuilder {
 
   /// Row for `seq` computing `num_tokens` tokens from its first uncomputed one (its draft
   /// tokens, when it has any, follow its tokens and must all be in the row).
-  /// Returns the flat index of the row's last token.
-  int64_t add_row(const Sequence& seq, int32_t num_tokens);
+  /// `lora_id`: the adapter of its request. Returns the flat index of the row's last token.
+  int64_t add_row(const Sequence& seq, int32_t num_tokens, int32_t lora_id = 0);
   /// `seq_id` samples its next token from the logits of token `token_index`, verifying the
   /// `num_drafts` draft tokens that end there.
   void add_sample(SeqId seq_id, int64_t token_index, int32_t num_drafts = 0);

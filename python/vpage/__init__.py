@@ -26,6 +26,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "vpage.outputs",
     "ClassificationRequestOutput": "vpage.outputs",
     "ScoringRequestOutput": "vpage.outputs",
+    "LoRARequest": "vpage.lora.request",
 }
 
 __all__ = [*_LAZY, "cuda_available", "__version__"]

@@ -162,6 +162,15 @@ def dense_matmul(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, bias:
                             DTYPE_CODES[packed.dtype], out.dtype != x.dtype, get_num_threads())
 
 
+def lora_add(out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, table: torch.Tensor,
+             slice_rows: Sequence[int], weight_dtype: torch.dtype) -> None:
+    """CPU only; see vpage.ops.lora_add."""
+    k = x.shape[1]
+    _core._cpu_lora_add(out.data_ptr(), x.data_ptr(), token_slots.data_ptr(), table.data_ptr(), x.shape[0], k,
+                        max(x.stride(0), k), max(out.stride(0), out.shape[1]), table.shape[0], list(slice_rows),
+                        DTYPE_CODES[x.dtype], DTYPE_CODES[weight_dtype], get_num_threads())
+
+
 def _expert_stack(w: torch.Tensor, type_id: Optional[int]) -> tuple:
     """(pointer, bytes between experts, ggml type id or -1, packed dtype code) of an expert stack."""
     return (w.data_ptr(), w.stride(0) * w.element_size(), -1 if type_id is None else type_id,

@@ -233,3 +233,28 @@ def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
         _cuda.silu_and_mul(out=out.data_ptr(), out_stride=_rows(out), input=input.data_ptr(),
                            input_stride=_rows(input), tokens=input.shape[0], d=out.shape[1],
                            dtype=_DTYPE_CODES[input.dtype], stream=_stream(device))
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, table: torch.Tensor,
+             slice_rows: Sequence[int], max_rank: int, weight_dtype: Optional[torch.dtype] = None) -> None:
+    """In place, for every row t whose slot ``s = token_slots[t]`` (int32 ``[m]``, -1: none) has an
+    A: ``out[t, slice j] += (x[t] @ A_s[j rank : (j + 1) rank].T) @ B_{s,j}.T`` for each slice j
+    whose B is set, float32 in between, out rounded once. out ``[m, sum(slice_rows)]`` and x ``[m,
+    k]`` of one dtype (strided rows, contiguous columns); table contiguous int64 ``[num_slots,
+    5]`` on the device, a row ``(A, B0, B1, B2, rank)``: data pointers (0: none) of contiguous
+    row-major weights of ``weight_dtype`` (default x's), A ``[len(slice_rows) * rank, k]``, B
+    ``[slice_rows[j], rank]``; every rank at most ``max_rank``. Rows of slots out of range are
+    skipped (no host check: no synchronisation). The float32 workspace comes from torch's
+    caching allocator."""
+    device = x.device
+    m, k = x.shape
+    rows = [int(r) for r in slice_rows]
+    if m == 0 or max_rank <= 0 or table.shape[0] == 0:
+        return
+    with torch.cuda.device(device):
+        workspace = torch.empty(m * len(rows) * max_rank, dtype=torch.float32, device=device)
+        _cuda.lora_add(
+            out=out.data_ptr(), x=x.data_ptr(), token_slots=token_slots.data_ptr(), table=table.data_ptr(), m=m, k=k,
+            x_stride=_rows(x), out_stride=_rows(out), num_slots=table.shape[0], slice_rows=rows, max_rank=max_rank,
+            dtype=_DTYPE_CODES[x.dtype], weight_dtype=_DTYPE_CODES[weight_dtype or x.dtype],
+            workspace=workspace.data_ptr(), workspace_bytes=workspace.numel() * 4, stream=_stream(device))

@@ -135,6 +135,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="generate text, or pool (embeddings, scores, reranking); auto: pooling for an "
                             "encoder model (BERT, XLM-RoBERTa), else generate")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    serve.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT folders), chosen by a request's model field")
+    serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="adapters served from the start: name=path or '{\"name\": ..., \"path\": ...}' "
+                            "(with --enable-lora)")
+    serve.add_argument("--max-loras", type=int, default=1, help="distinct adapters in the running batch (default: 1)")
+    serve.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (default: 16)")
+    serve.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters kept loaded, least recently used evicted (default: --max-loras)")
     serve.add_argument("--api-key", default=os.environ.get("VPAGE_API_KEY"),
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $VPAGE_API_KEY)")
     serve.add_argument("--api-keys", metavar="FILE", default=None,
@@ -204,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
     from vpage.entrypoints.openai.auth import ApiKeys
     from vpage.entrypoints.openai.cors import cors_options
     from vpage.entrypoints.openai.launcher import ServerOptions, run
+    from vpage.entrypoints.openai.lora_adapters import parse_lora_modules
     from vpage.entrypoints.openai.serving import ServingLimits
 
     chat = _chat_options(args)  # bad chat flags fail before the engine starts
@@ -217,7 +227,11 @@ def _serve(args: argparse.Namespace) -> int:
                              generation_config=args.generation_config,
                              structured_outputs_backend=args.structured_outputs_backend,
                              reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config,
-                             runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides))
+                             runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides),
+                             enable_lora=args.enable_lora, max_loras=args.max_loras,
+                             max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(
         host=args.host, port=args.port, model_name=args.served_model_name or args.model or "smollm2",
         keys=ApiKeys.from_options(args.api_key, args.api_keys),
@@ -226,7 +240,8 @@ def _serve(args: argparse.Namespace) -> int:
                         health_stall_s=args.health_stall_timeout),
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
         header_timeout_s=args.timeout_header, cors=cors_options(args),
-        chat=chat, max_stored_responses=args.max_stored_responses)
+        chat=chat, max_stored_responses=args.max_stored_responses,
+        lora_modules=parse_lora_modules(args.lora_modules))
     return run(engine_args, options)
 
 

@@ -141,6 +141,18 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's ``enable_lora`` and its limits): up to ``max_loras`` adapters
+    in one step, each of rank at most ``max_lora_rank``, and ``max_cpu_loras`` adapters kept
+    loaded (least recently used evicted; reloaded from their files when asked again)."""
+
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    lora_dtype: str  # "auto" (the activations' dtype) or a dtype name
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every part of an engine's configuration."""
 
@@ -151,3 +163,4 @@ class EngineConfig:
     enforce_eager: bool  # CUDA: never capture decode graphs
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative: Optional[SpeculativeConfig] = None
+    lora: Optional[LoRAConfig] = None  # None: LoRA adapters are off

@@ -56,6 +56,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, None for the first, then its top
     # logprobs and its own (given once, in the first output of a request, also under DELTA).
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    lora_request: Optional[Any] = None  # the LoRARequest it ran under (None: the base model)
 
 
 class _CompletionParts:
@@ -112,7 +113,7 @@ class OutputAccumulator:
         last = self._last
         completions = [self._parts[i].output() for i in sorted(self._parts)]
         return RequestOutput(self.request_id, last.prompt, self.prompt_token_ids, completions, last.finished,
-                             last.metrics, last.num_cached_tokens, self._prompt_logprobs)
+                             last.metrics, last.num_cached_tokens, self._prompt_logprobs, last.lora_request)
 
 
 # ---------------------------------------------------------------- pooling (vLLM's names)

@@ -182,4 +182,33 @@ TEST_CASE("a step that is never committed is planned again") {
   s.check_invariants();
 }
 
+TEST_CASE("max_loras: a request whose adapter has no slot waits, later ones go first") {
+  SchedulerConfig cfg;
+  cfg.max_loras = 2;
+  Scheduler s(cfg, pools(64, 0));
+  s.add_sequence_group("a1", tokens(3), 1, stop(2), 0.0, "", true, 1);
+  s.add_sequence_group("b2", tokens(3), 1, stop(8), 1.0, "", true, 2);
+  s.add_sequence_group("c3", tokens(3), 1, stop(8), 2.0, "", true, 3);  // a third adapter: waits
+  s.add_sequence_group("d0", tokens(3), 1, stop(8), 3.0);              // the base model: never counts
+  s.add_sequence_group("e1", tokens(3), 1, stop(8), 4.0, "", true, 1);  // adapter 1 runs already
+  auto plan = s.schedule();
+  EXPECT((plan->lora_ids == std::vector<int32_t>{1, 2, 0, 1}));
+  EXPECT(s.num_running() == 4 && s.num_waiting() == 1);
+  s.check_invariants();
+  step(s, 5);  // commits plan's samples
+  step(s, 5);  // a1 ends (max_tokens 2); adapter 1 still runs in e1
+  EXPECT(!s.find_group("a1") && s.num_waiting() == 1);
+  s.abort("e1");  // adapter 1 has no running request left: c3 gets its slot
+  plan = s.schedule();
+  EXPECT((plan->lora_ids == std::vector<int32_t>{2, 0, 3}));
+  EXPECT(s.num_waiting() == 0);
+  bool threw = false;
+  try {
+    s.add_sequence_group("bad", tokens(3), 1, stop(2), 5.0, "", true, -1);
+  } catch (const CheckError&) {
+    threw = true;
+  }
+  EXPECT(threw && !s.find_group("bad"));
+}
+
 TEST_MAIN()

@@ -377,3 +377,30 @@ def write_gguf(hf_model: Any, folder: Path, path: Path, quantize=None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gguf_lora(peft_folder: Path, path: Path, cfg: Any) -> None:
+    """Write the PEFT LoRA adapter in ``peft_folder`` (of a Llama-shaped base with config ``cfg``)
+    as llama.cpp's convert_lora_to_gguf.py does: ``blk.N.<tensor>.weight.lora_a`` / ``.lora_b``,
+    B's Q/K rows permuted like the base weights, ``adapter.lora.alpha`` (one alpha for all)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((peft_folder / "adapter_config.json").read_text())
+    family = FAMILIES[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch=family.arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(config["lora_alpha"]))
+    for name, w in sorted(load_file(str(peft_folder / "adapter_model.safetensors")).items()):
+        module, which = name.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        which = which.split(".")[0].lower()  # "A.weight" -> "a"
+        if which == "b" and family.permute_qk and module.endswith("self_attn.q_proj"):
+            w = llama_cpp_permute(w, cfg.num_attention_heads)
+        elif which == "b" and family.permute_qk and module.endswith("self_attn.k_proj"):
+            w = llama_cpp_permute(w, cfg.num_key_value_heads)
+        writer.add_tensor(f"{_gguf_name(module + '.weight', family)}.lora_{which}", np.ascontiguousarray(w, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

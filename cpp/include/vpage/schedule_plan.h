@@ -20,6 +20,7 @@ struct SchedulePlan {
   std::vector<SeqId> seq_ids;               ///< [num_seqs]
   std::vector<int32_t> query_start_loc;     ///< [num_seqs + 1] token offsets of each row
   std::vector<int32_t> context_lens;        ///< [num_seqs] tokens in cache after this step
+  std::vector<int32_t> lora_ids;            ///< [num_seqs] LoRA adapter of each row (0: the base model)
   /// [num_seqs, max_blocks] row-major, padded with 0; with a sliding window the entries of
   /// blocks wholly before the window of a row's first query are -1 (never read).
   std::vector<int32_t> block_tables;

@@ -39,6 +39,10 @@ struct SchedulerConfig {
   /// sequence gets num_speculative_tokens placeholder drafts (within its limits), which
   /// fill_drafts() replaces before the forward.
   bool external_drafts = false;
+  /// Distinct LoRA adapters among the running requests at most (0: no limit). A waiting or
+  /// swapped request whose adapter would exceed it waits, and the requests behind it may go
+  /// first; requests of the base model (lora_id 0) never count.
+  int32_t max_loras = 0;
 };
 
 /// Running totals kept by the scheduler.
@@ -83,10 +87,14 @@ class Scheduler {
   /// min_tokens outside [0, max_tokens] or an id in use. Requests share prefix-cache
   /// blocks only when their `cache_salt`s are equal. With `speculate` false the request
   /// never gets draft tokens (beam search, grammars: whatever cannot verify several tokens).
+  /// `lora_id` (> 0) names the LoRA adapter the request runs under (SchedulePlan::lora_ids;
+  /// SchedulerConfig::max_loras); it does not key the prefix cache: a caller folds it into
+  /// `cache_salt`. Throws CheckError for a negative lora_id.
   std::vector<SeqId> add_sequence_group(const std::string& request_id,
                                         std::vector<TokenId> prompt, int32_t num_seqs,
                                         const StopConditions& stop, double arrival_time,
-                                        const std::string& cache_salt = "", bool speculate = true);
+                                        const std::string& cache_salt = "", bool speculate = true,
+                                        int32_t lora_id = 0);
   /// Finishes the request as aborted from whichever queue holds it and frees its blocks.
   /// Returns false when no unfinished request has that id.
   bool abort(const std::string& request_id);

@@ -5,6 +5,7 @@
 #include "vpage/kernels/decoder_forward.h"
 
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "float_rows.h"
@@ -80,6 +81,8 @@ void check(const DecoderShape& s, const DecoderLayerWeights* layers, int32_t num
     VPAGE_CHECK((l.pre_feedforward_norm != nullptr) == gemma && (l.post_feedforward_norm != nullptr) == gemma,
                 "decoder_forward: layer " << i << (gemma ? " lacks" : " has")
                                           << " the Gemma structure's feed-forward norms");
+    VPAGE_CHECK(!moe || (l.lora_gate_up == nullptr && l.lora_down == nullptr),
+                "decoder_forward: layer " << i << " has LoRA on the MLP of a mixture of experts");
     VPAGE_CHECK(l.sliding_window >= 0 && l.logits_soft_cap >= 0.0f,
                 "decoder_forward: layer " << i << " has a negative sliding window or soft-cap");
     std::vector<const LinearWeights*> linears = {&l.qkv, &l.o};
@@ -138,6 +141,32 @@ void linear(const LinearWeights& w, const void* x, int64_t n, int32_t cols, void
   }
 }
 
+// The LoRA layer around a projection: out [n, sum of slices] += the tokens' adapters' updates
+// of the projection's input x [n, k] (lora_add), when the step has adapters and the layer a
+// table for the projection.
+void lora_step(const LoraAdapterWeights* table, const DecoderShape& s, const DecoderBatch& b, const void* x,
+               int32_t k, void* out, std::initializer_list<int32_t> slices, int num_threads) {
+  if (table == nullptr || b.lora_token_slots == nullptr) return;
+  LoraArgs args;
+  args.out = out;
+  args.x = x;
+  args.m = b.num_tokens;
+  args.k = k;
+  args.x_stride = k;
+  args.out_stride = 0;
+  args.token_slots = b.lora_token_slots;
+  args.slots = table;
+  args.num_slots = s.num_lora_slots;
+  args.num_slices = 0;
+  for (int32_t rows : slices) {
+    args.slice_rows[args.num_slices++] = rows;
+    args.out_stride += rows;
+  }
+  args.dtype = s.dtype;
+  args.weight_dtype = s.lora_dtype;
+  lora_add(args, num_threads);
+}
+
 // RMSNorm.forward: without a residual, out = norm(x) and x becomes the residual stream (the
 // caller keeps x); with one, residual += x and x = norm(residual) in place.
 void rms_norm_step(const void* weight, void* x, void* residual, void* out, int64_t n, const DecoderShape& s,
@@ -179,6 +208,7 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
   const int32_t kv_size = s.num_kv_heads * s.head_size;
   const int32_t width = q_size + 2 * kv_size;
   linear(layer.qkv, x, n, s.hidden_size, qkv.data, width, s, num_threads);
+  lora_step(layer.lora_qkv, s, b, x, s.hidden_size, qkv.data, {q_size, kv_size, kv_size}, num_threads);
 
   // position_qk: the q heads' norm, the k heads' norm (when the layer has them), then the
   // rotary of both.
@@ -234,21 +264,25 @@ void attention_step(const DecoderShape& s, const DecoderLayerWeights& layer, con
 }
 
 // LlamaMLP.forward (GemmaMLP.forward with kGeluTanh): out [n, hidden] = down(act(gate(x)) * up(x)).
-void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, int64_t n, const void* x, void* gate_up,
-              void* activation, void* out, int num_threads) {
-  linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * s.intermediate_size, s, num_threads);
+void mlp_step(const DecoderShape& s, const DecoderLayerWeights& layer, const DecoderBatch& b, const void* x,
+              void* gate_up, void* activation, void* out, int num_threads) {
+  const int64_t n = b.num_tokens;
+  const int32_t inter = s.intermediate_size;
+  linear(layer.gate_up, x, n, s.hidden_size, gate_up, 2 * inter, s, num_threads);
+  lora_step(layer.lora_gate_up, s, b, x, s.hidden_size, gate_up, {inter, inter}, num_threads);
   SiluAndMulArgs act;  // the layout of GeluTanhAndMulArgs too
   act.out = activation;
   act.x = gate_up;
   act.num_tokens = n;
-  act.d = s.intermediate_size;
+  act.d = inter;
   act.dtype = s.dtype;
   if (s.activation == MlpActivation::kGeluTanh) {
     gelu_tanh_and_mul(act, num_threads);
   } else {
     silu_and_mul(act, num_threads);
   }
-  linear(layer.down, activation, n, s.intermediate_size, out, s.hidden_size, s, num_threads);
+  linear(layer.down, activation, n, inter, out, s.hidden_size, s, num_threads);
+  lora_step(layer.lora_down, s, b, activation, inter, out, {s.hidden_size}, num_threads);
 }
 
 // SharedExpert.forward and shared_expert_gate: y [n, hidden] (this rank's partial sum) and the
@@ -337,6 +371,7 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
     if (i > 0) rms_norm_step(layer.input_norm, hidden, residual.data, hidden, n, s, num_threads);
     attention_step(s, layer, b, hidden, qkv, attention, num_threads);
     linear(layer.o, attention, n, q_size, hidden, s.hidden_size, s, num_threads);
+    lora_step(layer.lora_o, s, b, attention, q_size, hidden, {s.hidden_size}, num_threads);
     if (gemma) {
       // GemmaDecoderLayer.forward: post_attention_layernorm.normed_ (in place, no residual),
       // then the pre-feedforward norm takes the residual add.
@@ -348,7 +383,7 @@ void decoder_forward(const DecoderShape& s, const DecoderLayerWeights* layers, i
     if (moe) {
       moe_step(s, layer, n, hidden, w, hidden, num_threads);
     } else {
-      mlp_step(s, layer, n, hidden, gate_up, activation, hidden, num_threads);
+      mlp_step(s, layer, b, hidden, gate_up, activation, hidden, num_threads);
     }
     if (gemma) rms_norm_step(layer.post_feedforward_norm, hidden, nullptr, hidden, n, s, num_threads);
   }

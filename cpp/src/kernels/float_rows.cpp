@@ -35,17 +35,21 @@ const float* float32_rows(DType dtype, const void* x, int64_t m, int32_t k, int6
   *stride = k;
   const uint16_t* src_rows = static_cast<const uint16_t*>(x);
   float* dst_rows = buffer.data();
-  const bool bf16 = dtype == DType::kBFloat16;
   ThreadPool::instance().parallel_for(m, num_threads, [&](int64_t row, int) {
-    const uint16_t* src = src_rows + row * x_stride;
-    float* dst = dst_rows + row * k;
-    if (bf16) {
-      widen_bfloat16(src, dst, k);
-    } else {
-      for (int32_t i = 0; i < k; ++i) dst[i] = half_to_float(src[i]);
-    }
+    load_float32_row(dtype, src_rows + row * x_stride, dst_rows + row * k, k);
   });
   return dst_rows;
+}
+
+void load_float32_row(DType dtype, const void* x, float* out, int32_t n) {
+  if (dtype == DType::kFloat32) {
+    std::memcpy(out, x, sizeof(float) * n);
+  } else if (dtype == DType::kBFloat16) {
+    widen_bfloat16(static_cast<const uint16_t*>(x), out, n);
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(x);
+    for (int32_t i = 0; i < n; ++i) out[i] = half_to_float(src[i]);
+  }
 }
 
 void store_float32_row(DType dtype, void* out, const float* values, const float* bias, int32_t n) {

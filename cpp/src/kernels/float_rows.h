@@ -14,6 +14,9 @@ namespace vpage::cpu {
 const float* float32_rows(DType dtype, const void* x, int64_t m, int32_t k, int64_t x_stride,
                           std::vector<float>& buffer, int64_t* stride, int num_threads);
 
+/// out[0 : n] = the n values at `x` (dtype `dtype`) as float32.
+void load_float32_row(DType dtype, const void* x, float* out, int32_t n);
+
 /// out[0 : n] = values (+ bias, when not null) converted to `dtype` (bfloat16/float16 round to
 /// nearest even).
 void store_float32_row(DType dtype, void* out, const float* values, const float* bias, int32_t n);

@@ -19,6 +19,7 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/float_rows.cpp
   ${_vpage_kernels_dir}/quant_matmul.cpp
   ${_vpage_kernels_dir}/dense_matmul.cpp
+  ${_vpage_kernels_dir}/lora.cpp
   ${_vpage_kernels_dir}/fused_moe.cpp
   ${_vpage_kernels_dir}/decoder_forward.cpp
   ${_vpage_kernels_dir}/quant_generic.cpp

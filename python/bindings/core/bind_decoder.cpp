@@ -21,6 +21,9 @@ T field(const py::dict& d, const char* key) {
   return d[key].cast<T>();
 }
 
+// An optional entry: 0 when the dict lacks it.
+uintptr_t optional_field(const py::dict& d, const char* key) { return d.contains(key) ? d[key].cast<uintptr_t>() : 0; }
+
 LinearWeights linear_of(const py::dict& d, const std::string& name) {
   LinearWeights w;
   w.weight = ptr<const void>(field(d, (name + "_weight").c_str()));
@@ -90,6 +93,10 @@ class CpuDecoder {
       l.logits_soft_cap = field<float>(d, "logits_soft_cap");
       l.key_cache = ptr<void>(field(d, "key_cache"));
       l.value_cache = ptr<void>(field(d, "value_cache"));
+      l.lora_qkv = ptr<const LoraAdapterWeights>(optional_field(d, "lora_qkv"));
+      l.lora_o = ptr<const LoraAdapterWeights>(optional_field(d, "lora_o"));
+      l.lora_gate_up = ptr<const LoraAdapterWeights>(optional_field(d, "lora_gate_up"));
+      l.lora_down = ptr<const LoraAdapterWeights>(optional_field(d, "lora_down"));
       layers_.push_back(l);
     }
   }
@@ -111,8 +118,11 @@ void bind_decoder(py::module_& m) {
                        int32_t num_kv_heads, int32_t head_size, int32_t intermediate_size, float rms_norm_eps,
                        float head_norm_eps, uintptr_t final_norm, int64_t num_blocks, int32_t block_size,
                        int32_t dtype, int32_t cache_dtype, const std::vector<py::dict>& layers, int32_t mlp,
-                       int32_t num_experts, int32_t top_k, bool renormalize, int32_t shared_intermediate_size) {
+                       int32_t num_experts, int32_t top_k, bool renormalize, int32_t shared_intermediate_size,
+                       int32_t num_lora_slots, int32_t lora_dtype) {
              DecoderShape s;
+             s.num_lora_slots = num_lora_slots;
+             s.lora_dtype = static_cast<DType>(lora_dtype);
              s.mlp = static_cast<MlpKind>(mlp);
              s.num_experts = num_experts;
              s.top_k = top_k;
@@ -137,7 +147,7 @@ void bind_decoder(py::module_& m) {
            py::arg("head_norm_eps"), py::arg("final_norm"), py::arg("num_blocks"), py::arg("block_size"),
            py::arg("dtype"), py::arg("cache_dtype"), py::arg("layers"), py::arg("mlp") = 0,
            py::arg("num_experts") = 0, py::arg("top_k") = 0, py::arg("renormalize") = false,
-           py::arg("shared_intermediate_size") = 0,
+           py::arg("shared_intermediate_size") = 0, py::arg("num_lora_slots") = 0, py::arg("lora_dtype") = 0,
            "structure: 0 Llama, 1 Gemma (norms before and after each block); activation: 0 SiLU,\n"
            "1 GELU(tanh). layers: one dict per layer of pointers (ints; 0 = none where optional):\n"
            "input_norm, q_norm, k_norm (optional), post_attention_norm, pre_feedforward_norm and\n"
@@ -150,13 +160,15 @@ void bind_decoder(py::module_& m) {
            "1 sparse MoE: router (a projection's entries) and the expert stacks w1, w3, w2 (<name>_data,\n"
            "<name>_expert_bytes, <name>_type: ggml type id or -1 for packed float, <name>_dtype), routed\n"
            "to top_k of num_experts, renormalize as fused_moe; with shared_intermediate_size, also\n"
-           "shared_gate_up, shared_down and shared_gate (projections' entries).")
+           "shared_gate_up, shared_down and shared_gate (projections' entries). LoRA (optional entries,\n"
+           "0 or absent = none): lora_qkv, lora_o, lora_gate_up, lora_down, each an int64 [num_lora_slots, 5]\n"
+           "table (ops.lora_add) of adapters packed in lora_dtype; gate_up and down only on a gated MLP.")
       .def(
           "forward",
           [](const CpuDecoder& self, uintptr_t embeddings, uintptr_t out, uintptr_t positions, uintptr_t slot_mapping,
              uintptr_t block_tables, uintptr_t context_lens, uintptr_t query_start_loc, int64_t num_tokens,
              int32_t num_seqs, int32_t max_blocks_per_seq, int32_t max_context_len, int num_threads,
-             bool draft_queries) {
+             bool draft_queries, uintptr_t lora_token_slots) {
             DecoderBatch b;
             b.embeddings = ptr<const void>(embeddings);
             b.out = ptr<void>(out);
@@ -170,16 +182,18 @@ void bind_decoder(py::module_& m) {
             b.max_blocks_per_seq = max_blocks_per_seq;
             b.max_context_len = max_context_len;
             b.draft_queries = draft_queries;
+            b.lora_token_slots = ptr<const int32_t>(lora_token_slots);
             py::gil_scoped_release release;
             self.forward(b, num_threads);
           },
           py::arg("embeddings"), py::arg("out"), py::arg("positions"), py::arg("slot_mapping"),
           py::arg("block_tables"), py::arg("context_lens"), py::arg("query_start_loc"), py::arg("num_tokens"),
           py::arg("num_seqs"), py::arg("max_blocks_per_seq"), py::arg("max_context_len"), py::arg("num_threads"),
-          py::arg("draft_queries") = false,
+          py::arg("draft_queries") = false, py::arg("lora_token_slots") = 0,
           "Every layer and the final norm over one step (query_start_loc 0 = decode); writes out\n"
           "[num_tokens, hidden_size] and the step's K/V into each layer's cache. draft_queries: rows of\n"
-          "several tokens are a decode token and its draft tokens, scored as decode steps would.");
+          "several tokens are a decode token and its draft tokens, scored as decode steps would.\n"
+          "lora_token_slots: int32 [num_tokens], each token's LoRA slot (-1 = none), or 0: no adapter.");
 }
 
 }  // namespace vpage::bindings

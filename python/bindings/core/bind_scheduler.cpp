@@ -58,6 +58,8 @@ void bind_scheduler(py::module_& m) {
                              "[num_seqs + 1] int32 token offsets of the rows")
       .def_property_readonly("context_lens", [](py::object self) { return flat(self.cast<const Plan&>().context_lens, self); },
                              "[num_seqs] int32 tokens in the cache after this step")
+      .def_property_readonly("lora_ids", [](py::object self) { return flat(self.cast<const Plan&>().lora_ids, self); },
+                             "[num_seqs] int32 LoRA adapter of each row (0: the base model)")
       .def_property_readonly("block_tables", [](py::object self) {
             const Plan& p = self.cast<const Plan&>();
             return view(p.block_tables, self, {p.num_seqs(), p.max_blocks});
@@ -95,12 +97,13 @@ void bind_scheduler(py::module_& m) {
            py::arg("block_config"))
       .def("add_sequence_group",
            [](Scheduler& s, const std::string& request_id, std::vector<TokenId> prompt, int32_t num_seqs,
-              const StopConditions& stop, double arrival_time, const std::string& cache_salt, bool speculate) {
+              const StopConditions& stop, double arrival_time, const std::string& cache_salt, bool speculate,
+              int32_t lora_id) {
              return s.add_sequence_group(request_id, std::move(prompt), num_seqs, stop, arrival_time, cache_salt,
-                                         speculate);
+                                         speculate, lora_id);
            },
            py::arg("request_id"), py::arg("prompt"), py::arg("num_seqs"), py::arg("stop"),
-           py::arg("arrival_time"), py::arg("cache_salt") = "", py::arg("speculate") = true,
+           py::arg("arrival_time"), py::arg("cache_salt") = "", py::arg("speculate") = true, py::arg("lora_id") = 0,
            "Adds a request of `num_seqs` sequences over `prompt` (token ids); returns their ids.")
       .def("abort", &Scheduler::abort, py::arg("request_id"),
            "Finishes the request as aborted from any queue; False when unknown.")

@@ -95,17 +95,18 @@ void bind_types(py::module_& m) {
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,
                        bool enable_chunked_prefill, PreemptionMode preemption_mode, int32_t num_speculative_tokens,
                        int32_t prompt_lookup_min, int32_t prompt_lookup_max,
-                       int32_t speculative_disable_by_batch_size, bool external_drafts) {
+                       int32_t speculative_disable_by_batch_size, bool external_drafts, int32_t max_loras) {
              return SchedulerConfig{max_num_batched_tokens, max_num_seqs, max_model_len,
                                     enable_chunked_prefill, preemption_mode, num_speculative_tokens,
                                     prompt_lookup_min, prompt_lookup_max, speculative_disable_by_batch_size,
-                                    external_drafts};
+                                    external_drafts, max_loras};
            }),
            py::arg("max_num_batched_tokens") = 2048, py::arg("max_num_seqs") = 256,
            py::arg("max_model_len") = 2048, py::arg("enable_chunked_prefill") = true,
            py::arg("preemption_mode") = PreemptionMode::kAuto, py::arg("num_speculative_tokens") = 0,
            py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
-           py::arg("speculative_disable_by_batch_size") = 0, py::arg("external_drafts") = false)
+           py::arg("speculative_disable_by_batch_size") = 0, py::arg("external_drafts") = false,
+           py::arg("max_loras") = 0)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
@@ -118,7 +119,9 @@ void bind_types(py::module_& m) {
       .def_readwrite("speculative_disable_by_batch_size", &SchedulerConfig::speculative_disable_by_batch_size,
                      "no drafts in a step that starts with more running sequences (0: no limit)")
       .def_readwrite("external_drafts", &SchedulerConfig::external_drafts,
-                     "drafts come from the caller (fill_drafts), not from n-gram lookup");
+                     "drafts come from the caller (fill_drafts), not from n-gram lookup")
+      .def_readwrite("max_loras", &SchedulerConfig::max_loras,
+                     "distinct LoRA adapters among running requests at most (0: no limit)");
 
   py::class_<SequenceSnapshot>(m, "SequenceSnapshot",
       "A copy of one sequence's state, taken by Scheduler.find_sequence/find_group; it stays "

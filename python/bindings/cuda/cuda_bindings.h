@@ -29,5 +29,6 @@ void bind_cache_ops(pybind11::module_& m);  // bind_cache_ops.cpp
 void bind_token_bitmask(pybind11::module_& m);  // bind_token_bitmask.cpp
 void bind_moe(pybind11::module_& m);            // bind_moe.cpp
 void bind_layer_ops(pybind11::module_& m);      // bind_layer_ops.cpp
+void bind_lora(pybind11::module_& m);           // bind_lora.cpp
 
 }  // namespace vpage::cuda_bindings

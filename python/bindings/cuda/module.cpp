@@ -46,11 +46,12 @@ void bind_device(py::module_& m) {
 PYBIND11_MODULE(_cuda, m) {
   m.doc() =
       "vpage CUDA kernels: paged attention, reshape_and_cache, copy_blocks, swap_blocks, apply_token_bitmask, "
-      "fused_moe, rms_norm, rotary_embedding, silu_and_mul";
+      "fused_moe, rms_norm, rotary_embedding, silu_and_mul, lora_add";
   vpage::cuda_bindings::bind_device(m);
   vpage::cuda_bindings::bind_attention(m);
   vpage::cuda_bindings::bind_cache_ops(m);
   vpage::cuda_bindings::bind_token_bitmask(m);
   vpage::cuda_bindings::bind_moe(m);
   vpage::cuda_bindings::bind_layer_ops(m);
+  vpage::cuda_bindings::bind_lora(m);
 }

@@ -12,6 +12,10 @@ a sliding window) instead of every table every step. Only the first
 ``ceil(context_len / block_size)`` entries of a row are meaningful (the kernels read no others);
 the worker's tables hold zeros elsewhere. Last come the extra rows whose logits the step
 computes besides the sampled ones (prompt rows of prompt_logprobs requests; usually none).
+
+LoRA adapters reach the workers as their own message (``CMD_LORA``: the header's second entry
+is the length of a pickled ``LoraUpdate``, its bytes the payload) before the first step that
+runs them; each step carries the adapter id of its rows (``lora_ids``).
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import pickle
+
 import numpy as np
 import torch
 
 from vpage.distributed.parallel_state import broadcast
 
-CMD_STEP, CMD_SHUTDOWN = 1, 2
+CMD_STEP, CMD_SHUTDOWN, CMD_LORA = 1, 2, 3
 HEADER_LEN = 14
 # Order of the payload's parts; the header gives their sizes.
 _FLAT = ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc", "sample_token_indices",
-         "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+         "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "lora_ids")
 _TABLE = ("prev_rows", "kept_blocks", "entry_index", "entry_block")
-_INT32 = ("context_lens", "query_start_loc")
+_INT32 = ("context_lens", "query_start_loc", "lora_ids")
 
 
 @dataclass
@@ -47,6 +53,7 @@ class StepInput:
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
     blocks_to_copy: np.ndarray
+    lora_ids: np.ndarray  # [num_seqs] int32, each row's LoRA adapter (0: none)
     max_context_len: int
     max_query_len: int
     logit_rows: Optional[np.ndarray] = None  # [n] int64 token indices, or None
@@ -56,6 +63,14 @@ class StepInput:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
+
+
+@dataclass
+class LoraUpdate:
+    """Load (``add``, a LoRARequest) or forget (``remove``, an adapter id) a LoRA adapter."""
+
+    add: Optional[object] = None
+    remove: Optional[int] = None
 
 
 def has_work(plan) -> bool:
@@ -134,12 +149,12 @@ class StepReceiver:
     @staticmethod
     def payload_size(header: list[int]) -> int:
         num_tokens, rows, _, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
-        return (3 * num_tokens + 2 * rows + 1 + num_samples + 2 * (n_out + n_in + n_copy) + 2 * rows + 2 * n_entries
-                + header[11])
+        return (3 * num_tokens + 2 * rows + 1 + num_samples + 2 * (n_out + n_in + n_copy) + rows + 2 * rows
+                + 2 * n_entries + header[11])
 
     def unpack(self, header: list[int], payload: np.ndarray) -> StepInput:
         num_tokens, rows, width, num_samples, n_out, n_in, n_copy, n_entries = header[1:9]
-        sizes = [num_tokens] * 3 + [rows, rows + 1, num_samples, 2 * n_out, 2 * n_in, 2 * n_copy,
+        sizes = [num_tokens] * 3 + [rows, rows + 1, num_samples, 2 * n_out, 2 * n_in, 2 * n_copy, rows,
                                     rows, rows, n_entries, n_entries]
         arrays = {}
         offset = 0
@@ -162,14 +177,27 @@ class StepReceiver:
         return StepInput(**arrays, block_tables=tables, max_context_len=header[9], max_query_len=header[10],
                          logit_rows=logit_rows, num_prefill_tokens=header[12], num_draft_tokens=header[13])
 
-    def receive(self) -> StepInput | None:
-        """Waits for the next step; None when the driver shuts down."""
+    def receive(self) -> StepInput | LoraUpdate | None:
+        """Waits for the next step (or adapter update); None when the driver shuts down."""
         header = broadcast(torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device), control=True).tolist()
+        if header[0] == CMD_LORA:
+            data = broadcast(torch.empty(-(-header[1] // 8), dtype=torch.int64, device=self.device), control=False)
+            return pickle.loads(data.cpu().numpy().tobytes()[:header[1]])
         if header[0] != CMD_STEP:
             return None
         payload = broadcast(torch.empty(self.payload_size(header), dtype=torch.int64, device=self.device),
                             control=False)
         return self.unpack(header, payload.cpu().numpy())
+
+
+def send_lora_update(device: torch.device, update: LoraUpdate) -> None:
+    """Broadcasts an adapter update to the workers (driver side; both ends are one vpage install)."""
+    data = pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=device)
+    header[0], header[1] = CMD_LORA, len(data)
+    broadcast(header, control=True)
+    padded = np.frombuffer(data + bytes(-len(data) % 8), dtype=np.int64)
+    broadcast(torch.from_numpy(padded.copy()).to(device), control=False)
 
 
 def send_shutdown(device: torch.device) -> None:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from vpage.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+from vpage.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                           SpeculativeConfig, StructuredOutputsConfig)
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -43,6 +43,9 @@ class EngineArgs:
     (runner "pooling", vLLM's): ``{"architectures": ["Qwen3ForSequenceClassification"],
     "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}`` scores a pair by
     the last token's next-token logits (Qwen3-Reranker); see ``vpage.pooling.loader.token_classifier``.
+    enable_lora: serve LoRA adapters (``LoRARequest`` per request): up to ``max_loras`` distinct
+    adapters in the running batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` (default
+    max_loras) kept loaded; ``lora_dtype`` "auto" is the activations' dtype.
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -72,6 +75,11 @@ class EngineArgs:
     runner: str = "auto"
     pooler_config: Optional[dict[str, Any]] = None
     hf_overrides: Optional[dict[str, Any]] = None  # runner "pooling": a causal LM as a token classifier
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -116,6 +124,14 @@ class EngineArgs:
         check(self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
               f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
               f"got {self.structured_outputs_backend!r}")
+        check(isinstance(self.max_loras, int) and self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        check(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1,
+              f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        check(self.lora_dtype in ("auto", "float32", "float16", "bfloat16"),
+              f"lora_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.lora_dtype!r}")
+        check(not self.enable_lora or self.runner != "pooling", "enable_lora applies to generation, not runner 'pooling'")
         if isinstance(self.speculative_config, str):
             try:
                 self.speculative_config = json.loads(self.speculative_config)
@@ -187,7 +203,10 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             structured_outputs=StructuredOutputsConfig(backend=self.structured_outputs_backend,
                                                        reasoning_parser=self.reasoning_parser),
-            speculative=self._speculative_for(facts.sliding_window))
+            speculative=self._speculative_for(facts.sliding_window),
+            lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                            max_cpu_loras=self.max_cpu_loras or self.max_loras,
+                            lora_dtype=self.lora_dtype) if self.enable_lora else None)
 
     def _speculative_for(self, sliding_window: Optional[int]) -> Optional[SpeculativeConfig]:
         """The speculative config, without a draft model when the target's window frees KV blocks

@@ -95,7 +95,8 @@ class EngineCore:
                                   prompt_lookup_min=spec.prompt_lookup_min if spec else 5,
                                   prompt_lookup_max=spec.prompt_lookup_max if spec else 5,
                                   speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else 0,
-                                  external_drafts=spec is not None and spec.model is not None),
+                                  external_drafts=spec is not None and spec.model is not None,
+                                  max_loras=config.lora.max_loras if config.lora is not None else 0),
             _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
@@ -111,6 +112,10 @@ class EngineCore:
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
         self._private_salts = itertools.count()
+        # LoRA adapters: unfinished requests per adapter, and adapters removed while some ran
+        # (the workers forget them when their last request ends).
+        self._lora_users: dict[int, int] = {}
+        self._lora_removals: set[int] = set()
         # Grammars need the vocabulary: the tokenizer loaded with the model, or (a server's core,
         # which loads none) one loaded when the first grammar is compiled.
         loaded, model = self.executor.tokenizer, config.model.model
@@ -159,6 +164,7 @@ class EngineCore:
                              "tokens for one request: raise kv_cache_memory")
         if params.structured_outputs is not None:
             self.structured.validate(params)
+        lora_id = self._lora_id(request)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
         eos = [] if params.ignore_eos else self.model_config.eos_token_ids
         beam = None
@@ -175,13 +181,17 @@ class EngineCore:
             # others' cached blocks. (Its own blocks may serve its recompute after a preemption;
             # their positions are scored already.)
             cache_salt = f"\x00prompt-logprobs-{next(self._private_salts)}"
+        if lora_id:  # a prefix computed under one adapter is no hit for another or the base model
+            cache_salt = f"{cache_salt or ''}\x00lora-{lora_id}"
 
         def admit(grammar=None) -> None:
             # Drafts are verified by the sampler alone: not for beams or grammar-constrained rows.
             speculate = beam is None and params.structured_outputs is None
             seq_ids = self.scheduler.add_sequence_group(request_id, ids, params.best_of, stop, request.arrival_time,
-                                                        cache_salt or "", speculate)
+                                                        cache_salt or "", speculate, lora_id)
             state = CoreRequest(request, seq_ids, self.device, beam)
+            if lora_id:
+                self._lora_users[lora_id] = self._lora_users.get(lora_id, 0) + 1
             if grammar is not None:
                 self.structured.attach(state, grammar)
             self.requests[request_id] = state
@@ -194,6 +204,42 @@ class EngineCore:
             admit()
         else:
             self.structured.submit(request_id, params, admit)
+
+    def _lora_id(self, request: EngineCoreRequest) -> int:
+        """The adapter id of ``request`` (0: the base model), its adapter loaded on the workers;
+        ValueError when LoRA is off or the adapter cannot serve this model."""
+        lora = request.lora_request
+        if lora is None:
+            return 0
+        if self.config.lora is None:
+            raise ValueError(f"request {request.request_id!r} asks for LoRA adapter {lora.lora_name!r}; this "
+                             "engine was started without enable_lora")
+        self.add_lora(lora)
+        return lora.lora_int_id
+
+    # ------------------------------------------------------------------ adapters
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Loads a LoRA adapter on the workers (True when read now). ValueError for one that
+        cannot serve this model (missing files, a rank above max_lora_rank, another base)."""
+        try:
+            added = self.executor.add_lora(lora_request)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        self._lora_removals.discard(lora_request.lora_int_id)
+        return added
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter; requests running under it finish first. False when unknown."""
+        if lora_id not in self.executor.list_loras():
+            return False
+        if self._lora_users.get(lora_id):
+            self._lora_removals.add(lora_id)
+            return True
+        return self.executor.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.executor.list_loras()) - self._lora_removals
 
     def _pooling_request(self, request: EngineCoreRequest) -> EngineCoreRequest:
         """A pooling request as the core runs it (its prefill samples one token, which ends it);
@@ -248,10 +294,26 @@ class EngineCore:
         return self.structured.take_errors()
 
     def get_stats(self) -> EngineStats:
-        return self.metrics.snapshot(self.scheduler)
+        stats = self.metrics.snapshot(self.scheduler)
+        if self.config.lora is None:
+            return stats
+        running, waiting = set(), set()
+        for state in self.requests.values():
+            if state.lora_name is not None:
+                (waiting if state.request_id in self.unscheduled else running).add(state.lora_name)
+        return dataclasses.replace(stats, max_lora=self.config.lora.max_loras,
+                                   running_lora_adapters=tuple(sorted(running)),
+                                   waiting_lora_adapters=tuple(sorted(waiting)))
 
     def _forget(self, state: CoreRequest) -> None:
-        self.requests.pop(state.request_id, None)
+        if self.requests.pop(state.request_id, None) is not None and state.lora_id:
+            users = self._lora_users[state.lora_id] - 1
+            self._lora_users[state.lora_id] = users
+            if users == 0:
+                del self._lora_users[state.lora_id]
+                if state.lora_id in self._lora_removals:
+                    self._lora_removals.discard(state.lora_id)
+                    self.executor.remove_lora(state.lora_id)
         self.unscheduled.pop(state.request_id, None)
         for seq_id in state.seqs:
             self.seq_owner.pop(seq_id, None)

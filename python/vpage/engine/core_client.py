@@ -19,15 +19,17 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from typing import Any, Callable, Optional, Union
 
 from vpage.engine.arg_utils import EngineArgs
-from vpage.engine.core_messages import (AbortRequests, CoreFailed, CoreReady, FinishSequences,
-                                        RequestError, StepOutputs, decode, encode)
+from vpage.engine.core_messages import (AbortRequests, CommandReply, CoreFailed, CoreReady, FinishSequences,
+                                        LoraCommand, RequestError, StepOutputs, decode, encode)
 from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.core_process import run_engine_core
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.lora.request import LoRARequest
 from vpage.model_executor.loader.model_loader import load_tokenizer
 from vpage.outputs import OutputAccumulator, RequestOutput
 from vpage.sampling_params import RequestOutputKind, SamplingParams
@@ -116,6 +118,7 @@ class EngineCoreClient:
         self.dead_reason: Optional[str] = None
         self.last_message = time.monotonic()
         self._streams: dict[str, RequestStream] = {}
+        self._replies: dict[str, asyncio.Future] = {}  # LoRA commands awaiting the core's answer
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -182,7 +185,7 @@ class EngineCoreClient:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: Optional[str] = None) -> RequestStream:
+                    cache_salt: Optional[str] = None, lora_request: Optional[LoRARequest] = None) -> RequestStream:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if params.output_kind != RequestOutputKind.DELTA:
@@ -191,8 +194,23 @@ class EngineCoreClient:
         stream = RequestStream(request_id, prompt_token_ids)
         self._streams[request_id] = stream
         self.processor.add(RequestState(request_id, None, prompt_token_ids, params, self.tokenizer, arrival))
-        self._push.send(encode(EngineCoreRequest(request_id, prompt_token_ids, params, arrival, cache_salt)))
+        self._push.send(encode(EngineCoreRequest(request_id, prompt_token_ids, params, arrival, cache_salt,
+                                                 lora_request=lora_request)))
         return stream
+
+    async def lora_command(self, add: Optional[LoRARequest] = None, remove: Optional[int] = None) -> CommandReply:
+        """Loads (``add``) or forgets (``remove``) a LoRA adapter in the engine core and waits for
+        its answer."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        reply_id = f"lora-{uuid.uuid4().hex}"
+        future = asyncio.get_running_loop().create_future()
+        self._replies[reply_id] = future
+        self._push.send(encode(LoraCommand(reply_id, add, remove)))
+        try:
+            return await future
+        finally:
+            self._replies.pop(reply_id, None)
 
     def abort(self, request_ids: list[str]) -> None:
         """Aborts unfinished requests (their blocks are freed) and ends their streams."""
@@ -250,6 +268,10 @@ class EngineCoreClient:
                 if delta.finished:
                     del self._streams[delta.request_id]
                 stream.put(delta)
+        for reply in msg.replies:
+            future = self._replies.get(reply.reply_id)
+            if future is not None and not future.done():
+                future.set_result(reply)
         for error in msg.errors:
             self.processor.abort(error.request_id)
             stream = self._streams.pop(error.request_id, None)
@@ -274,6 +296,9 @@ class EngineCoreClient:
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.end(EngineDeadError(reason))
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         if self.on_dead is not None:
             self.on_dead(reason)
 

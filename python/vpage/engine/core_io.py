@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from vpage.engine.beam_search import BeamHypothesis
+from vpage.lora.request import LoRARequest
 from vpage.pooling_params import PoolingParams
 from vpage.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class EngineCoreRequest:
     # A pooling request (an engine started with runner "pooling"): its prompt is prefilled and
     # its last token's final hidden state pooled; ``params`` are ignored.
     pooling: Optional[PoolingParams] = None
+    lora_request: Optional[LoRARequest] = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass

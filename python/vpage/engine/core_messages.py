@@ -30,6 +30,26 @@ class FinishSequences:
 
 
 @dataclass
+class LoraCommand:
+    """Load (``add``) or forget (``remove``, an adapter id) a LoRA adapter; the core answers with
+    a ``CommandReply`` of the same ``reply_id``."""
+
+    reply_id: str
+    add: Optional[Any] = None  # a LoRARequest
+    remove: Optional[int] = None
+
+
+@dataclass
+class CommandReply:
+    """The outcome of a command: ``error`` None when it worked, else why not, with the HTTP
+    status it stands for (400: a bad adapter, 404: no such files or adapter)."""
+
+    reply_id: str
+    error: Optional[str] = None
+    status: int = 200
+
+
+@dataclass
 class CoreReady:
     """Sent once the engine is built: what the API process needs to validate requests (it
     loads the tokenizer itself: the core process has none)."""
@@ -66,6 +86,7 @@ class StepOutputs:
     stats: Optional[EngineStats] = None  # only every STATS_INTERVAL_S, and when requests end
     step_start: float = 0.0  # time.monotonic() when the step began
     step_tokens: int = 0  # tokens the step computed (prompt and generated)
+    replies: list[CommandReply] = field(default_factory=list)  # answers to commands (LoraCommand)
 
 
 def encode(message: Any) -> bytes:

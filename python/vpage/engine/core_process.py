@@ -26,8 +26,8 @@ from vpage import _core
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core import EngineCore
 from vpage.engine.core_io import EngineCoreRequest
-from vpage.engine.core_messages import (AbortRequests, CoreFailed, CoreReady, FinishSequences,
-                                        RequestError, StepOutputs, decode, encode)
+from vpage.engine.core_messages import (AbortRequests, CommandReply, CoreFailed, CoreReady, FinishSequences,
+                                        LoraCommand, RequestError, StepOutputs, decode, encode)
 from vpage.executor.errors import WorkerDiedError
 
 logger = logging.getLogger("vpage")
@@ -59,6 +59,18 @@ class EngineCoreProc:
             return RequestError(msg.request_id, 500, f"the engine could not add the request ({type(exc).__name__})")
         self.live.add(msg.request_id)
         return None
+
+    def lora(self, command: LoraCommand) -> CommandReply:
+        """Loads or forgets an adapter; the reply says why not when it cannot."""
+        try:
+            if command.add is not None:
+                self.core.add_lora(command.add)
+            elif not self.core.remove_lora(command.remove):
+                return CommandReply(command.reply_id, f"no LoRA adapter has id {command.remove}", 404)
+        except ValueError as exc:
+            missing = "not a folder" in str(exc) or "no adapter_config.json" in str(exc)
+            return CommandReply(command.reply_id, str(exc), 404 if missing else 400)
+        return CommandReply(command.reply_id)
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if rid in self.live]
@@ -198,6 +210,7 @@ def _serve(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
     last_sent = time.monotonic()
     while os.getppid() == parent_pid and proc.failed_steps < _MAX_FAILED_STEPS:
         errors: list[RequestError] = []
+        replies: list[CommandReply] = []
         if pull.poll(0 if proc.core.has_unfinished_requests() else int(HEARTBEAT_S * 1000)):
             while True:
                 try:
@@ -212,14 +225,17 @@ def _serve(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
                     proc.abort(msg.request_ids)
                 elif isinstance(msg, FinishSequences):
                     proc.finish(msg.samples)
+                elif isinstance(msg, LoraCommand):
+                    replies.append(proc.lora(msg))
         if proc.core.has_unfinished_requests():
             out = proc.step()
             out.errors = errors + out.errors
-        elif errors or time.monotonic() - last_sent >= HEARTBEAT_S:
+        elif errors or replies or time.monotonic() - last_sent >= HEARTBEAT_S:
             proc.core.executor.check_health()  # idle: a dead worker must still take the server down
             out = StepOutputs(errors=errors, stats=proc.stats(force=True), step_start=time.monotonic())
         else:
             continue
+        out.replies = replies
         push.send(encode(out))
         last_sent = time.monotonic()
     logger.error("vpage: engine core stopping (parent gone or %d failed steps)", proc.failed_steps)

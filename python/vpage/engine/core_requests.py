@@ -80,6 +80,9 @@ class CoreRequest:
             for seq in self.seqs.values():
                 seq.row.generator = make_generator(_sample_seed(request.params.seed, seq.index), device)
         self.beam = beam
+        lora = request.lora_request
+        self.lora_id = lora.lora_int_id if lora is not None else 0
+        self.lora_name = lora.lora_name if lora is not None else None
         self.arrival_time = request.arrival_time
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None

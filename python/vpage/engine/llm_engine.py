@@ -16,6 +16,7 @@ from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.metrics import EngineStats
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
+from vpage.lora.request import LoRARequest
 from vpage.outputs import PoolingRequestOutput, RequestOutput
 from vpage.pooling_params import PoolingParams
 from vpage.sampling_params import RequestOutputKind, SamplingParams
@@ -77,14 +78,17 @@ class LLMEngine:
         return None, [int(t) for t in prompt]
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams, None] = None,
-                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
         """Queues a request. Raises ValueError for a duplicate id, an empty or too long prompt,
         or parameters the engine cannot serve; the engine is unchanged then. A request with
         structured outputs waits in the engine until its grammar compiles; one whose grammar
         fails to compile then ends without output (``take_request_errors``). An engine started
         with runner "pooling" takes PoolingParams instead: its output is an
         ``EmbeddingRequestOutput`` (the last prompt token's hidden state, pooled), or for a token
-        classifier a ``ClassificationRequestOutput`` or ``ScoringRequestOutput``."""
+        classifier a ``ClassificationRequestOutput`` or ``ScoringRequestOutput``. ``lora_request``:
+        the LoRA adapter it runs under (an engine with enable_lora; ValueError for an adapter
+        that cannot serve this model)."""
         params = params or SamplingParams()
         pooling = None
         if isinstance(params, PoolingParams):
@@ -92,6 +96,8 @@ class LLMEngine:
             prompt = self._truncated(prompt, pooling.truncate_prompt_tokens)
         elif not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
         request_id = str(request_id)
         if request_id in self.outputs.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -101,10 +107,24 @@ class LLMEngine:
             params.update_from_tokenizer(self.tokenizer)
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.core.add_request(EngineCoreRequest(request_id, ids, params, arrival, cache_salt, pooling))
+        self.core.add_request(EngineCoreRequest(request_id, ids, params, arrival, cache_salt, pooling, lora_request))
         state = RequestState(request_id, text, ids, params, self.tokenizer, arrival)
         state.pooling_task = pooling.task if pooling is not None else None
+        state.lora_request = lora_request
         self.outputs.add(state)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter ahead of its requests (True when read now); ValueError for one
+        that cannot serve this model."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (requests running under it finish first); False when unknown."""
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters added and not removed."""
+        return self.core.list_loras()
 
     def _truncated(self, prompt: PromptType, k: Optional[int]) -> list[int]:
         """A pooling prompt's token ids, cut to its last ``k`` (-1: the last max_model_len - 1)."""

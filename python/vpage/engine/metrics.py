@@ -43,6 +43,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): max_loras (0: LoRA off), and the adapters of the
+    # unfinished requests that have run and of those that have not yet, by name.
+    max_lora: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 class EngineMetrics:

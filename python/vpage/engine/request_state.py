@@ -133,6 +133,7 @@ class RequestState:
         self.beams: Optional[list[BeamHypothesis]] = None
         self.metrics = RequestMetrics(arrival_time)
         self.num_cached_tokens = 0
+        self.lora_request: Optional[Any] = None  # the LoRARequest it runs under, echoed in its outputs
         self.pooling_task: Optional[str] = None  # a pooling request's task ("embed", "classify", "score")
         self.finished = False
         # With params.prompt_logprobs: per prompt token scored so far (None for the first);
@@ -197,4 +198,4 @@ class RequestState:
         if kind == RequestOutputKind.DELTA:
             self.prompt_logprobs = None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished,
-                             self.metrics, self.num_cached_tokens, prompt_logprobs)
+                             self.metrics, self.num_cached_tokens, prompt_logprobs, self.lora_request)

@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Union
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.llm_engine import LLMEngine, PromptType
 from vpage.entrypoints.llm_pooling import PoolingFrontEnd
+from vpage.lora.request import LoRARequest
 from vpage.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                            ScoringRequestOutput)
 from vpage.pooling import make_pooling_engine, resolve_runner
@@ -80,25 +81,30 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, PromptDict, Sequence[Union[PromptType, PromptDict]]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Runs every prompt (text, token ids, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``) to completion; outputs in prompt order. A single
         SamplingParams applies to all prompts; a list gives one per prompt; None takes
-        ``get_default_sampling_params()``."""
+        ``get_default_sampling_params()``. ``lora_request``: the LoRA adapter of every prompt, or a
+        list with one per prompt (None: the base model); needs ``enable_lora=True``."""
         self._generating("generate")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling parameters")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(loras)} LoRA requests")
         default = self.get_default_sampling_params()
         order = {}
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(next(self._ids))
                 final_only = dataclasses.replace(p or default, output_kind=RequestOutputKind.FINAL_ONLY)
                 prompt, cache_salt = _unpack_prompt(prompt)
-                self.engine.add_request(request_id, prompt, final_only, cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, final_only, cache_salt=cache_salt, lora_request=lora)
                 order[request_id] = len(order)
             return self._run(order, use_tqdm)
         except BaseException:
@@ -107,7 +113,8 @@ class LLM:
 
     def chat(self, messages: Union[list[Message], Sequence[list[Message]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         self._generating("chat")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -115,7 +122,7 @@ class LLM:
         prompts = [list(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt,
                                                       tokenize=True, return_dict=False))
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _generating(self, method: str) -> None:
         if self.runner != "generate":

@@ -65,6 +65,17 @@ class Executor:
         whenever the plan has rows). The driver's output; None without rows."""
         raise NotImplementedError
 
+    def add_lora(self, request: Any) -> bool:
+        """Loads a LoRA adapter (a ``LoRARequest``) on the workers; True when it was read now.
+        ValueError or FileNotFoundError for one that cannot serve the model."""
+        return self.driver_worker.add_lora(request)
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        return self.driver_worker.remove_lora(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        return self.driver_worker.list_loras()
+
     def check_health(self) -> None:
         """Raises WorkerDiedError when a worker has died (the engine must be recreated)."""
 

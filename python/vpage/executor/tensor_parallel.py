@@ -24,7 +24,7 @@ import torch
 from vpage.config import EngineConfig
 from vpage.distributed import parallel_state as ps
 from vpage.distributed.shm_comm import requested_mode
-from vpage.distributed.step_message import StepSender, has_work, send_shutdown
+from vpage.distributed.step_message import LoraUpdate, StepSender, has_work, send_lora_update, send_shutdown
 from vpage.executor.abstract import Executor
 from vpage.executor.errors import WorkerDiedError
 from vpage.worker.model_runner import extra_logit_rows
@@ -110,6 +110,27 @@ class TensorParallelExecutor(Executor):
             self.driver_worker.prepare(plan, drafts)
             self._sender.send(plan, extra_logit_rows(plan, sampling))
             return self.driver_worker.run(plan, sampling)
+        except BaseException as e:
+            self._fail(e)
+
+    def add_lora(self, request) -> bool:
+        """Loads the adapter on the driver (which checks it), then on every other rank."""
+        self.check_health()
+        added = self.driver_worker.add_lora(request)
+        if added:
+            self._broadcast_lora(LoraUpdate(add=request))
+        return added
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        self.check_health()
+        removed = self.driver_worker.remove_lora(adapter_id)
+        if removed:
+            self._broadcast_lora(LoraUpdate(remove=adapter_id))
+        return removed
+
+    def _broadcast_lora(self, update: LoraUpdate) -> None:
+        try:
+            send_lora_update(self._device, update)
         except BaseException as e:
             self._fail(e)
 

@@ -30,6 +30,8 @@ class ForwardBatch:
     draft_queries: bool = False
     # CUDA only: layer i's attention waits on event i (that layer's swaps); None = nothing to wait for
     layer_events: Optional[list] = None
+    # [num_tokens] int32: the LoRA slot of each token (-1: none), None: no adapter in the step
+    lora_token_slots: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ _local = threading.local()  # .trusted: inside trusted_arguments()
 def trusted_arguments() -> Iterator[None]:
     """Within the block, on this thread, reshape_and_cache, paged_attention,
     paged_prefill_attention, rotary_embedding, rms_norm, fused_add_rms_norm, rms_norm_heads_,
-    silu_and_mul, gelu_tanh_and_mul, quant_matmul and dense_matmul skip their argument checks. Only for
+    silu_and_mul, gelu_tanh_and_mul, quant_matmul, dense_matmul and lora_add skip their argument checks. Only for
     arguments of the kind the caller has just seen pass them (same dtypes, devices, layouts and
     consistent shapes): a wrong argument then reaches the kernel unchecked."""
     previous = getattr(_local, "trusted", False)

@@ -1,10 +1,10 @@
 """CPU matmuls on weights laid out at load time: GGUF block formats kept quantized
 (``QUANT_TYPES``; also dequantizing picked rows) and float weights packed in panels of
-``DENSE_PANEL_ROWS`` rows."""
+``DENSE_PANEL_ROWS`` rows, and batched LoRA adapters on those matmuls' outputs."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -183,6 +183,51 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, bias: Optional[t
         raise ValueError(f"dense_matmul writes x's dtype ({x.dtype}) or float32, not {out_dtype}")
     out = _checked_matmul_rows(x, k, n, out, out_dtype)
     _ops_cpu.dense_matmul(out, x, packed, bias, n)
+    return out
+
+
+LORA_TABLE_WIDTH = 5  # a table row: A, B of slices 0-2 (data pointers, 0 = none), rank
+_MAX_LORA_SLICES = 3  # kMaxLoraSlices
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, table: torch.Tensor,
+             slice_rows: Sequence[int], weight_dtype: torch.dtype) -> torch.Tensor:
+    """Adds each row's LoRA adapter to a projection's output, in place (CPU only): for every row
+    t with slot ``s = token_slots[t] >= 0`` whose A is set, ``out[t, slice j] += (x[t] @ A_s[j
+    rank : (j + 1) rank].T) @ B_{s,j}.T`` for each slice j whose B is set; returns out.
+
+    out ``[m, sum(slice_rows)]`` and x ``[m, k]`` of one float dtype (rows may be strided,
+    columns contiguous); token_slots int32 ``[m]`` in ``[-1, num_slots)`` (-1: no adapter);
+    table contiguous int64 ``[num_slots, 5]``, a slot's row ``(A, B0, B1, B2, rank)``: data
+    pointers (0: none) of weights packed by :func:`pack_dense_weight` in ``weight_dtype``, A
+    ``[len(slice_rows) * rank, k]``, slice j's B ``[slice_rows[j], rank]`` (the scaling folded
+    in). The packed tensors must outlive the call. slice_rows: 1 to 3 output slices (qkv: q, k,
+    v rows). float32 intermediates, each sum in k order: a row's result does not depend on the
+    other rows of the batch."""
+    if not _checking():
+        _ops_cpu.lora_add(out, x, token_slots, table, slice_rows, weight_dtype)
+        return out
+    for name, t in (("out", out), ("x", x), ("token_slots", token_slots), ("table", table)):
+        _check_tensor(name, t, contiguous=False)
+        if t.device.type != "cpu":
+            raise ValueError(f"lora_add runs on the CPU, {name} is on {t.device}")
+    rows = list(slice_rows)
+    if not 1 <= len(rows) <= _MAX_LORA_SLICES or not all(isinstance(r, int) and r > 0 for r in rows):
+        raise ValueError(f"slice_rows must be 1 to {_MAX_LORA_SLICES} positive ints, got {slice_rows!r}")
+    if weight_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {_SUPPORTED_DTYPES}, got {weight_dtype}")
+    _check_tensor("x", x, ndim=2, contiguous=False)
+    m, k = x.shape
+    if k == 0:
+        raise ValueError("x must have at least one column")
+    _checked_matmul_rows(x, k, sum(rows), out)
+    _check_tensor("token_slots", token_slots, dtype=torch.int32, ndim=1)
+    if token_slots.shape[0] != m:
+        raise ValueError(f"token_slots must be [{m}], got {tuple(token_slots.shape)}")
+    _check_tensor("table", table, dtype=torch.int64, ndim=2)
+    if table.shape[1] != LORA_TABLE_WIDTH:
+        raise ValueError(f"table must be [num_slots, {LORA_TABLE_WIDTH}], got {tuple(table.shape)}")
+    _ops_cpu.lora_add(out, x, token_slots, table, rows, weight_dtype)
     return out
 
 

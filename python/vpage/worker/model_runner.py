@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from vpage import _core
+from vpage.lora.manager import LoRAManager
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.loader.model_loader import LoadedModel
 from vpage.sampler import Sampler
@@ -65,15 +66,18 @@ class ModelRunner:
     On CPU the plan's flat buffers (numpy views of C++ memory) are wrapped as tensors without
     copying. On CUDA they go through ``staging`` (reused pinned buffers, asynchronous copies),
     and decode steps that fit a captured graph replay it (``graphs``; None = always eager).
+    With ``lora``, each step's rows run under their adapters (``plan.lora_ids``).
     """
 
     def __init__(self, loaded: LoadedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 staging: Optional[StepInputs] = None, graphs: Optional[DecodeGraphs] = None):
+                 staging: Optional[StepInputs] = None, graphs: Optional[DecodeGraphs] = None,
+                 lora: Optional[LoRAManager] = None):
         self.model = loaded.model
         self.device = loaded.device
         self.kv_caches = kv_caches
         self.staging = staging
         self.graphs = graphs
+        self.lora = lora
         self.vocab_size = loaded.config.vocab_size
         self.sampler = Sampler(loaded.config.eos_token_ids)
         self._logits: Optional[torch.Tensor] = None  # CPU: reused [rows, vocab] float32 buffer
@@ -82,15 +86,19 @@ class ModelRunner:
         t = torch.from_numpy(array)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
+    def _lora_token_slots(self, plan: _core.SchedulePlan) -> Optional[torch.Tensor]:
+        return None if self.lora is None else self.lora.prepare_step(plan.lora_ids, plan.query_start_loc)
+
     def batch_of(self, plan: _core.SchedulePlan) -> ForwardBatch:
         per_token = per_token_queries(plan) if self.device.type != "cpu" else None
+        lora_token_slots = self._lora_token_slots(plan)
         if per_token is not None:
             return ForwardBatch(
                 input_ids=self._tensor(plan.input_ids), positions=self._tensor(plan.positions),
                 slot_mapping=self._tensor(plan.slot_mapping), block_tables=self._tensor(per_token["block_tables"]),
                 context_lens=self._tensor(per_token["context_lens"]),
                 query_start_loc=self._tensor(per_token["query_start_loc"]),
-                max_context_len=plan.max_context_len, max_query_len=1)
+                max_context_len=plan.max_context_len, max_query_len=1, lora_token_slots=lora_token_slots)
         return ForwardBatch(
             input_ids=self._tensor(plan.input_ids),
             positions=self._tensor(plan.positions),
@@ -101,6 +109,7 @@ class ModelRunner:
             max_context_len=plan.max_context_len,
             max_query_len=plan.max_query_len,
             draft_queries=has_draft_rows(plan),
+            lora_token_slots=lora_token_slots,
         )
 
     @torch.inference_mode()
@@ -182,5 +191,6 @@ class ModelRunner:
             input_ids=inputs["input_ids"], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
             block_tables=inputs["block_tables"], context_lens=inputs["context_lens"],
             query_start_loc=inputs["query_start_loc"], max_context_len=plan.max_context_len,
-            max_query_len=plan.max_query_len, layer_events=layer_events)
+            max_query_len=plan.max_query_len, layer_events=layer_events,
+            lora_token_slots=self._lora_token_slots(plan))
         return self.model(batch, self.kv_caches), inputs["sample_token_indices"]

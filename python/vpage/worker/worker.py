@@ -21,13 +21,15 @@ import torch
 from vpage import ops
 from vpage.config import EngineConfig
 from vpage.distributed import parallel_state as ps
-from vpage.distributed.step_message import StepReceiver
+from vpage.distributed.step_message import LoraUpdate, StepReceiver
 from vpage.model_executor.config import ModelConfig
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.linear import pack_dense_weights
 from vpage.model_executor.layers.quant_linear import repack_quantized_weights
 from vpage.model_executor.layers.parallel_linear import local_kv_heads
 from vpage.model_executor.loader.model_loader import LoadedModel, load_model
+from vpage.lora.manager import LoRAManager
+from vpage.lora.request import LoRARequest
 from vpage.worker.cache_engine import CacheEngine, bytes_per_block, default_cpu_kv_gib, resolve_kv_cache_dtype
 from vpage.spec_decode.draft_runner import DraftRunner, shares_target_kv
 from vpage.worker.cuda_graphs import DecodeGraphs
@@ -64,6 +66,12 @@ class Worker:
                 if loaded is not None:
                     pack_dense_weights(loaded.model)
                     repack_quantized_weights(loaded.model)
+        # LoRA adapters attach to the packed (or quantized) projections.
+        self.lora: Optional[LoRAManager] = None
+        if config.lora is not None:
+            lora_dtype = self.loaded.config.dtype if config.lora.lora_dtype == "auto" else getattr(
+                torch, config.lora.lora_dtype)
+            self.lora = LoRAManager(self.loaded.model, self.loaded.hf_config, config.lora, lora_dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
                                                      self.device)
         # A draft that is the target in another form reads the target's KV cache (draft_runner.py).
@@ -146,10 +154,11 @@ class Worker:
         block_size = self.config.cache.block_size
         if self.device.type != "cuda":
             self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device)
-            self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache)
+            self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, lora=self.lora)
             return
         sched = self.config.scheduler
-        use_graphs = not self.config.enforce_eager and self.tp_size == 1
+        # A captured graph cannot follow a step's adapter rows: with LoRA, decode runs eager.
+        use_graphs = not self.config.enforce_eager and self.tp_size == 1 and self.lora is None
         self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device,
                                         scratch_blocks=1 if use_graphs else 0)
         max_blocks = math.ceil(sched.max_model_len / block_size)
@@ -160,7 +169,19 @@ class Worker:
                                   graph_batch_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens)),
                                   min(sched.max_model_len, MAX_GRAPH_CONTEXT), block_size,
                                   self.cache_engine.scratch_block)
-        self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, staging, graphs)
+        self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, staging, graphs, self.lora)
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Loads an adapter (``LoRAManager.add_adapter``); ValueError without enable_lora."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine started with enable_lora=True")
+        return self.lora.add_adapter(request)
+
+    def remove_lora(self, adapter_id: int) -> bool:
+        return self.lora is not None and self.lora.remove_adapter(adapter_id)
+
+    def list_loras(self) -> list[int]:
+        return [] if self.lora is None else self.lora.list_adapters()
 
     def _profile_cuda_blocks(self, block_bytes: int) -> int:
         """Blocks that fit in gpu_memory_utilization of the device's memory after this
@@ -247,6 +268,12 @@ class Worker:
             step = receiver.receive()
             if step is None:
                 return
+            if isinstance(step, LoraUpdate):  # the driver loaded it first: the files are sound
+                if step.add is not None:
+                    self.add_lora(step.add)
+                else:
+                    self.remove_lora(step.remove)
+                continue
             self.prepare(step)
             if not step.num_seqs:
                 self.cache_engine.wait_for_swaps()

@@ -30,6 +30,7 @@ class FakePlan:
     blocks_to_swap_out: np.ndarray
     blocks_to_swap_in: np.ndarray
     blocks_to_copy: np.ndarray
+    lora_ids: np.ndarray
     max_context_len: int
     max_query_len: int = 1
     num_prefill_tokens: int = 0
@@ -51,7 +52,8 @@ def plan_of(tables: dict[int, list[int]], lens: dict[int, int], rng: random.Rand
         input_ids=np.arange(n, dtype=np.int64) + 11, positions=np.array([lens[i] - 1 for i in ids], dtype=np.int64),
         slot_mapping=np.arange(n, dtype=np.int64) * 3, query_start_loc=np.arange(n + 1, dtype=np.int32),
         sample_token_indices=np.arange(n, dtype=np.int64), blocks_to_swap_out=pairs, blocks_to_swap_in=pairs[:1],
-        blocks_to_copy=pairs[1:], max_context_len=max(lens.values(), default=0),
+        blocks_to_copy=pairs[1:], lora_ids=np.array([rng.randrange(4) for _ in ids], dtype=np.int32),
+        max_context_len=max(lens.values(), default=0),
         num_prefill_tokens=rng.randrange(3), num_draft_tokens=rng.randrange(3))
 
 
@@ -92,7 +94,7 @@ def test_workers_rebuild_every_plan_through_random_traces():
         plan = plan_of(tables, lens, rng)
         got, _ = roundtrip(sender, receiver, plan)
         for name in ("input_ids", "positions", "slot_mapping", "context_lens", "query_start_loc",
-                     "sample_token_indices", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
+                     "sample_token_indices", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "lora_ids"):
             assert np.array_equal(getattr(got, name), getattr(plan, name)), (step, name)
             assert getattr(got, name).dtype == getattr(plan, name).dtype, name
         assert got.block_tables.shape == plan.block_tables.shape and got.block_tables.dtype == np.int32

@@ -3,7 +3,8 @@
 // layers' kernels run back to back from C++, with nothing between them. Two layer structures: Llama's (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3)
 // and Gemma's (Gemma 2 and 3: a norm before and after each block); per layer a sliding
 // window, an attention logit soft-cap, per-head q/k norms and a rotary table of its own; the
-// MLP part a gated MLP or a mixture of experts (router + fused_moe: Mixtral, Qwen3-MoE). They
+// MLP part a gated MLP or a mixture of experts (router + fused_moe: Mixtral, Qwen3-MoE); per
+// token a LoRA adapter slot on the attention's and the gated MLP's projections (lora.h). They
 // are the kernels the Python model code calls one by one (RMSNorm, quant_matmul, per-head
 // RMSNorm, rotary, reshape_and_cache, paged attention, SiLU- or GELU-and-multiply), called in
 // the same order on the same arguments, so the hidden states are bitwise those of the
@@ -17,6 +18,7 @@
 #include "vpage/kernels/dense_matmul.h"
 #include "vpage/kernels/fused_moe.h"
 #include "vpage/kernels/kernel_args.h"
+#include "vpage/kernels/lora.h"
 #include "vpage/kernels/quant_matmul.h"
 
 namespace vpage {
@@ -91,6 +93,13 @@ struct DecoderLayerWeights {
   float logits_soft_cap = 0.0f;    // PagedAttentionArgs::logits_soft_cap (0 = none)
   void* key_cache = nullptr;
   void* value_cache = nullptr;
+  // LoRA adapters of the gated MLP layers' projections (lora.h), each a table
+  // [DecoderShape::num_lora_slots] or nullptr (no LoRA on that projection); added to the
+  // projection's output right after it (qkv's before the q/k norms and the rotary).
+  const LoraAdapterWeights* lora_qkv = nullptr;      // slices: q, k, v rows
+  const LoraAdapterWeights* lora_o = nullptr;
+  const LoraAdapterWeights* lora_gate_up = nullptr;  // slices: gate, up rows
+  const LoraAdapterWeights* lora_down = nullptr;
 };
 
 /// Sizes and settings shared by every layer.
@@ -112,6 +121,8 @@ struct DecoderShape {
   const void* final_norm = nullptr;   // [hidden_size], dtype `dtype`
   DType dtype = DType::kFloat32;      // activations (and the norms' weights)
   CacheShape cache;                   // every layer's KV cache: `dtype`, or 16-bit under float32 activations
+  int32_t num_lora_slots = 0;         // entries of every layer's LoRA tables
+  DType lora_dtype = DType::kFloat32; // of the adapters' packed A and B
 };
 
 /// The step's flattened batch (see ForwardBatch in Python) and where its result goes.
@@ -128,6 +139,7 @@ struct DecoderBatch {
   int32_t max_blocks_per_seq = 0;
   int32_t max_context_len = 0;
   bool draft_queries = false;  // rows of several tokens are a decode token and its drafts (PagedAttentionArgs)
+  const int32_t* lora_token_slots = nullptr;  // [num_tokens]: each token's LoRA slot (-1: none); nullptr: no adapter
 };
 
 namespace cpu {

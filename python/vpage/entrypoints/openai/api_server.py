@@ -29,6 +29,7 @@ from vpage.entrypoints.anthropic.messages import chat_request, message_body, mes
 from vpage.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from vpage.entrypoints.openai.auth import ApiKeys, cache_salt
 from vpage.entrypoints.openai.cors import CorsOptions, add_cors
+from vpage.entrypoints.openai.lora_adapters import runtime_updating_allowed
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from vpage.entrypoints.openai.serving import OpenAIServing
 from vpage.entrypoints.openai.tokenization import Tokenization
@@ -131,10 +132,44 @@ def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
     return wait
 
 
+def _lora_routes(app: FastAPI, serving: OpenAIServing, limits: HttpLimits,
+                 authenticate: Callable[[Request], Optional[str]]) -> None:
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``{"lora_name": ...,
+    "lora_path": ...}``); plain-text success as vLLM answers."""
+    async def body_of(request: Request) -> dict:
+        authenticate(request)
+        try:
+            body = json.loads(await read_body(request, limits))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise ApiError(400, "the body must be a JSON object with a string 'lora_name'", param="lora_name")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        path = body.get("lora_path")
+        if not isinstance(path, str):
+            raise ApiError(400, "'lora_path' must be a string", param="lora_path")
+        await serving.adapters.load(serving.client, body["lora_name"], path)
+        return Response(f"Success: LoRA adapter '{body['lora_name']}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await body_of(request)
+        await serving.adapters.unload(serving.client, body["lora_name"])
+        return Response(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.", media_type="text/plain")
+
+
 def _generation_routes(app: FastAPI, serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits,
                        authenticate: Callable[[Request], Optional[str]],
                        responses_store: Optional[ResponseStore]) -> None:
-    """Completions, chat completions, Responses and Anthropic Messages."""
+    """Completions, chat completions, Responses and Anthropic Messages (and, when runtime LoRA
+    updating is allowed, loading and unloading adapters)."""
+    if runtime_updating_allowed():
+        _lora_routes(app, serving, limits, authenticate)
+
     async def generate(request: Request, kind: type) -> Response:
         tenant = authenticate(request)
         req = parse_body(await read_body(request, limits), kind)
@@ -296,9 +331,10 @@ def build_app(serving: Union[OpenAIServing, PoolingServing], keys: ApiKeys, limi
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         authenticate(request)
-        if model_id != serving.model_name:
+        card = serving.card_of(model_id)
+        if card is None:
             raise ApiError(404, f"the model `{model_id}` does not exist", kind="not_found_error", param="model")
-        return json_response(200, serving.model_card())
+        return json_response(200, card)
 
     if isinstance(serving, PoolingServing):
         _pooling_routes(app, serving, limits, authenticate)

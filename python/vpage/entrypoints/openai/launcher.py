@@ -22,6 +22,7 @@ from vpage.entrypoints.openai.auth import ApiKeys
 from vpage.entrypoints.openai.cors import CorsOptions
 from vpage.entrypoints.openai.chat_utils import ChatOptions
 from vpage.entrypoints.openai.http_protocol import json_error_protocol
+from vpage.entrypoints.openai.protocol import ApiError
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
 from vpage.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from vpage.entrypoints.pooling.client import PoolingClient
@@ -49,6 +50,7 @@ class ServerOptions:
     header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
     max_stored_responses: int = 1024  # the Responses API's store (previous_response_id)
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, path) served from the start
 
 
 class _Server(uvicorn.Server):
@@ -105,7 +107,14 @@ async def _start_generation(args: EngineArgs, options: ServerOptions) -> OpenAIS
     metrics = ServerMetrics(options.model_name)
     client = EngineCoreClient(args, on_step=metrics.on_step)
     await client.start()
-    return OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
+    serving = OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
+    try:
+        for name, path in options.lora_modules:
+            await serving.adapters.load(client, name, path)
+    except ApiError as e:
+        await client.shutdown()
+        raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+    return serving
 
 
 async def _start_pooling(args: EngineArgs, options: ServerOptions) -> PoolingServing:

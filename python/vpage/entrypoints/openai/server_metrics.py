@@ -9,6 +9,7 @@ through the DELTA outputs of each step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -85,6 +86,9 @@ class ServerMetrics:
         self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.request_generation = histogram("request_generation_tokens", "Generated tokens per request.",
                                             _TOKEN_BUCKETS)
+        # vLLM's LoRA gauge: one series, its labels the adapters, its value when they were seen.
+        self.lora_info = Gauge("vpage:lora_requests_info", "Running stats on LoRA requests.",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._totals: dict[str, int] = {}
         self._progress: dict[str, _Progress] = {}
 
@@ -113,6 +117,10 @@ class ServerMetrics:
         self._totals[key] = total
 
     def _engine_stats(self, s) -> None:
+        if s.max_lora:
+            self.lora_info.clear()
+            self.lora_info.labels(str(s.max_lora), ",".join(s.waiting_lora_adapters),
+                                  ",".join(s.running_lora_adapters)).set(time.time())
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.swapped.set(s.num_swapped)

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 from vpage.engine.core_client import EngineCoreClient, EngineDeadError, RequestFailed, RequestStream
 from vpage.entrypoints.openai import prompt_logprobs
 from vpage.entrypoints.openai.chat_utils import ChatOptions, ChatServing, PreparedChat
+from vpage.entrypoints.openai.lora_adapters import ServedAdapters
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from vpage.entrypoints.openai.responses import ResponseBuilder
 from vpage.entrypoints.openai.server_metrics import ServerMetrics
@@ -60,13 +61,19 @@ class ServedModel:
         self.metrics = metrics
         self.draining = False
         self.created = int(time.time())
+        self.adapters = ServedAdapters(model_name)  # LoRA adapters, served by name
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "vpage",
                 "max_model_len": self.client.info.max_model_len}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list",
+                "data": [self.model_card(), *self.adapters.cards(self.created, self.client.info.max_model_len)]}
+
+    def card_of(self, model_id: str) -> Optional[dict]:
+        """The ``/v1/models/{id}`` card of the base model or an adapter, or None."""
+        return next((card for card in self.models()["data"] if card["id"] == model_id), None)
 
 
 class OpenAIServing(ServedModel):
@@ -84,9 +91,7 @@ class OpenAIServing(ServedModel):
             raise ApiError(503, "the server is shutting down", kind="service_unavailable")
         if self.client.dead_reason is not None:
             raise ApiError(503, "the engine is not available", kind="service_unavailable")
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
-                           kind="not_found_error", param="model")
+        lora = self.adapters.resolve(req.model)
         unsupported = req.unsupported()
         if unsupported:
             raise ApiError(400, f"'{unsupported}' is not supported by vpage", param=unsupported)
@@ -106,14 +111,14 @@ class OpenAIServing(ServedModel):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         options = req.stream_options
         continuous = bool(req.stream and options and options.include_usage and options.continuous_usage_stats)
-        builder = ResponseBuilder(request_id, self.model_name, chat, req.n, echo,
+        builder = ResponseBuilder(request_id, lora.lora_name if lora else self.model_name, chat, req.n, echo,
                                   [len(ids) for ids in prompts] if continuous else None,
                                   prepared and prepared.output)
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 self.metrics.on_prompt(f"{request_id}-{i}", len(ids), bool(req.stream))
-                streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt))
+                streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt, lora))
         except EngineDeadError:
             self.abort(streams)
             raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
@@ -122,9 +127,7 @@ class OpenAIServing(ServedModel):
 
     def prompt_tokens(self, req: ChatCompletionRequest) -> int:
         """How many tokens the prompt of chat request ``req`` has (its template applied)."""
-        if req.model is not None and req.model != self.model_name:
-            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
-                           kind="not_found_error", param="model")
+        self.adapters.resolve(req.model)
         return len(self.chat.prepare(self._tokenizer(), req).prompt_token_ids)
 
     def _tokenizer(self):

@@ -24,6 +24,9 @@ class DenseWeight(nn.Module):
     """A float weight ``[rows, cols]`` (``weight``), or once packed for the CPU kernels,
     ``packed`` (``weight`` None) and ``packed_bias``, a float32 copy of the bias for the kernel."""
 
+    # A projection serving LoRA adapters: its vpage.lora.layers.LoraHook (None: no adapters).
+    lora = None
+
     def __init__(self, rows: int, cols: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight_shape = (rows, cols)
@@ -64,8 +67,12 @@ class Linear(DenseWeight):
         super().__init__(out_features, in_features, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``, same dtype."""
-        return self.matmul(x)
+        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``, same dtype (plus the
+        rows' LoRA adapters when the layer serves some)."""
+        y = self.matmul(x)
+        if self.lora is not None:
+            self.lora.add_(x, y)
+        return y
 
 
 class Embedding(DenseWeight):

@@ -159,6 +159,9 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
-            return self.matmul(x)
-        y = all_reduce(self.matmul(x, with_bias=False))
+            return super().forward(x)
+        y = self.matmul(x, with_bias=False)
+        if self.lora is not None:  # this rank's partial sum of the adapters too
+            self.lora.add_(x, y)
+        y = all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)

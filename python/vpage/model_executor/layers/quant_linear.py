@@ -43,6 +43,8 @@ class QuantizedWeight(nn.Module):
     :data:`vpage.ops.QUANT_TYPES`), laid out as ``layout`` says (default: one checkpoint
     tensor); ``dtype`` is the activation dtype."""
 
+    lora = None  # a projection serving LoRA adapters: its vpage.lora.layers.LoraHook
+
     def __init__(self, rows: int, cols: int, qtype: str, dtype: torch.dtype, layout: OutputRows | None = None):
         super().__init__()
         self.rows, self.cols, self.qtype, self.dtype = rows, cols, qtype, dtype
@@ -100,8 +102,11 @@ class QuantizedLinear(QuantizedWeight):
         self.layout.load(param.data, float_tensor(loaded), shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``, same dtype."""
+        """x ``[num_tokens, in_features]`` -> ``[num_tokens, out_features]``, same dtype (plus the
+        rows' LoRA adapters when the layer serves some)."""
         y = self.linear(x)
+        if self.lora is not None:
+            self.lora.add_(x, y)
         return y if self.bias is None else y.add_(self.bias)
 
 
@@ -126,7 +131,10 @@ class QuantizedRowParallelLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[num_tokens, in_features / size]`` (this rank's columns) -> ``[num_tokens, out_features]``."""
-        y = all_reduce(self.linear(x))
+        y = self.linear(x)
+        if self.lora is not None:  # this rank's partial sum of the adapters too
+            self.lora.add_(x, y)
+        y = all_reduce(y)
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -18,7 +18,9 @@ layer's rotary has a static table and there is no tensor parallelism. It calls t
 Python layers call, in the same order, so the hidden states are bitwise the Python path's;
 what it saves is the interpreter's time between ~10 kernels per layer, most of a
 single-stream decode step (see bench/RESULTS-llamacpp.md). The embedding lookup (and Gemma's
-scaling of it) and the logits stay in Python.
+scaling of it) and the logits stay in Python. Projections that serve LoRA adapters (a
+``lora_table`` that vpage.lora sets) get each token's adapter (``ForwardBatch.lora_token_slots``)
+added in the loop right after their matmul, by the kernel ``ops.lora_add`` runs.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ _GATED = frozenset({"gate_up_proj", "down_proj"})
 _MLP_CHILDREN = {"silu_mlp": (_GATED,), "gelu_tanh_mlp": (_GATED,),
                  "sparse_moe": ({"gate", "experts"}, {"gate", "experts", "shared_expert", "shared_expert_gate"})}
 _MLP_KINDS = {"silu_mlp": 0, "gelu_tanh_mlp": 0, "sparse_moe": 1}
+# A layer's LoRA entries -> the projection each one's table is on (owner module, projection).
+_LORA_PROJECTIONS = (("lora_qkv", "self_attn", "qkv_proj"), ("lora_o", "self_attn", "o_proj"),
+                     ("lora_gate_up", "mlp", "gate_up_proj"), ("lora_down", "mlp", "down_proj"))
 
 
 def has_loop_structure(model: Any) -> bool:
@@ -138,6 +143,33 @@ def _linear_fields(name: str, layer: nn.Module) -> dict[str, int]:
     bias = layer.packed_bias
     return {f"{name}_weight": layer.packed.data_ptr(), f"{name}_format": 1,
             f"{name}_dtype": DTYPE_CODES[layer.packed.dtype], f"{name}_bias": 0 if bias is None else bias.data_ptr()}
+
+
+def _lora_modules(layer: nn.Module) -> dict[str, nn.Module]:
+    """A layer's projections that serve LoRA adapters, by their LoRA entry (``lora_qkv``,
+    ``lora_o``, ``lora_gate_up``, ``lora_down``): those with a ``lora_table`` (int64 ``[num_slots,
+    5]``, ``ops.lora_add``'s table, updated in place) and its adapters' ``lora_dtype``, both set by
+    vpage.lora. A mixture of experts' MLP has none."""
+    found = {}
+    for field, owner, name in _LORA_PROJECTIONS:
+        module = getattr(getattr(layer, owner), name, None)
+        if getattr(module, "lora_table", None) is not None:
+            found[field] = module
+    return found
+
+
+def _lora_ok(model: Any) -> bool:
+    """Whether the loop can read every LoRA table of ``model``: contiguous CPU int64 ``[num_slots,
+    5]``, the same slot count and a float ``lora_dtype`` everywhere."""
+    kinds = set()
+    for layer in model.model.layers:
+        for module in _lora_modules(layer).values():
+            table = module.lora_table
+            if (table.dtype != torch.int64 or table.device.type != "cpu" or table.dim() != 2
+                    or table.shape[1] != ops.LORA_TABLE_WIDTH or not table.is_contiguous()):
+                return False
+            kinds.add((table.shape[0], getattr(module, "lora_dtype", None)))
+    return len(kinds) <= 1 and all(dtype in DTYPE_CODES for _, dtype in kinds)
 
 
 def _expert_fields(name: str, stack: ExpertStack) -> dict[str, int]:
@@ -229,7 +261,8 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
         if (cos_sin is None or cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous()
                 or rotary.head_size != attn.head_size or cos_sin.shape[1] != rotary.rotary_dim):
             return False
-    return len({norm.eps for norm in _hidden_norms(model)}) == 1 and len({norm.eps for norm in _head_norms(model)}) <= 1
+    return (len({norm.eps for norm in _hidden_norms(model)}) == 1 and len({norm.eps for norm in _head_norms(model)}) <= 1
+            and _lora_ok(model))
 
 
 class CpuDecoder:
@@ -241,6 +274,7 @@ class CpuDecoder:
         layers = model.model.layers
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         entries = []
+        lora_modules = []
         for layer, rotary, (key_cache, value_cache) in zip(layers, _layer_rotaries(model), kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             norms = dict.fromkeys(_NORM_FIELDS, 0)  # 0: a norm the structure lacks
@@ -249,6 +283,8 @@ class CpuDecoder:
                           else (0, 0))
             # The values ops.rotary_embedding and ops.paged_attention hand their kernels.
             window, cap = attn.attn.sliding_window, attn.attn.logits_soft_cap
+            lora = _lora_modules(layer)
+            lora_modules += lora.values()
             entries.append({
                 **norms, "q_norm": head_norms[0], "k_norm": head_norms[1],
                 "cos_sin": rotary.cos_sin.data_ptr(), "max_position": rotary.cos_sin.shape[0],
@@ -257,6 +293,7 @@ class CpuDecoder:
                 "logits_soft_cap": 0.0 if cap is None else float(cap),
                 "key_cache": key_cache.data_ptr(), "value_cache": value_cache.data_ptr(),
                 **_linear_fields("qkv", attn.qkv_proj), **_linear_fields("o", attn.o_proj), **_mlp_fields(mlp),
+                **{field: module.lora_table.data_ptr() for field, module in lora.items()},
             })
         num_blocks, _, _, block_size = kv_caches[0][1].shape
         norm = model.model.norm
@@ -264,6 +301,8 @@ class CpuDecoder:
         self.hidden_size = norm.weight.shape[0]
         self.dtype = model.dtype
         self.kv_caches = kv_caches
+        self.lora_tables = [module.lora_table for module in lora_modules]  # kept alive; vpage.lora updates them in place
+        lora_dtype = DTYPE_CODES[lora_modules[0].lora_dtype] if lora_modules else 0
         intermediate_size, num_experts, top_k, renormalize, shared_intermediate_size = _mlp_shape(mlp0)
         self._decoder = _core._CpuDecoder(
             structure=structure.code, activation=_ACTIVATION_CODES[role_of(mlp0)], hidden_size=self.hidden_size,
@@ -273,7 +312,8 @@ class CpuDecoder:
             num_blocks=num_blocks, block_size=block_size, dtype=DTYPE_CODES[model.dtype],
             cache_dtype=DTYPE_CODES[kv_caches[0][0].dtype],
             layers=entries, mlp=_MLP_KINDS[role_of(mlp0)], num_experts=num_experts, top_k=top_k,
-            renormalize=renormalize, shared_intermediate_size=shared_intermediate_size)
+            renormalize=renormalize, shared_intermediate_size=shared_intermediate_size,
+            num_lora_slots=self.lora_tables[0].shape[0] if self.lora_tables else 0, lora_dtype=lora_dtype)
 
     def forward(self, embeddings: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[num_tokens, hidden_size]`` for ``batch`` whose token
@@ -281,13 +321,15 @@ class CpuDecoder:
         _check_batch(embeddings, batch, self.hidden_size, self.dtype)
         out = torch.empty_like(embeddings)
         decode = batch.is_decode
+        lora_token_slots = getattr(batch, "lora_token_slots", None)
         self._decoder.forward(
             embeddings.data_ptr(), out.data_ptr(), batch.positions.data_ptr(), batch.slot_mapping.data_ptr(),
             batch.block_tables.data_ptr(), batch.context_lens.data_ptr(),
             0 if decode else batch.query_start_loc.data_ptr(), num_tokens=embeddings.shape[0],
             num_seqs=batch.context_lens.shape[0], max_blocks_per_seq=batch.block_tables.shape[1],
             max_context_len=batch.max_context_len, num_threads=ops.get_num_threads(),
-            draft_queries=batch.draft_queries)
+            draft_queries=batch.draft_queries,
+            lora_token_slots=0 if lora_token_slots is None else lora_token_slots.data_ptr())
         return out
 
 
@@ -298,6 +340,9 @@ def _check_batch(embeddings: torch.Tensor, batch: ForwardBatch, hidden_size: int
                 (batch.slot_mapping, torch.int64, (n,)), (batch.context_lens, torch.int32, (seqs,)),
                 (batch.block_tables, torch.int32, (seqs, batch.block_tables.shape[-1])),
                 (batch.query_start_loc, torch.int32, (seqs + 1,)))
+    lora_token_slots = getattr(batch, "lora_token_slots", None)
+    if lora_token_slots is not None:
+        expected += ((lora_token_slots, torch.int32, (n,)),)
     for tensor, dtype, shape in expected:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous():
             raise ValueError(f"step input of shape {tuple(tensor.shape)} and dtype {tensor.dtype} does not match "
