@@ -14,6 +14,9 @@ Structured outputs (the names of vLLM's benchmark_serving_structured_output.py):
 the requests (all by default), sent as vLLM's ``structured_outputs: {"json": ...}`` field;
 ``--unique-schemas`` gives each request its own copy (one more optional property), so no
 request finds its grammar compiled already.
+
+Several models (e.g. LoRA adapters served beside their base model): ``--models A B ...`` sends
+request i with model ``models[i % len(models)]``, in place of ``--model``.
 """
 
 from __future__ import annotations
@@ -208,18 +211,20 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
                   request_rate: float = float("inf"), max_concurrency: int = 64, seed: int = 0,
                   slo_ttft_ms: Optional[float] = None, slo_tpot_ms: Optional[float] = None,
                   timeout: float = REQUEST_TIMEOUT_S,
-                  progress: bool = True, schemas: Optional[list[Optional[dict]]] = None) -> dict:
+                  progress: bool = True, schemas: Optional[list[Optional[dict]]] = None,
+                  models: Optional[list[str]] = None) -> dict:
     """Sends the trace to ``url`` (ending in /v1) and returns the report (times in ms);
-    ``schemas[i]``, when given and not None, constrains request i to that JSON schema."""
+    ``schemas[i]``, when given and not None, constrains request i to that JSON schema; with
+    ``models``, request i names ``models[i % len(models)]`` (round-robin) in place of ``model``."""
     rng = random.Random(seed)
     results: list[Result] = []
     lock = threading.Lock()
     done = 0
     schemas = schemas or [None] * len(trace)
 
-    def one(item: tuple[str, int], schema: Optional[dict]) -> None:
+    def one(item: tuple[str, int], schema: Optional[dict], name: Optional[str]) -> None:
         nonlocal done
-        r = _stream_one(url, model, api_key, item[0], item[1], timeout, schema)
+        r = _stream_one(url, name, api_key, item[0], item[1], timeout, schema)
         with lock:
             results.append(r)
             done += 1
@@ -231,8 +236,8 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
     counters_before = spec_decode_counters(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
-        for item, schema in zip(trace, schemas):
-            pool.submit(one, item, schema)
+        for i, (item, schema) in enumerate(zip(trace, schemas)):
+            pool.submit(one, item, schema, models[i % len(models)] if models else model)
             if request_rate != float("inf"):
                 time.sleep(rng.expovariate(request_rate))
     wall = time.perf_counter() - start
@@ -247,7 +252,7 @@ def run_benchmark(url: str, trace: list[tuple[str, int]], *, model: Optional[str
         "url": url, "num_requests": len(trace), "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:5],
         "request_rate": "inf" if request_rate == float("inf") else request_rate, "max_concurrency": max_concurrency,
-        "structured_requests": sum(s is not None for s in schemas),
+        "structured_requests": sum(s is not None for s in schemas), "models": list(models) if models else None,
         "duration_s": wall, "request_throughput": len(ok) / wall, "output_throughput": output_tokens / wall,
         "total_output_tokens": output_tokens, "goodput": len(good) / wall,
         "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
@@ -277,6 +282,9 @@ def format_report(report: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
     parser.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
+    parser.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                        help="model names sent round-robin over the requests (e.g. LoRA adapters), "
+                             "in place of --model")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, output_len} (default: synthetic)")
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -310,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
     report = run_benchmark(args.base_url, trace, model=args.model, api_key=args.api_key,
                            request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
                            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, timeout=args.timeout,
-                           progress=not args.no_progress, schemas=schemas)
+                           progress=not args.no_progress, schemas=schemas, models=args.models)
     print(format_report(report))
     if args.result_file:
         with open(args.result_file, "w") as f:
