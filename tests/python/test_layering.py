@@ -18,6 +18,7 @@ LAYERS = [
     ("executor", {"executor"}),
     ("worker", {"worker"}),
     ("spec_decode", {"spec_decode"}),  # proposers and verifier: the engine's and the worker's sides
+    ("lora", {"lora"}),  # adapters: requests (engine), loading and slots (worker), hooks on the layers
     ("model_executor", {"model_executor"}),
     # Shared plain modules every layer above may use: parameters, outputs, text, sampling,
     # grammars (structured outputs) and reasoning formats.
