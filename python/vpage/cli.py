@@ -158,7 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=16 << 20, help="request body size limit")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds running requests may finish before abort (default: 30)")
-    serve.add_argument("--timeout-keep-alive", type=float, default=5.0, help="idle keep-alive seconds")
+    serve.add_argument("--timeout-keep-alive", type=float, default=15.0,
+                       help="seconds an idle connection is kept (default: 15, above the 5 s after which "
+                            "httpx-based clients such as openai's drop idle connections: the client closes "
+                            "first, and never sends on a connection the server is closing)")
     serve.add_argument("--timeout-header", type=float, default=10.0,
                        help="seconds a client has to send a request's line and headers (default: 10)")
     serve.add_argument("--timeout-body", type=float, default=30.0,

@@ -46,7 +46,7 @@ class ServerOptions:
     http: HttpLimits = field(default_factory=HttpLimits)
     cors: CorsOptions = field(default_factory=CorsOptions)
     drain_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
+    keep_alive_s: float = 15.0  # above httpx's 5 s pool expiry (--timeout-keep-alive)
     header_timeout_s: float = 10.0  # to deliver a request's head (line and headers)
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
     max_stored_responses: int = 1024  # the Responses API's store (previous_response_id)
