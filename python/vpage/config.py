@@ -149,7 +149,7 @@ class LoRAConfig:
     max_loras: int
     max_lora_rank: int
     max_cpu_loras: int
-    lora_dtype: str  # "auto" (the activations' dtype) or a dtype name
+    lora_dtype: str  # "auto" (the activations' dtype; bfloat16 beside quantized CPU weights) or a dtype name
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 // lora_add (lora.h): the batch's rows grouped by adapter slot, then two parallel_for runs of the
-// dense matmul's per-ISA tasks (dense_task.h) over every group at once.
+// dense matmul's per-ISA tasks (dense_task.h) over every group at once (on the calling thread
+// alone for a call of a few rows).
 //
 // Rows in group order: a counting sort by slot puts group g's rows at [row0, row0 + rows) of
 // `order` (their batch rows). Buffers (float32):
@@ -30,6 +31,10 @@ namespace {
 // gathered rows stay in L2 and a small batch still spreads over the threads.
 constexpr int64_t kShrinkMinRows = 8;
 constexpr int64_t kShrinkMaxRows = 64;
+// Below this many multiply-adds (all rows, shrink and expand) the call runs on the calling
+// thread, one task per matmul: a decode step of a few rows costs a few microseconds of
+// arithmetic, less than waking the other threads twice for every projection of every layer.
+constexpr int64_t kInlineMacs = int64_t{1} << 18;
 
 bool known_dtype(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kFloat16 || dtype == DType::kBFloat16;
@@ -160,6 +165,14 @@ void lora_add(const LoraArgs& a, int num_threads) {
   }
   t_buffer.resize(static_cast<size_t>(m_lora * t_cols));
   float* const t_rows = t_buffer.data();
+  int64_t macs = 0;
+  for (const Group& g : groups) {
+    int64_t expand_rows = 0;
+    for (int32_t j = 0; j < a.num_slices; ++j) expand_rows += g.adapter->b[j] == nullptr ? 0 : a.slice_rows[j];
+    macs += g.rows * g.adapter->rank * (a.num_slices * a.k + expand_rows);
+  }
+  const bool inline_call = macs < kInlineMacs;
+  if (inline_call) num_threads = 1;
 
   DenseMatmulArgs base;
   base.dtype = DType::kFloat32;  // x is passed as float32 rows
@@ -212,7 +225,14 @@ void lora_add(const LoraArgs& a, int num_threads) {
       mm.args.m = g.rows;
       mm.args.n = a.slice_rows[j];
       mm.args.k = static_cast<int32_t>(g.adapter->rank);
-      mm.plan = dense_plan(mm.args, num_threads);
+      if (inline_call) {  // a task per block of the group's rows, with every panel
+        mm.plan.m_block = std::min(g.rows, kShrinkMaxRows);
+        mm.plan.num_panels = (mm.args.n + kDensePanelRows - 1) / kDensePanelRows;
+        mm.plan.panels_per_task = mm.plan.num_panels;
+        mm.plan.panel_groups = 1;
+      } else {
+        mm.plan = dense_plan(mm.args, num_threads);
+      }
       expands.push_back(mm);
     }
   }

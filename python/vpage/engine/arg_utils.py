@@ -45,7 +45,8 @@ class EngineArgs:
     the last token's next-token logits (Qwen3-Reranker); see ``vpage.pooling.loader.token_classifier``.
     enable_lora: serve LoRA adapters (``LoRARequest`` per request): up to ``max_loras`` distinct
     adapters in the running batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` (default
-    max_loras) kept loaded; ``lora_dtype`` "auto" is the activations' dtype.
+    max_loras) kept loaded; ``lora_dtype`` "auto" is the activations' dtype (bfloat16 beside
+    quantized weights on the CPU).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model

@@ -69,9 +69,8 @@ class Worker:
         # LoRA adapters attach to the packed (or quantized) projections.
         self.lora: Optional[LoRAManager] = None
         if config.lora is not None:
-            lora_dtype = self.loaded.config.dtype if config.lora.lora_dtype == "auto" else getattr(
-                torch, config.lora.lora_dtype)
-            self.lora = LoRAManager(self.loaded.model, self.loaded.hf_config, config.lora, lora_dtype, self.device)
+            self.lora = LoRAManager(self.loaded.model, self.loaded.hf_config, config.lora, self.loaded.config.dtype,
+                                    self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, self.loaded.config.dtype,
                                                      self.device)
         # A draft that is the target in another form reads the target's KV cache (draft_runner.py).

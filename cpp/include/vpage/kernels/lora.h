@@ -52,7 +52,8 @@ namespace cpu {
 /// then one parallel_for runs every group's shrink (x @ A^T into float32 T, a task per block of
 /// a group's rows) and one every group's and slice's expand (T @ B^T, cut as dense_matmul cuts
 /// it, each task adding its block into out). Every sum runs in k order, so a row's result does
-/// not depend on the other rows of the batch. Nothing runs when no row has an adapter.
+/// not depend on the other rows of the batch. A call of under 2^18 multiply-adds (a decode step
+/// of a few rows) runs on the calling thread. Nothing runs when no row has an adapter.
 /// Throws vpage::CheckError on bad sizes, dtypes, slot indices or null pointers, before out is touched.
 void lora_add(const LoraArgs& args, int num_threads);
 
