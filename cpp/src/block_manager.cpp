@@ -13,6 +13,7 @@ BlockManager::BlockManager(const BlockManagerConfig& config, int32_t max_step_to
       cpu_(Device::kCpu, config.num_cpu_blocks, false),
       hasher_(config.collide_prefix_hashes_for_testing),
       max_step_tokens_(max_step_tokens) {
+  gpu_.set_record_events(config.enable_kv_cache_events && config.enable_prefix_caching);
   VPAGE_CHECK(config.block_size > 0, "block_size must be > 0, got " << config.block_size);
   VPAGE_CHECK(config.watermark >= 0.0 && config.watermark < 1.0,
               "watermark must be in [0, 1), got " << config.watermark);
@@ -414,7 +415,12 @@ void BlockManager::register_computed_blocks(const SequenceGroup& group, Sequence
       }
       parent = cids[i - 1];
     }
-    cids.push_back(gpu_.register_block(seq.block_table_[i], seq.block_hashes_[i], content_of(group, seq, i, parent)));
+    const BlockId block = seq.block_table_[i];
+    const bool was_cached = gpu_.content_id(block) != kNoContent;
+    cids.push_back(gpu_.register_block(block, seq.block_hashes_[i], content_of(group, seq, i, parent)));
+    if (!was_cached && cids.back() != kNoContent && cids.back() == gpu_.content_id(block)) {  // a new entry
+      gpu_.record_stored(block, seq.block_hashes_[i], i > 0 ? &seq.block_hashes_[i - 1] : nullptr, group.lora_id());
+    }
   }
 }
 

@@ -113,6 +113,8 @@ class BlockManager {
   BlockHash hash_salt(const std::string& salt) const;
 
   BlockUsage usage() const;
+  /// The GPU prefix cache's events since the last call (config().enable_kv_cache_events).
+  std::vector<KvCacheEvent> take_events() { return gpu_.take_events(); }
   const BlockPool& gpu_pool() const { return gpu_; }
   const BlockPool& cpu_pool() const { return cpu_; }
 

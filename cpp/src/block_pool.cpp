@@ -48,6 +48,13 @@ void BlockPool::push_back(BlockId block) {
 
 void BlockPool::drop_hash(BlockId block) {
   if (cid_[block] == kNoContent) return;
+  if (record_events_) {
+    KvCacheEvent event;
+    event.kind = KvCacheEvent::Kind::kRemoved;
+    event.hash_hi = hash_[block].hi;
+    event.hash_lo = hash_[block].lo;
+    events_.push_back(std::move(event));
+  }
   cached_.erase(hash_[block]);
   cid_[block] = kNoContent;
   salt_[block].clear();
@@ -121,6 +128,28 @@ uint64_t BlockPool::register_block(BlockId block, const BlockHash& hash, const B
   if (content.parent == kFirstBlock && content.salt) salt_[block] = *content.salt;
   std::copy(content.tokens, content.tokens + block_size_, tokens_.begin() + static_cast<size_t>(block) * block_size_);
   return cid_[block];
+}
+
+void BlockPool::record_stored(BlockId block, const BlockHash& hash, const BlockHash* parent, int32_t lora_id) {
+  if (!record_events_) return;
+  KvCacheEvent event;
+  event.hash_hi = hash.hi;
+  event.hash_lo = hash.lo;
+  if (parent != nullptr) {
+    event.has_parent = true;
+    event.parent_hi = parent->hi;
+    event.parent_lo = parent->lo;
+  }
+  event.lora_id = lora_id;
+  const auto first = tokens_.begin() + static_cast<size_t>(check_id(block)) * block_size_;
+  event.token_ids.assign(first, first + block_size_);
+  events_.push_back(std::move(event));
+}
+
+std::vector<KvCacheEvent> BlockPool::take_events() {
+  std::vector<KvCacheEvent> taken;
+  taken.swap(events_);
+  return taken;
 }
 
 void BlockPool::check_invariants(const std::vector<int32_t>& expected_refcounts) const {

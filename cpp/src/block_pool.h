@@ -70,6 +70,14 @@ class BlockPool {
 
   const PrefixCacheStats& cache_stats() const { return stats_; }
 
+  /// With `on`, every cache entry dropped by allocate() is logged as a kRemoved event, and
+  /// record_stored() logs kStored ones; take_events() hands the log over in order.
+  void set_record_events(bool on) { record_events_ = on; }
+  /// Logs that `block`'s entry, just made by register_block(), holds hash `hash` chained on
+  /// `parent` (null for a first block) under LoRA adapter `lora_id`.
+  void record_stored(BlockId block, const BlockHash& hash, const BlockHash* parent, int32_t lora_id);
+  std::vector<KvCacheEvent> take_events();
+
   /// Verifies refcounts against `expected_refcounts` (one entry per block, counted from
   /// the block tables), the free queue and the cache index; throws CheckError on a mismatch.
   void check_invariants(const std::vector<int32_t>& expected_refcounts) const;
@@ -100,6 +108,8 @@ class BlockPool {
   std::unordered_map<BlockHash, BlockId, BlockHashHasher> cached_;
   uint64_t next_cid_ = 1;
   PrefixCacheStats stats_;
+  bool record_events_ = false;
+  std::vector<KvCacheEvent> events_;
 };
 
 }  // namespace vpage

@@ -562,6 +562,7 @@ const SchedulerConfig& Scheduler::config() const { return impl_->config(); }
 const BlockManagerConfig& Scheduler::block_config() const { return impl_->block_manager().config(); }
 const SchedulerStats& Scheduler::stats() const { return impl_->stats(); }
 BlockUsage Scheduler::usage() const { return impl_->block_manager().usage(); }
+std::vector<KvCacheEvent> Scheduler::take_kv_events() { return impl_->take_kv_events(); }
 void Scheduler::check_invariants() const { impl_->check_invariants(); }
 
 }  // namespace vpage

@@ -46,6 +46,7 @@ class SchedulerImpl {
 
   const SchedulerConfig& config() const { return config_; }
   const BlockManager& block_manager() const { return blocks_; }
+  std::vector<KvCacheEvent> take_kv_events() { return blocks_.take_events(); }
   const SchedulerStats& stats() const { return stats_; }
   void check_invariants() const;
 

@@ -52,9 +52,22 @@ class BlockManagerConfig:
     enable_prefix_caching: bool
     collide_prefix_hashes_for_testing: bool
     sliding_window: int
+    enable_kv_cache_events: bool
     def __init__(self, block_size: int = 16, num_gpu_blocks: int = 0, num_cpu_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = True,
-                 collide_prefix_hashes_for_testing: bool = False, sliding_window: int = 0) -> None: ...
+                 collide_prefix_hashes_for_testing: bool = False, sliding_window: int = 0,
+                 enable_kv_cache_events: bool = False) -> None: ...
+
+class KvCacheEventKind(IntEnum):
+    STORED = 0
+    REMOVED = 1
+
+class KvCacheEvent:
+    kind: KvCacheEventKind
+    block_hash: bytes  # 16 bytes, big-endian
+    parent_block_hash: Optional[bytes]  # STORED: None for a first block
+    lora_id: int
+    token_ids: list[int]  # STORED: the block's tokens
 
 class SchedulerConfig:
     max_num_batched_tokens: int
@@ -233,6 +246,7 @@ class Scheduler:
     @property
     def stats(self) -> SchedulerStats: ...
     def usage(self) -> BlockUsage: ...
+    def take_kv_events(self) -> list[KvCacheEvent]: ...
     def check_invariants(self) -> None: ...
 
 # The raw CPU kernel entry points (_cpu_*, integer pointers) are private to vpage.ops, and

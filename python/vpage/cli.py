@@ -135,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="generate text, or pool (embeddings, scores, reranking); auto: pooling for an "
                             "encoder model (BERT, XLM-RoBERTa), else generate")
     serve.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    serve.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help='publish the prefix cache\'s changes for routers, vLLM\'s dict as JSON, e.g. '
+                            '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}\'')
     serve.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (PEFT folders), chosen by a request's model field")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -232,7 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
                              reasoning_parser=args.reasoning_parser, speculative_config=args.speculative_config,
                              runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides),
                              enable_lora=args.enable_lora, max_loras=args.max_loras,
-                             max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                             max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                             kv_events_config=args.kv_events_config)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(

@@ -8,6 +8,7 @@ module imports nothing from vpage, so every layer may import it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -153,6 +154,51 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Publishing the prefix cache's changes (vLLM's ``kv_events_config``, the same keys): with
+    ``enable_kv_cache_events`` every block that enters or leaves the cache is sent, a batch per
+    step, by the ``publisher`` ("zmq": a ZeroMQ PUB socket at ``endpoint``, bound when its host
+    is ``*`` or it is ipc/inproc, else connected; "null": nowhere). ``replay_endpoint``: a ROUTER
+    socket that resends the last ``buffer_steps`` batches from a sequence number; ``hwm``: the PUB
+    socket's high-water mark; ``max_queue_size``: batches waiting for the publisher thread;
+    ``topic``: the first frame of every message."""
+
+    enable_kv_cache_events: bool = False
+    publisher: Optional[str] = None  # None: "zmq" when enabled, else "null"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Optional[str] = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "KVEventsConfig":
+        """Validates vLLM's keys; ValueError names what is wrong."""
+        if not isinstance(values, dict):
+            raise ValueError(f"kv_events_config must be a dict, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
+        config = cls(**values)
+        if not isinstance(config.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config: enable_kv_cache_events must be a bool, got "
+                             f"{config.enable_kv_cache_events!r}")
+        publisher = config.publisher or ("zmq" if config.enable_kv_cache_events else "null")
+        if publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config: publisher must be 'zmq' or 'null', got {publisher!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(config, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"kv_events_config: {key} must be an integer >= 1, got {value!r}")
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(config, key), str):
+                raise ValueError(f"kv_events_config: {key} must be a string")
+        return dataclasses.replace(config, publisher=publisher)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Every part of an engine's configuration."""
 
@@ -164,3 +210,4 @@ class EngineConfig:
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative: Optional[SpeculativeConfig] = None
     lora: Optional[LoRAConfig] = None  # None: LoRA adapters are off
+    kv_events: Optional[KVEventsConfig] = None  # None: no KV cache events

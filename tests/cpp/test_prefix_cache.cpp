@@ -113,6 +113,44 @@ TEST_CASE("prefix cache: salts never share blocks, equal salts do") {
   EXPECT(run_one(colliding, "b", prompt, "tenant-2") == 0);
 }
 
+TEST_CASE("kv events: one stored event per new entry, chained; removed on eviction; off by default") {
+  BlockManagerConfig config = caching_pools(8);
+  config.enable_kv_cache_events = true;
+  Scheduler s(SchedulerConfig{}, config);
+  EXPECT(run_one(s, "a", tokens(13)) == 0);
+  const std::vector<KvCacheEvent> stored = s.take_kv_events();
+  EXPECT(stored.size() == 3);  // 12 of the 13 prompt tokens fill blocks of 4
+  for (size_t i = 0; i < stored.size(); ++i) {
+    const KvCacheEvent& e = stored[i];
+    EXPECT(e.kind == KvCacheEvent::Kind::kStored && e.lora_id == 0);
+    EXPECT(e.token_ids == tokens(4, 1 + 4 * static_cast<int>(i)));
+    EXPECT(e.has_parent == (i > 0));
+    if (i > 0) EXPECT(e.parent_hi == stored[i - 1].hash_hi && e.parent_lo == stored[i - 1].hash_lo);
+    for (size_t j = 0; j < i; ++j) EXPECT(e.hash_hi != stored[j].hash_hi || e.hash_lo != stored[j].hash_lo);
+  }
+  EXPECT(s.take_kv_events().empty());  // taken: the log is empty
+  EXPECT(run_one(s, "b", tokens(13)) == 12);
+  EXPECT(s.take_kv_events().empty());  // hits store nothing new
+  // 29 other tokens take all 8 blocks: the 3 cached ones are evicted first, then 7 new
+  // blocks are stored.
+  EXPECT(run_one(s, "c", tokens(29, 1000)) == 0);
+  const std::vector<KvCacheEvent> churn = s.take_kv_events();
+  EXPECT(churn.size() == 10);
+  for (size_t i = 0; i < churn.size(); ++i) {
+    EXPECT(churn[i].kind == (i < 3 ? KvCacheEvent::Kind::kRemoved : KvCacheEvent::Kind::kStored));
+  }
+  for (const KvCacheEvent& e : stored) {
+    int removed = 0;
+    for (size_t i = 0; i < 3; ++i) removed += churn[i].hash_hi == e.hash_hi && churn[i].hash_lo == e.hash_lo;
+    EXPECT(removed == 1);
+  }
+  EXPECT(churn[3].token_ids == tokens(4, 1000) && !churn[3].has_parent);
+
+  Scheduler quiet(SchedulerConfig{}, caching_pools(8));
+  EXPECT(run_one(quiet, "a", tokens(13)) == 0);
+  EXPECT(quiet.take_kv_events().empty());
+}
+
 TEST_CASE("a snapshot taken before abort stays readable after it") {
   Scheduler s(SchedulerConfig{}, caching_pools(32));
   s.add_sequence_group("r", tokens(6), 2, stop(4), 0.0);

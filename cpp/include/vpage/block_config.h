@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "vpage/common.h"
 
 namespace vpage {
 
@@ -20,6 +23,24 @@ struct BlockManagerConfig {
   /// p - W < j <= p), 0 for none. With a window, blocks wholly before the window of a
   /// sequence's next query are freed and their block-table entries become -1.
   int32_t sliding_window = 0;
+  /// Record a KvCacheEvent for every block that enters or leaves the GPU prefix cache
+  /// (Scheduler::take_kv_events); off, nothing is recorded.
+  bool enable_kv_cache_events = false;
+};
+
+/// A change of the GPU prefix cache as routers that follow it read it (vLLM's KV events): a
+/// full computed block entered the cache, or a cached block was evicted for reuse. A block is
+/// named by its 128-bit chained content hash (hi, lo), which covers its parent's hash (the
+/// salt's for a first block: the request's cache salt and LoRA adapter) and its tokens. The
+/// key is drawn per process: the names are stable within one engine, not across engines.
+struct KvCacheEvent {
+  enum class Kind : int32_t { kStored = 0, kRemoved = 1 };
+  Kind kind = Kind::kStored;
+  uint64_t hash_hi = 0, hash_lo = 0;
+  bool has_parent = false;  ///< kStored: false for a sequence's first block
+  uint64_t parent_hi = 0, parent_lo = 0;
+  int32_t lora_id = 0;             ///< kStored: the adapter of the request that computed it (0: none)
+  std::vector<TokenId> token_ids;  ///< kStored: the block's block_size tokens
 };
 
 /// Counters of the prefix cache (only the GPU pool caches).

@@ -159,6 +159,9 @@ class Scheduler {
   const SchedulerStats& stats() const;
   /// Occupancy of both pools and the prefix-cache counters.
   BlockUsage usage() const;
+  /// With BlockManagerConfig::enable_kv_cache_events (and prefix caching): the blocks that
+  /// entered or left the GPU prefix cache since the last call, in order; else empty.
+  std::vector<KvCacheEvent> take_kv_events();
 
   /// Throws CheckError unless: each group is in exactly one queue with matching statuses;
   /// waiting groups hold no blocks, running ones only GPU blocks, swapped ones only CPU

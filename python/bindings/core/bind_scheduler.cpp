@@ -159,6 +159,8 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("block_config", &Scheduler::block_config, py::return_value_policy::copy)
       .def_property_readonly("stats", &Scheduler::stats)
       .def("usage", &Scheduler::usage, "Occupancy of both pools and prefix-cache counters.")
+      .def("take_kv_events", &Scheduler::take_kv_events,
+           "KvCacheEvents of the GPU prefix cache since the last call (enable_kv_cache_events).")
       .def("check_invariants", &Scheduler::check_invariants,
            "Raises unless queues, statuses, block tables and pools are consistent.");
 }

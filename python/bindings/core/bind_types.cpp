@@ -26,6 +26,16 @@ BlockContent content(const BlockPool& pool, const std::vector<TokenId>& tokens, 
   return c;
 }
 
+// A 128-bit block hash as 16 big-endian bytes (how vLLM's KV events carry block hashes).
+py::bytes hash_bytes(uint64_t hi, uint64_t lo) {
+  char out[16];
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<char>(hi >> (56 - 8 * i));
+    out[8 + i] = static_cast<char>(lo >> (56 - 8 * i));
+  }
+  return py::bytes(out, sizeof(out));
+}
+
 }  // namespace
 
 void bind_types(py::module_& m) {
@@ -75,13 +85,15 @@ void bind_types(py::module_& m) {
   py::class_<BlockManagerConfig>(m, "BlockManagerConfig", "Sizes of the KV pools and the admission watermark.")
       .def(py::init([](int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks,
                        double watermark, bool enable_prefix_caching, bool collide_prefix_hashes_for_testing,
-                       int32_t sliding_window) {
+                       int32_t sliding_window, bool enable_kv_cache_events) {
              return BlockManagerConfig{block_size, num_gpu_blocks, num_cpu_blocks, watermark,
-                                       enable_prefix_caching, collide_prefix_hashes_for_testing, sliding_window};
+                                       enable_prefix_caching, collide_prefix_hashes_for_testing, sliding_window,
+                                       enable_kv_cache_events};
            }),
            py::arg("block_size") = 16, py::arg("num_gpu_blocks") = 0, py::arg("num_cpu_blocks") = 0,
            py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true,
-           py::arg("collide_prefix_hashes_for_testing") = false, py::arg("sliding_window") = 0)
+           py::arg("collide_prefix_hashes_for_testing") = false, py::arg("sliding_window") = 0,
+           py::arg("enable_kv_cache_events") = false)
       .def_readwrite("block_size", &BlockManagerConfig::block_size)
       .def_readwrite("num_gpu_blocks", &BlockManagerConfig::num_gpu_blocks)
       .def_readwrite("num_cpu_blocks", &BlockManagerConfig::num_cpu_blocks)
@@ -89,7 +101,26 @@ void bind_types(py::module_& m) {
       .def_readwrite("enable_prefix_caching", &BlockManagerConfig::enable_prefix_caching)
       .def_readwrite("collide_prefix_hashes_for_testing", &BlockManagerConfig::collide_prefix_hashes_for_testing)
       .def_readwrite("sliding_window", &BlockManagerConfig::sliding_window,
-                     "window W of every attention layer (0: none); blocks before it are freed");
+                     "window W of every attention layer (0: none); blocks before it are freed")
+      .def_readwrite("enable_kv_cache_events", &BlockManagerConfig::enable_kv_cache_events,
+                     "record the GPU prefix cache's KvCacheEvents (Scheduler.take_kv_events)");
+
+  py::enum_<KvCacheEvent::Kind>(m, "KvCacheEventKind")
+      .value("STORED", KvCacheEvent::Kind::kStored)
+      .value("REMOVED", KvCacheEvent::Kind::kRemoved);
+  py::class_<KvCacheEvent>(m, "KvCacheEvent",
+                           "A block that entered (STORED) or left (REMOVED) the GPU prefix cache.")
+      .def_readonly("kind", &KvCacheEvent::kind)
+      .def_property_readonly("block_hash", [](const KvCacheEvent& e) { return hash_bytes(e.hash_hi, e.hash_lo); },
+                             "16 bytes, big-endian: the block's chained content hash")
+      .def_property_readonly(
+          "parent_block_hash",
+          [](const KvCacheEvent& e) -> py::object {
+            return e.has_parent ? py::object(hash_bytes(e.parent_hi, e.parent_lo)) : py::none();
+          },
+          "STORED: the previous block's hash, None for a first block")
+      .def_readonly("lora_id", &KvCacheEvent::lora_id)
+      .def_readonly("token_ids", &KvCacheEvent::token_ids, "STORED: the block's tokens");
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig", "Budgets and policies of the scheduler.")
       .def(py::init([](int32_t max_num_batched_tokens, int32_t max_num_seqs, int32_t max_model_len,

@@ -8,8 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from vpage.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                          SpeculativeConfig, StructuredOutputsConfig)
+from vpage.config import (CacheConfig, EngineConfig, KVEventsConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                          SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig)
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _EXECUTOR_BACKENDS = ("mp", "ray")
@@ -46,7 +46,9 @@ class EngineArgs:
     enable_lora: serve LoRA adapters (``LoRARequest`` per request): up to ``max_loras`` distinct
     adapters in the running batch, of rank at most ``max_lora_rank``, ``max_cpu_loras`` (default
     max_loras) kept loaded; ``lora_dtype`` "auto" is the activations' dtype (bfloat16 beside
-    quantized weights on the CPU).
+    quantized weights on the CPU). kv_events_config: vLLM's dict (or its JSON text), e.g.
+    ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}``:
+    the prefix cache's changes published for routers (``KVEventsConfig``; needs prefix caching).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -81,6 +83,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
     lora_dtype: str = "auto"
+    kv_events_config: Optional[Union[dict[str, Any], str, KVEventsConfig]] = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -140,6 +143,15 @@ class EngineArgs:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         self._speculative = (None if self.speculative_config is None
                              else SpeculativeConfig.from_dict(self.speculative_config))
+        if isinstance(self.kv_events_config, str):
+            try:
+                self.kv_events_config = json.loads(self.kv_events_config)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
+        self._kv_events = (self.kv_events_config if isinstance(self.kv_events_config, KVEventsConfig) or
+                           self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config))
+        check(self._kv_events is None or not self._kv_events.enable_kv_cache_events or self.enable_prefix_caching,
+              "kv_events_config: KV cache events describe the prefix cache; enable_prefix_caching is off")
         if not self.enable_chunked_prefill and self.max_model_len is not None and self.runner != "pooling":
             check(self._generate_batched_tokens() >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "
@@ -207,7 +219,8 @@ class EngineArgs:
             speculative=self._speculative_for(facts.sliding_window),
             lora=LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
                             max_cpu_loras=self.max_cpu_loras or self.max_loras,
-                            lora_dtype=self.lora_dtype) if self.enable_lora else None)
+                            lora_dtype=self.lora_dtype) if self.enable_lora else None,
+            kv_events=self._kv_events)
 
     def _speculative_for(self, sliding_window: Optional[int]) -> Optional[SpeculativeConfig]:
         """The speculative config, without a draft model when the target's window frees KV blocks

@@ -23,6 +23,7 @@ import torch
 
 from vpage import _core
 from vpage.config import CacheConfig, EngineConfig, SchedulerConfig
+from vpage.distributed.kv_events import make_publisher, wire_events
 from vpage.engine.beam_search import BeamSearch
 from vpage.engine.core_io import EngineCoreOutput, EngineCoreRequest
 from vpage.engine.core_requests import CoreRequest, CoreSequence
@@ -100,10 +101,18 @@ class EngineCore:
             _core.BlockManagerConfig(block_size=cache.block_size, num_gpu_blocks=num_gpu_blocks,
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
-                                     sliding_window=cache.sliding_window or 0))
+                                     sliding_window=cache.sliding_window or 0,
+                                     enable_kv_cache_events=config.kv_events is not None
+                                     and config.kv_events.enable_kv_cache_events))
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
+        try:
+            self.kv_events = make_publisher(config.kv_events)  # the prefix cache's changes, per step
+        except ValueError:
+            self.shutdown()
+            raise
+        self._lora_names: dict[int, str] = {}  # adapter id -> name, for the KV events
         self.pooler = config.model.pooler  # runner "pooling": how requests pool (else None)
         self.classifier_token_ids = config.model.classifier_token_ids  # a token classifier's classes
         self.binary_classifier = config.model.binary_classifier
@@ -215,6 +224,7 @@ class EngineCore:
             raise ValueError(f"request {request.request_id!r} asks for LoRA adapter {lora.lora_name!r}; this "
                              "engine was started without enable_lora")
         self.add_lora(lora)
+        self._lora_names[lora.lora_int_id] = lora.lora_name
         return lora.lora_int_id
 
     # ------------------------------------------------------------------ adapters
@@ -357,10 +367,17 @@ class EngineCore:
                 self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
             self.metrics.spec.add_step(sampled.num_drafts, sampled.num_accepted)
         outputs = self.update(plan, seq_ids, sampled, scheduled_at)
+        if self.kv_events is not None:
+            self._publish_kv_events()
         elapsed = time.perf_counter() - start
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.take_kv_events()
+        if events:
+            self.kv_events.publish(wire_events(events, self.config.cache.block_size, self._lora_names.get))
 
     def update(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[ModelRunnerOutput],
                scheduled_at: float) -> list[EngineCoreOutput]:
@@ -523,3 +540,6 @@ class EngineCore:
         structured = getattr(self, "structured", None)
         if structured is not None:
             structured.shutdown()
+        kv_events = getattr(self, "kv_events", None)
+        if kv_events is not None:
+            kv_events.shutdown()

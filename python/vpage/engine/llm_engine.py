@@ -23,7 +23,7 @@ from vpage.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("vpage")
 
-PromptType = Union[str, Sequence[int]]
+PromptType = Union[str, Sequence[int], dict]  # dict: vLLM's {"prompt": ...} or {"prompt_token_ids": ...}
 
 
 class LLMEngine:
@@ -71,6 +71,13 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif isinstance(prompt.get("prompt"), str):
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt token ids")
