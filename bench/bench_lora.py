@@ -28,7 +28,7 @@ base requests on the LoRA server. The single-stream runs alternate (a0, base, a0
 --single-rounds times; the median is reported.
 
 --gguf adds vpage on the GGUF itself (``vpage serve`` without --model, Q4_1 weights, the same
-adapters in float32). A server that fails to start or dies is recorded with the last error line
+adapters in the default lora_dtype: bfloat16 beside quantized weights). A server that fails to start or dies is recorded with the last error line
 of its log in place of numbers; the other runs go on. Servers are stopped (process group, then any
 survivor) even on error.
 """

@@ -39,10 +39,14 @@ class LiveServer:
                         match.group(3))
                     found.set()
 
-        threading.Thread(target=read, daemon=True).start()
-        if not found.wait(start_timeout):
-            self.stop()
-            raise RuntimeError("vpage serve did not start:\n" + b"".join(self.output).decode(errors="replace"))
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + start_timeout
+        while not found.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:  # exited (its output read), or stuck
+                reader.join(timeout=5)
+                self.stop()
+                raise RuntimeError("vpage serve did not start:\n" + b"".join(self.output).decode(errors="replace"))
 
     def request(self, method: str, path: str, body=None, headers: Optional[dict] = None, raw: Optional[bytes] = None,
                 timeout: float = 120.0) -> tuple[int, dict]:
