@@ -90,7 +90,8 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0):
         self.config = config
         self.data_parallel_rank = data_parallel_rank
-        self._queue: queue.Queue[Optional[tuple[float, list[dict]]]] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[float, list[dict]]] = queue.Queue(maxsize=config.max_queue_size)
+        self._stop = threading.Event()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._ready = threading.Event()
@@ -104,18 +105,17 @@ class ZmqEventPublisher:
                              f"{self._error}") from None
 
     def publish(self, events: list[dict], ts: Optional[float] = None) -> None:
-        """Queues one batch; when the queue is full the batch is dropped with a warning (a
-        subscriber can tell by the gap in sequence numbers)."""
+        """Queues one batch; when max_queue_size batches already wait, it is dropped with a
+        warning (the step never blocks on subscribers)."""
         try:
             self._queue.put_nowait((time.time() if ts is None else ts, events))
         except queue.Full:
             logger.warning("vpage: KV events queue full (%d batches): a batch was dropped", self.config.max_queue_size)
 
     def shutdown(self) -> None:
-        """Sends what is queued (for up to a second), then closes the sockets."""
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=1.0)
+        """Sends what is queued (for up to a second), then closes the sockets. Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)
 
     def _run(self) -> None:
         context = zmq.Context.instance()
@@ -135,19 +135,25 @@ class ZmqEventPublisher:
             self._ready.set()
             return
         self._ready.set()
-        seq = 0
+        seq, stop_by = 0, None
         try:
             while True:
+                if self._stop.is_set():
+                    stop_by = stop_by or time.monotonic() + 1.0
+                    if self._queue.empty() or time.monotonic() > stop_by:
+                        break
                 if replay is not None and replay.poll(0):
                     self._serve_replay(replay)
                 try:
                     item = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if item is None:
-                    break
-                payload = encode_batch(item[0], item[1], self.data_parallel_rank)
-                pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                try:
+                    payload = encode_batch(item[0], item[1], self.data_parallel_rank)
+                    pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                except (zmq.ZMQError, TypeError, ValueError):
+                    logger.exception("vpage: a KV events batch could not be published")
+                    continue
                 self._buffer.append((seq, payload))
                 seq += 1
         finally:
