@@ -150,8 +150,10 @@ class EngineArgs:
                 raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
         self._kv_events = (self.kv_events_config if isinstance(self.kv_events_config, KVEventsConfig) or
                            self.kv_events_config is None else KVEventsConfig.from_dict(self.kv_events_config))
-        check(self._kv_events is None or not self._kv_events.enable_kv_cache_events or self.enable_prefix_caching,
-              "kv_events_config: KV cache events describe the prefix cache; enable_prefix_caching is off")
+        if self._kv_events is not None and self._kv_events.enable_kv_cache_events:
+            check(self.enable_prefix_caching,
+                  "kv_events_config: KV cache events describe the prefix cache; enable_prefix_caching is off")
+            check(self.runner != "pooling", "kv_events_config applies to generation, not runner 'pooling'")
         if not self.enable_chunked_prefill and self.max_model_len is not None and self.runner != "pooling":
             check(self._generate_batched_tokens() >= self.max_model_len,
                   "without chunked prefill max_num_batched_tokens must be >= max_model_len "

@@ -62,6 +62,8 @@ def test_config_is_checked_before_anything_runs(tmp_path):
         EngineArgs(kv_events_config="{enable")
     with pytest.raises(ValueError, match="enable_prefix_caching is off"):
         EngineArgs(kv_events_config={"enable_kv_cache_events": True}, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="not runner 'pooling'"):
+        EngineArgs(kv_events_config={"enable_kv_cache_events": True}, runner="pooling")
     assert KVEventsConfig.from_dict({}).publisher == "null"
 
 
