@@ -1,7 +1,8 @@
 """The engine core: numbers in, numbers out. ``step()`` is schedule -> execute -> update.
 
 It owns the C++ scheduler (blocks, sequences, preemption), the executor (the workers and their
-KV caches), structured outputs' grammars, the draft model's bookkeeping and the statistics. It
+KV caches), structured outputs' grammars, the draft model's bookkeeping, the statistics and the
+KV-events publisher (the prefix cache's changes, sent after each step). It
 takes tokenized requests (``EngineCoreRequest``) and returns, per step, the news of each
 request that advanced or ended (``EngineCoreOutput``). It handles no text: detokenizing, stop
 strings and ``RequestOutput``s are the front end's (``output_processor``), which tells the core
