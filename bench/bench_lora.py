@@ -43,17 +43,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vllm_cpu import (  # noqa: E402  (the shared helpers of the vLLM comparison)
-    _VPAGE_URL, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, _kill_tree, _median, _tree_cpu_s, export_folder, free_port,
-    wait_ready,
+    MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, _kill_tree, _median, _tree_cpu_s, export_folder, start_server,
 )
-from vllm_cpu_env import broken_extras, cpu_info, versions, vllm_env, vpage_env, write_vllm_shim  # noqa: E402
+from vllm_cpu_env import broken_extras, cpu_info, versions, vllm_env, write_vllm_shim  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -89,50 +87,12 @@ def make_adapters(folder: Path, work: Path, num: int, rank: int, scale: float, s
 
 def start(args, system: str, folder: Optional[Path], dtype: str, adapters: Optional[dict[str, str]],
           log: Path) -> tuple[subprocess.Popen, str]:
-    """vLLM's OpenAI server or ``vpage serve`` (folder None: the default GGUF) on 127.0.0.1, with
-    the adapters (None: LoRA off); (process, URL ending in /v1) once it answers."""
-    limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+    """bench_vllm_cpu's server (folder None: vpage's default GGUF) with the adapters (None: LoRA off)."""
     lora = []
     if adapters:
         lora = ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(args.rank),
                 "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    logf = open(log, "w")
-    if system == "vllm":
-        port = free_port()
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--no-enable-prefix-caching",
-               "--seed", str(args.seed), "--disable-uvicorn-access-log", *limits, *lora]
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=vllm_env(args),
-                                start_new_session=True)
-        logf.close()
-        try:
-            wait_ready(proc, f"http://127.0.0.1:{port}/health", args.timeout)
-        except BaseException:
-            _kill_tree(proc)
-            raise
-        return proc, f"http://127.0.0.1:{port}/v1"
-    model = ["--model", str(folder), "--dtype", dtype] if folder else []
-    cmd = [sys.executable, "-m", "vpage.cli", "serve", *model, "--host", "127.0.0.1", "--port", "0",
-           "--device", "cpu", "--kv-cache-memory", str(args.kv_cache_gib), "--no-prefix-caching", *limits, *lora]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, text=True, env=vpage_env(args),
-                            start_new_session=True)
-    logf.close()
-    found: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:  # keeps the pipe drained for the server's whole life
-            match = _VPAGE_URL.search(line)
-            if match and not found:
-                found.append(match.group(1))
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + args.timeout
-    while not found and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not found:
-        _kill_tree(proc)
-        raise RuntimeError(f"vpage serve did not start (exit {proc.poll()})")
-    return proc, found[0]
+    return start_server(args, system, folder, dtype, log, lora)
 
 
 def last_error(log: Path) -> str:

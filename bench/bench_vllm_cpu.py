@@ -65,7 +65,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from vllm_cpu_env import broken_extras, cpu_info, versions, vllm_env, vpage_env, write_vllm_shim
 
@@ -280,8 +280,13 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} did not answer within {timeout:.0f} s")
 
 
-def start_server(args, system: str, folder: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
-    limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)]
+def start_server(args, system: str, folder: Optional[Path], dtype: str, log: Path,
+                 extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """vLLM's OpenAI server or ``vpage serve`` (folder None: vpage's default GGUF) on 127.0.0.1 with
+    the shared limits and ``extra`` flags, its output in ``log``; (process, URL ending in /v1) once
+    it answers."""
+    limits = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+              *extra]
     logf = open(log, "w")
     if system == "vllm":
         port = free_port()
@@ -299,9 +304,9 @@ def start_server(args, system: str, folder: Path, dtype: str, log: Path) -> tupl
             _kill_tree(proc)
             raise
         return proc, f"http://127.0.0.1:{port}/v1"
-    cmd = [sys.executable, "-m", "vpage.cli", "serve", "--model", str(folder), "--host", "127.0.0.1", "--port", "0",
-           "--device", "cpu", "--dtype", dtype, "--kv-cache-memory", str(args.kv_cache_gib), "--no-prefix-caching",
-           *limits]
+    model = ["--model", str(folder), "--dtype", dtype] if folder else []
+    cmd = [sys.executable, "-m", "vpage.cli", "serve", *model, "--host", "127.0.0.1", "--port", "0",
+           "--device", "cpu", "--kv-cache-memory", str(args.kv_cache_gib), "--no-prefix-caching", *limits]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=logf, text=True, env=vpage_env(args),
                             start_new_session=True)
     logf.close()
@@ -319,7 +324,7 @@ def start_server(args, system: str, folder: Path, dtype: str, log: Path) -> tupl
         time.sleep(0.2)
     if not found:
         _kill_tree(proc)
-        raise RuntimeError(f"vpage serve did not start; log {log}")
+        raise RuntimeError(f"vpage serve did not start (exit {proc.poll()}); log {log}")
     return proc, found[0]
 
 

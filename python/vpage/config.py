@@ -8,8 +8,7 @@ module imports nothing from vpage, so every layer may import it.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 
@@ -177,7 +176,7 @@ class KVEventsConfig:
         """Validates vLLM's keys; ValueError names what is wrong."""
         if not isinstance(values, dict):
             raise ValueError(f"kv_events_config must be a dict, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
@@ -195,7 +194,7 @@ class KVEventsConfig:
         for key in ("endpoint", "topic"):
             if not isinstance(getattr(config, key), str):
                 raise ValueError(f"kv_events_config: {key} must be a string")
-        return dataclasses.replace(config, publisher=publisher)
+        return replace(config, publisher=publisher)
 
 
 @dataclass(frozen=True)

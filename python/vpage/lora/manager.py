@@ -49,9 +49,8 @@ class LoRAManager:
         if not self.targets:
             raise ValueError(f"{type(model).__name__} has no projections LoRA adapters attach to")
         self.dtype = _lora_dtype(config.lora_dtype, self.targets, activation_dtype, device)
-        dtype = self.dtype
         self.num_layers = len(model.model.layers)
-        self.state, self.hooks = attach_hooks(self.targets, config.max_loras, dtype)
+        self.state, self.hooks = attach_hooks(self.targets, config.max_loras, self.dtype)
         self.requests: dict[int, LoRARequest] = {}  # every adapter added and not removed
         self.loaded: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recently used first
         self.slots: list[Optional[int]] = [None] * config.max_loras
