@@ -82,6 +82,18 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         **_cache_geometry(key_cache, value_cache))
 
 
+def packed_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     seq_info: torch.Tensor, scale: float, window: int) -> None:
+    """CPU only; see vpage.ops.packed_attention."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    _core._cpu_packed_attention(
+        out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), seq_info.data_ptr(),
+        num_seqs=seq_info.shape[1], num_query_rows=query.shape[0], num_kv_rows=key.shape[0], num_heads=num_heads,
+        head_size=head_size, query_stride=query.stride(0), key_stride=key.stride(0), value_stride=value.stride(0),
+        out_stride=out.stride(0), scale=scale, window=window, dtype=DTYPE_CODES[query.dtype],
+        num_threads=get_num_threads())
+
+
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
                 block_mapping: torch.Tensor) -> None:
     if not key_caches:

@@ -5,6 +5,6 @@
 
 namespace vpage::cpu::generic {
 
-extern const AttentionKernels kKernels = {"generic", &run_task, &decode_scratch_floats, &run_prefill_task, &prefill_scratch_floats, kLanes};
+extern const AttentionKernels kKernels = {"generic", &run_task, &decode_scratch_floats, &run_prefill_task, &prefill_scratch_floats, &run_packed_task, kLanes};
 
 }  // namespace vpage::cpu::generic

@@ -29,9 +29,22 @@ struct AttentionTask {
                                         // first K/V group the last group prefetches
 };
 
+/// One task of packed attention: queries [first_query, first_query + num_queries) of sequence
+/// seq (counted from its first query row), one head, over the keys they see.
+struct PackedTask {
+  int32_t seq = 0;
+  int32_t head = 0;
+  int32_t first_query = 0;
+  int32_t num_queries = 0;
+};
+
+/// Context tokens per K/V tile of packed attention.
+constexpr int32_t kPackedTile = 32;
+
 /// Runs one task; `scratch` holds at least scratch_floats(...) floats (64-byte aligned).
 using AttentionTaskFn = void (*)(const PagedAttentionArgs& args, const AttentionTask& task,
                                  float* scratch);
+using PackedTaskFn = void (*)(const PackedAttentionArgs& args, const PackedTask& task, float* scratch);
 /// Floats of scratch that a task of `rows` rows needs.
 using ScratchFloatsFn = int64_t (*)(int32_t rows, int32_t head_size, int32_t block_size);
 
@@ -41,7 +54,8 @@ struct AttentionKernels {
   AttentionTaskFn run_task;
   ScratchFloatsFn scratch_floats;
   AttentionTaskFn run_prefill_task;          // prefill tasks (query rows as SIMD lanes)
-  ScratchFloatsFn prefill_scratch_floats;    // rows <= 4 * lanes
+  ScratchFloatsFn prefill_scratch_floats;    // rows <= 4 * lanes; also packed tasks' (tile kPackedTile)
+  PackedTaskFn run_packed_task;              // packed attention tasks (the prefill kernel's rows in lanes)
   int lanes;                                 // fp32 SIMD lanes of this build
 };
 

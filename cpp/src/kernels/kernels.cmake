@@ -10,6 +10,7 @@ target_sources(vpage_core PRIVATE
   ${_vpage_kernels_dir}/thread_pool.cpp
   ${_vpage_kernels_dir}/cpu_isa.cpp
   ${_vpage_kernels_dir}/paged_attention.cpp
+  ${_vpage_kernels_dir}/packed_attention.cpp
   ${_vpage_kernels_dir}/cache_ops.cpp
   ${_vpage_kernels_dir}/rotary.cpp
   ${_vpage_kernels_dir}/layer_ops.cpp

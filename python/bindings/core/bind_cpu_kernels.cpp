@@ -253,6 +253,48 @@ void bind_cpu_kernels(py::module_& m) {
       "decode kernel as decode steps at their positions would be.");
 
   m.def(
+      "_cpu_packed_attention",
+      [](uintptr_t out, uintptr_t query, uintptr_t key, uintptr_t value, uintptr_t seq_info, int32_t num_seqs,
+         int64_t num_query_rows, int64_t num_kv_rows, int32_t num_heads, int32_t head_size, int64_t query_stride,
+         int64_t key_stride, int64_t value_stride, int64_t out_stride, float scale, int32_t window, int32_t dtype,
+         int num_threads) {
+        PackedAttentionArgs args;
+        const int32_t* info = ptr<const int32_t>(seq_info);
+        args.out = ptr<void>(out);
+        args.query = ptr<const void>(query);
+        args.key = ptr<const void>(key);
+        args.value = ptr<const void>(value);
+        args.kv_starts = info;
+        args.kv_lens = info + num_seqs;
+        args.q_starts = info + 2 * static_cast<int64_t>(num_seqs);
+        args.q_lens = info + 3 * static_cast<int64_t>(num_seqs);
+        args.q_offsets = info + 4 * static_cast<int64_t>(num_seqs);
+        args.num_seqs = num_seqs;
+        args.num_query_rows = num_query_rows;
+        args.num_kv_rows = num_kv_rows;
+        args.num_heads = num_heads;
+        args.head_size = head_size;
+        args.query_stride = query_stride;
+        args.key_stride = key_stride;
+        args.value_stride = value_stride;
+        args.out_stride = out_stride;
+        args.scale = scale;
+        args.window = window;
+        args.dtype = static_cast<DType>(dtype);
+        py::gil_scoped_release release;
+        cpu::packed_attention(args, num_threads);
+      },
+      py::arg("out"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("seq_info"), py::arg("num_seqs"),
+      py::arg("num_query_rows"), py::arg("num_kv_rows"), py::arg("num_heads"), py::arg("head_size"),
+      py::arg("query_stride"), py::arg("key_stride"), py::arg("value_stride"), py::arg("out_stride"),
+      py::arg("scale"), py::arg("window"), py::arg("dtype"), py::arg("num_threads"),
+      "Bidirectional attention over packed sequences (encoders). seq_info: contiguous int32\n"
+      "[5, num_seqs] = key/value start rows, lengths, query start rows, query counts, position of\n"
+      "each sequence's first query. Rows [*, num_heads, head_size] with the given row strides\n"
+      "(elements), one dtype (0 float32, 1 float16, 2 bfloat16). window > 0: a query at position p\n"
+      "sees keys at [p - window, p + window]; 0: all of its sequence.");
+
+  m.def(
       "_cpu_copy_blocks",
       [](const std::vector<uintptr_t>& key_caches, const std::vector<uintptr_t>& value_caches,
          uintptr_t block_mapping, int64_t num_pairs, int64_t num_blocks, int32_t num_kv_heads, int32_t head_size,

@@ -18,17 +18,16 @@ One module per concept, every public name re-exported here; callers reach the op
 package (``ops.paged_attention(...)``), so patching ``vpage.ops.<name>`` reaches them too:
 ``_common`` (the argument-check switch, backend dispatch, shared checks), ``threads`` (the CPU
 kernels' threads), ``kv_cache`` (cache shapes, writes, block copies), ``attention`` (paged decode
-and prefill attention), ``layer`` (rotary embedding, RMS norms, gated activations), ``sampler``
-(log-normaliser and argmax, token bitmasks), ``matmul`` (GGUF block and packed dense weights,
-batched LoRA),
-``moe`` (the fused mixture-of-experts block).
+and prefill attention, packed bidirectional attention), ``layer`` (rotary embedding, RMS norms,
+gated activations), ``sampler`` (log-normaliser and argmax, token bitmasks), ``matmul`` (GGUF
+block and packed dense weights, batched LoRA), ``moe`` (the fused mixture-of-experts block).
 """
 
 from __future__ import annotations
 
 from vpage.ops._common import _checking as _checking
 from vpage.ops._common import trusted_arguments
-from vpage.ops.attention import paged_attention, paged_prefill_attention
+from vpage.ops.attention import packed_attention, paged_attention, paged_prefill_attention
 from vpage.ops.kv_cache import copy_blocks, key_cache_shape, reshape_and_cache, swap_blocks, value_cache_shape
 from vpage.ops.kv_cache import kv_dtypes_supported as kv_dtypes_supported
 from vpage.ops.layer import (fused_add_rms_norm, gelu_tanh_and_mul, rms_norm, rms_norm_heads_, rotary_embedding,
@@ -46,7 +45,7 @@ from vpage.ops.threads import get_num_threads, set_num_threads, set_thread_sourc
 # DENSE_PANEL_ROWS (packed panels), LORA_TABLE_WIDTH (lora_add's table rows), _checking.
 
 __all__ = [
-    "reshape_and_cache", "paged_attention", "paged_prefill_attention", "copy_blocks",
+    "reshape_and_cache", "paged_attention", "paged_prefill_attention", "packed_attention", "copy_blocks",
     "swap_blocks", "rotary_embedding", "key_cache_shape", "value_cache_shape", "set_num_threads",
     "get_num_threads", "set_thread_source", "rms_norm", "fused_add_rms_norm", "rms_norm_heads_",
     "silu_and_mul", "gelu_tanh_and_mul", "sigmoid_gated_add_", "QUANT_TYPES", "REPACKED_TYPES", "REPACK_GROUP_ROWS",

@@ -138,3 +138,41 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
     return _attention(query, key_cache, value_cache, block_tables, context_lens,
                       query_start_loc, scale, max_context_len, out, sliding_window, logits_soft_cap,
                       draft_queries)
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_info: torch.Tensor,
+                     scale: float, out: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
+    """Bidirectional attention over packed sequences (encoders; CPU): no cache, no padding.
+
+    query, key, value, out ``[rows, num_heads, head_size]`` of one dtype (rows may be strided, as
+    views of a fused QKV output; each row's heads contiguous); head_size a multiple of 16.
+    seq_info int32 ``[5, num_seqs]``: per sequence the first key/value row, its length, the first
+    query row, its number of queries and the position of its first query within the sequence.
+    Every query sees all of its sequence's keys, or with ``window`` w those at most w positions
+    before or after it. Returns out (allocated when None).
+    """
+    device = query.device
+    if device.type != "cpu":
+        raise ValueError(f"packed_attention runs on the CPU, got tensors on {device}")
+    win = 0 if window is None else window
+    if _checking():
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            _check_tensor(name, t, dtype=query.dtype, device=device, contiguous=False)
+            _check_rows(name, t)
+        if key.shape[1:] != query.shape[1:] or value.shape != key.shape:
+            raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+                             "must share [num_heads, head_size], key and value their rows")
+        _check_tensor("seq_info", seq_info, dtype=torch.int32, ndim=2, device=device)
+        if seq_info.shape[0] != 5:
+            raise ValueError(f"seq_info must have shape [5, num_seqs], got {tuple(seq_info.shape)}")
+        if isinstance(win, bool) or not isinstance(win, numbers.Integral) or win < 0:
+            raise ValueError(f"window must be a positive int or None (no window), got {window!r}")
+        if out is not None:
+            _check_tensor("out", out, dtype=query.dtype, device=device, contiguous=False)
+            _check_rows("out", out)
+            if out.shape != query.shape:
+                raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    _backend(device).packed_attention(out, query, key, value, seq_info, float(scale), min(int(win), _INT32_MAX))
+    return out

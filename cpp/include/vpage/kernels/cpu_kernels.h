@@ -25,6 +25,11 @@ void reshape_and_cache(const ReshapeAndCacheArgs& args, int num_threads);
 /// contexts into partitions when there are too few tasks for the threads, then reduces.
 void paged_attention(const PagedAttentionArgs& args, int num_threads);
 
+/// Bidirectional attention over packed sequences (see PackedAttentionArgs); fp32 accumulation.
+/// Threads: one task per (sequence, head, tile of queries); a query's result does not depend
+/// on the other sequences of the call or on the thread count.
+void packed_attention(const PackedAttentionArgs& args, int num_threads);
+
 /// Copies whole blocks src -> dst in every layer's key and value cache (bit-exact).
 /// Threads: one task per (layer, pair).
 void copy_blocks(const CopyBlocksArgs& args, int num_threads);

@@ -89,6 +89,35 @@ struct PagedAttentionArgs {
   bool draft_queries = false;
 };
 
+/// Bidirectional attention over packed sequences (encoders: no cache, no padding). Sequence s
+/// has kv_lens[s] tokens, its keys and values at rows [kv_starts[s], kv_starts[s] + kv_lens[s])
+/// of key/value; its queries are q_lens[s] rows from q_starts[s] of query (and of out), the
+/// first at position q_offsets[s] of the sequence (all of its tokens, or only the rows a pooler
+/// reads). Every query sees every key of its sequence, or with a window W > 0 those at
+/// most W positions before or after it (|query position - key position| <= W). Query, key,
+/// value and out share one dtype and num_heads (no GQA); rows may be strided, each row's heads
+/// contiguous ([num_heads, head_size]).
+struct PackedAttentionArgs {
+  void* out = nullptr;            // row stride out_stride
+  const void* query = nullptr;    // row stride query_stride
+  const void* key = nullptr;      // row stride key_stride
+  const void* value = nullptr;    // row stride value_stride
+  const int32_t* kv_starts = nullptr;  // [num_seqs]
+  const int32_t* kv_lens = nullptr;    // [num_seqs]
+  const int32_t* q_starts = nullptr;   // [num_seqs]
+  const int32_t* q_lens = nullptr;     // [num_seqs]
+  const int32_t* q_offsets = nullptr;  // [num_seqs]; q_offsets[s] + q_lens[s] <= kv_lens[s]
+  int32_t num_seqs = 0;
+  int64_t num_query_rows = 0;   // rows of query and out (q_starts/q_lens index them)
+  int64_t num_kv_rows = 0;      // rows of key and value
+  int32_t num_heads = 0;
+  int32_t head_size = 0;        // a multiple of 16
+  int64_t query_stride = 0, key_stride = 0, value_stride = 0, out_stride = 0;  // elements
+  float scale = 1.0f;           // softmax scale
+  int32_t window = 0;           // 0: none
+  DType dtype = DType::kFloat32;
+};
+
 /// First logical block paged attention reads for a sequence whose earliest query is at
 /// position `first_query_pos`: the block holding that query's first windowed key (0 without
 /// a window). Blocks before it lie wholly outside every query's window.
