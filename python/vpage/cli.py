@@ -138,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-events-config", default=None, metavar="JSON",
                        help='publish the prefix cache\'s changes for routers, vLLM\'s dict as JSON, e.g. '
                             '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}\'')
+    serve.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                       help="engine replicas behind this server, each with its own KV cache and share of the "
+                            "cores; a request goes to the replica that holds the longest prefix of its prompt")
+    serve.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "round_robin"],
+                       help="how requests are spread over the replicas (round_robin: to compare)")
     serve.add_argument("--enable-lora", action="store_true",
                        help="serve LoRA adapters (PEFT folders), chosen by a request's model field")
     serve.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -236,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
                              runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides),
                              enable_lora=args.enable_lora, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                             kv_events_config=args.kv_events_config)
+                             kv_events_config=args.kv_events_config, data_parallel_size=args.data_parallel_size)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(
@@ -248,7 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout, keep_alive_s=args.timeout_keep_alive,
         header_timeout_s=args.timeout_header, cors=cors_options(args),
         chat=chat, max_stored_responses=args.max_stored_responses,
-        lora_modules=parse_lora_modules(args.lora_modules))
+        lora_modules=parse_lora_modules(args.lora_modules), data_parallel_routing=args.data_parallel_routing)
     return run(engine_args, options)
 
 

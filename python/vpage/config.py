@@ -53,11 +53,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism and CPU threads."""
+    """Tensor parallelism, CPU threads and this engine's place among data-parallel replicas."""
 
     tensor_parallel_size: int
     distributed_executor_backend: Optional[str]  # None (one process), "mp" or "ray"
     num_threads: Optional[int]  # CPU kernel threads over all ranks; None: torch's
+    data_parallel_rank: Optional[int] = None  # this engine's replica index under a DP server, else None
 
     def rank_threads(self, default: int) -> int:
         """Threads of one rank: ``num_threads`` (or ``default``) split over the ranks."""

@@ -15,12 +15,13 @@ from typing import Optional
 
 import psutil
 
-_URL = re.compile(rb"serving \S+ on (http://127\.0\.0\.1:(\d+)/v1) \(engine core pid (\d+)\)")
+_URL = re.compile(rb"serving \S+ on (http://127\.0\.0\.1:(\d+)/v1) \(engine core pids? ([\d, ]+)\)")
 
 
 class LiveServer:
     """`vpage serve ARGS` on 127.0.0.1 with port 0; ``port``, ``base_url`` (ending in /v1),
-    ``core_pid``; ``stop()`` kills both processes if they are still there."""
+    ``core_pid`` (``core_pids``: one per data-parallel replica); ``stop()`` kills every process
+    if it is still there."""
 
     def __init__(self, *args: str, env: Optional[dict] = None, start_timeout: float = 240.0):
         self.proc = subprocess.Popen([sys.executable, "-m", "vpage.cli", "serve", "--host", "127.0.0.1",
@@ -35,8 +36,9 @@ class LiveServer:
                 self.output.append(line)
                 match = _URL.search(line)
                 if match:
-                    self.base_url, self.port, self.core_pid = match.group(1).decode(), int(match.group(2)), int(
-                        match.group(3))
+                    self.base_url, self.port = match.group(1).decode(), int(match.group(2))
+                    self.core_pids = [int(pid) for pid in match.group(3).split(b",")]
+                    self.core_pid = self.core_pids[0]
                     found.set()
 
         reader = threading.Thread(target=read, daemon=True)
@@ -79,7 +81,7 @@ class LiveServer:
         raise AssertionError("the server did not become idle")
 
     def stop(self) -> None:
-        for pid in (self.proc.pid, getattr(self, "core_pid", None)):
+        for pid in (self.proc.pid, *getattr(self, "core_pids", [])):
             if pid is not None and psutil.pid_exists(pid):
                 try:
                     os.kill(pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ joined late, or dropped messages, catches up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -173,8 +174,27 @@ class ZmqEventPublisher:
         replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-def make_publisher(config: Optional[KVEventsConfig]) -> Optional[ZmqEventPublisher]:
-    """The publisher ``config`` asks for; None when events are off or go nowhere ("null")."""
+def offset_endpoint_port(endpoint: Optional[str], data_parallel_rank: int) -> Optional[str]:
+    """A data-parallel replica's endpoint: a tcp endpoint's port plus the rank (as vLLM does);
+    an ipc or inproc path gets ``_dp<rank>`` appended. Rank 0 keeps the endpoint as given."""
+    if endpoint is None or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        if port.isdigit():
+            return f"{host}:{int(port) + data_parallel_rank}"
+        return endpoint
+    return f"{endpoint}_dp{data_parallel_rank}"
+
+
+def make_publisher(config: Optional[KVEventsConfig], data_parallel_rank: int = 0) -> Optional[ZmqEventPublisher]:
+    """The publisher ``config`` asks for; None when events are off or go nowhere ("null"). A
+    data-parallel replica publishes on its own ports (``offset_endpoint_port``) and stamps its
+    rank on every batch."""
     if config is None or not config.enable_kv_cache_events or config.publisher == "null":
         return None
-    return ZmqEventPublisher(config)
+    if data_parallel_rank:
+        config = dataclasses.replace(config, endpoint=offset_endpoint_port(config.endpoint, data_parallel_rank),
+                                     replay_endpoint=offset_endpoint_port(config.replay_endpoint,
+                                                                          data_parallel_rank))
+    return ZmqEventPublisher(config, data_parallel_rank)

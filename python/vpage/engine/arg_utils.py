@@ -49,6 +49,10 @@ class EngineArgs:
     quantized weights on the CPU). kv_events_config: vLLM's dict (or its JSON text), e.g.
     ``{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv-events"}``:
     the prefix cache's changes published for routers (``KVEventsConfig``; needs prefix caching).
+    data_parallel_size (``vpage serve``): that many engine replicas, each a whole engine (its own
+    KV cache, its share of the CPU threads), behind one API server that routes each request to the
+    replica holding the longest prefix of its prompt (``vpage.engine.dp_router``), each replica
+    a local process.
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -84,6 +88,8 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
     lora_dtype: str = "auto"
     kv_events_config: Optional[Union[dict[str, Any], str, KVEventsConfig]] = None
+    data_parallel_size: int = 1  # engine replicas behind one API server (``vpage serve``)
+    data_parallel_rank: Optional[int] = None  # set by the server for each replica it starts
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -112,6 +118,10 @@ class EngineArgs:
               f"num_threads must be >= 1, got {self.num_threads}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+              f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        check(self.data_parallel_rank is None or 0 <= self.data_parallel_rank < self.data_parallel_size,
+              f"data_parallel_rank must lie in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
         if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
             self.distributed_executor_backend = "mp"
         check(self.distributed_executor_backend in (None, *_EXECUTOR_BACKENDS),
@@ -136,6 +146,8 @@ class EngineArgs:
         check(self.lora_dtype in ("auto", "float32", "float16", "bfloat16"),
               f"lora_dtype must be 'auto', 'float32', 'float16' or 'bfloat16', got {self.lora_dtype!r}")
         check(not self.enable_lora or self.runner != "pooling", "enable_lora applies to generation, not runner 'pooling'")
+        check(self.data_parallel_size == 1 or self.runner != "pooling",
+              "data_parallel_size applies to generation, not runner 'pooling'")
         if isinstance(self.speculative_config, str):
             try:
                 self.speculative_config = json.loads(self.speculative_config)
@@ -210,7 +222,7 @@ class EngineArgs:
                               sliding_window=facts.sliding_window),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
-                                    num_threads=self.num_threads),
+                                    num_threads=self.num_threads, data_parallel_rank=self.data_parallel_rank),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,

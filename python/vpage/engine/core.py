@@ -103,17 +103,20 @@ class EngineCore:
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
                                      sliding_window=cache.sliding_window or 0,
-                                     enable_kv_cache_events=config.kv_events is not None
-                                     and config.kv_events.enable_kv_cache_events))
+                                     enable_kv_cache_events=self._kv_events_wanted(config)))
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
         try:
-            self.kv_events = make_publisher(config.kv_events)  # the prefix cache's changes, per step
+            self.kv_events = make_publisher(config.kv_events,  # the prefix cache's changes, per step
+                                            config.parallel.data_parallel_rank or 0)
         except ValueError:
             self.shutdown()
             raise
         self._lora_names: dict[int, str] = {}  # adapter id -> name, for the KV events
+        # A data-parallel replica hands its KV events to the API process's router too.
+        self.reported_kv_events: Optional[list[dict]] = (
+            [] if config.parallel.data_parallel_rank is not None and cache.enable_prefix_caching else None)
         self.pooler = config.model.pooler  # runner "pooling": how requests pool (else None)
         self.classifier_token_ids = config.model.classifier_token_ids  # a token classifier's classes
         self.binary_classifier = config.model.binary_classifier
@@ -368,17 +371,35 @@ class EngineCore:
                 self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
             self.metrics.spec.add_step(sampled.num_drafts, sampled.num_accepted)
         outputs = self.update(plan, seq_ids, sampled, scheduled_at)
-        if self.kv_events is not None:
+        if self.kv_events is not None or self.reported_kv_events is not None:
             self._publish_kv_events()
         elapsed = time.perf_counter() - start
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)
         return outputs
 
+    @staticmethod
+    def _kv_events_wanted(config: EngineConfig) -> bool:
+        """Whether the scheduler records KV cache events: for a publisher, or for the router of
+        a data-parallel server."""
+        published = config.kv_events is not None and config.kv_events.enable_kv_cache_events
+        return published or (config.parallel.data_parallel_rank is not None and config.cache.enable_prefix_caching)
+
     def _publish_kv_events(self) -> None:
         events = self.scheduler.take_kv_events()
-        if events:
-            self.kv_events.publish(wire_events(events, self.config.cache.block_size, self._lora_names.get))
+        if not events:
+            return
+        wire = wire_events(events, self.config.cache.block_size, self._lora_names.get)
+        if self.kv_events is not None:
+            self.kv_events.publish(wire)
+        if self.reported_kv_events is not None:
+            self.reported_kv_events.extend(wire)
+
+    def take_reported_kv_events(self) -> list[dict]:
+        """The KV events since the last call, for a data-parallel router ([] when not a replica)."""
+        events, self.reported_kv_events = self.reported_kv_events, ([] if self.reported_kv_events is not None
+                                                                      else None)
+        return events or []
 
     def update(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[ModelRunnerOutput],
                scheduled_at: float) -> list[EngineCoreOutput]:

@@ -107,8 +107,9 @@ class EngineCoreClient:
 
     def __init__(self, args: EngineArgs,
                  on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
-                 on_dead: Optional[Callable[[str], None]] = None):
+                 on_dead: Optional[Callable[[str], None]] = None, cpu_ids: Optional[list[int]] = None):
         self.args = args
+        self.cpu_ids = cpu_ids  # the cores the engine-core process may use (None: all)
         self.on_step = on_step
         self.on_dead = on_dead
         self.info: Optional[CoreReady] = None
@@ -144,8 +145,10 @@ class EngineCoreClient:
         # Not daemonic: with tensor parallelism the engine core starts worker processes, which
         # a daemonic process may not. It still dies with this process (PR_SET_PDEATHSIG and
         # its parent check), and is killed at exit before multiprocessing would join it.
-        self._proc = mp.Process(target=run_engine_core, args=(self.args, inp, out, os.getpid()),
-                                name="vpage-engine-core", daemon=False)
+        rank = self.args.data_parallel_rank
+        self._proc = mp.Process(target=run_engine_core, args=(self.args, inp, out, os.getpid(), self.cpu_ids),
+                                name="vpage-engine-core" if rank is None else f"vpage-engine-core-dp{rank}",
+                                daemon=False)
         self._proc.start()
         atexit.register(self._proc.kill)
         deadline = time.monotonic() + timeout_s
@@ -291,6 +294,8 @@ class EngineCoreClient:
     def _die(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
+        if self.args.data_parallel_rank is not None:
+            reason = f"data-parallel replica {self.args.data_parallel_rank}: {reason}"
         logger.error("vpage: %s", reason)
         self.dead_reason = reason
         streams, self._streams = list(self._streams.values()), {}

@@ -87,6 +87,7 @@ class StepOutputs:
     step_start: float = 0.0  # time.monotonic() when the step began
     step_tokens: int = 0  # tokens the step computed (prompt and generated)
     replies: list[CommandReply] = field(default_factory=list)  # answers to commands (LoraCommand)
+    kv_events: list[dict] = field(default_factory=list)  # a data-parallel replica's KV cache events (wire maps)
 
 
 def encode(message: Any) -> bytes:

@@ -114,7 +114,7 @@ class EngineCoreProc:
         # Fresh statistics when a request ends or the engine goes idle, so counters that a
         # client reads right after its answer are complete.
         stats = self.stats(force=finished or errors or not self.core.has_unfinished_requests())
-        return StepOutputs(outputs, errors, stats, start, step_tokens)
+        return StepOutputs(outputs, errors, stats, start, step_tokens, kv_events=self.core.take_reported_kv_events())
 
     def stats(self, force: bool = False):
         """The engine's statistics when ``STATS_INTERVAL_S`` has passed since the last ones
@@ -159,12 +159,16 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     return EngineCore(config)
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int) -> None:
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
+                    cpu_ids: Optional[list[int]] = None) -> None:
     """Process entry point: builds the engine, reports CoreReady (or CoreFailed) and serves
-    until the parent goes away or kills it."""
+    until the parent goes away or kills it. ``cpu_ids``: the cores this process (and the threads
+    it starts) may run on (a data-parallel replica's share); None: all."""
     import zmq
 
     _die_with_parent()
+    if cpu_ids:
+        os.sched_setaffinity(0, cpu_ids)
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: they are the API
     # process's to handle (it drains, then stops this process with SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

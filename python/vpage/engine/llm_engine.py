@@ -37,6 +37,9 @@ class LLMEngine:
     """
 
     def __init__(self, args: EngineArgs):
+        if args.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs replicas behind a server: use `vpage serve "
+                             "--data-parallel-size N`; LLM and LLMEngine run one engine")
         self.config: EngineConfig = args.create_engine_config()
         torch.manual_seed(args.seed)
         self.core = EngineCore(self.config)

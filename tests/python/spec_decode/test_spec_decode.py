@@ -403,7 +403,7 @@ def test_server_exports_vllm_metric_names_and_the_bench_client_reads_them(tiny):
     metrics.on_step(StepOutputs(stats=stats), [], 0.0)
     text = metrics.render().decode()
     for pos, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-        assert f'vpage:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{pos}"}} ' \
+        assert f'vpage:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="tiny",position="{pos}"}} ' \
                f'{float(count)}' in text
     after = parse_spec_decode_counters(text)
     assert after == {"spec_decode_num_drafts": stats.spec_decode_num_drafts,

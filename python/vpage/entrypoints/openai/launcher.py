@@ -1,9 +1,11 @@
-"""Runs the API server: starts the engine-core process, then uvicorn, until a signal.
+"""Runs the API server: starts the engine-core process (one per replica with data parallelism),
+then uvicorn, until a signal.
 
 SIGTERM or SIGINT starts a drain: the listening socket closes, /health turns 503, running
 requests may finish for ``drain_timeout_s``, then whatever is left is aborted (streams end
 with ``finish_reason: "abort"`` and ``[DONE]``) and the process exits 0. A second SIGINT
-skips the wait. If the engine-core process dies, requests get 503 and the process exits 1.
+skips the wait. If the engine-core process dies (with data parallelism: the last replica),
+requests get 503 and the process exits 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import uvicorn
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_client import EngineCoreClient
+from vpage.engine.dp_client import DPEngineCoreClient
 from vpage.entrypoints.openai.api_server import HttpLimits, build_app
 from vpage.entrypoints.openai.auth import ApiKeys
 from vpage.entrypoints.openai.cors import CorsOptions
@@ -51,6 +54,7 @@ class ServerOptions:
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
     max_stored_responses: int = 1024  # the Responses API's store (previous_response_id)
     lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, path) served from the start
+    data_parallel_routing: str = "prefix"  # with data_parallel_size > 1: "prefix" or "round_robin"
 
 
 class _Server(uvicorn.Server):
@@ -70,7 +74,7 @@ class _Server(uvicorn.Server):
         if self.servers and self.servers[0].sockets:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             print(f"vpage: serving {self.options.model_name} on http://{host}:{port}/v1 "
-                  f"(engine core pid {self.serving.client.pid})", flush=True)
+                  f"(engine core {_pids(self.serving.client.pid)})", flush=True)
 
     def handle_exit(self, sig: int, frame) -> None:
         """uvicorn's signal handler: the first signal drains, a second one stops at once.
@@ -103,9 +107,16 @@ class _Server(uvicorn.Server):
         asyncio.get_running_loop().call_later(_DEAD_GRACE_S, setattr, self, "should_exit", True)
 
 
+def _pids(pid) -> str:
+    """"pid N", or "pids N, M" for the replicas of a data-parallel server."""
+    return f"pid {pid}" if not isinstance(pid, list) else "pids " + ", ".join(str(p) for p in pid)
+
+
 async def _start_generation(args: EngineArgs, options: ServerOptions) -> OpenAIServing:
-    metrics = ServerMetrics(options.model_name)
-    client = EngineCoreClient(args, on_step=metrics.on_step)
+    metrics = ServerMetrics(options.model_name, args.data_parallel_size)
+    client: Union[EngineCoreClient, DPEngineCoreClient] = (
+        EngineCoreClient(args, on_step=metrics.on_step) if args.data_parallel_size == 1
+        else DPEngineCoreClient(args, on_step=metrics.on_step, routing=options.data_parallel_routing))
     await client.start()
     serving = OpenAIServing(client, options.model_name, metrics, options.serving, options.chat)
     try:
@@ -129,6 +140,8 @@ async def serve(args: EngineArgs, options: ServerOptions) -> int:
     an engine-core process, a pooling model (``--runner pooling``, or an encoder architecture)
     through a pooling engine. ValueError when the engine cannot start or the port is taken."""
     pooling = resolve_runner(args.model, args.runner) == "pooling"
+    if pooling and args.data_parallel_size > 1:
+        raise ValueError("--data-parallel-size applies to generation; this model runs the pooling runner")
     serving = await (_start_pooling if pooling else _start_generation)(args, options)
     client = serving.client
     app = build_app(serving, options.keys, options.http, options.cors, ResponseStore(options.max_stored_responses))

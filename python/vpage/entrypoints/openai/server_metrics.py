@@ -36,36 +36,45 @@ class _Progress:
 class ServerMetrics:
     """The metrics of one server (its own registry, so several servers can coexist)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_engines: int = 1):
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, label = self.registry, ["model_name"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"vpage:{name}", doc, label, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"vpage:{name}", doc, label, registry=r).labels(model_name)
-
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(f"vpage:{name}", doc, label, buckets=buckets, registry=r).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.swapped = gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of device KV cache blocks in use (1 = full).")
-        self.cpu_usage = gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full).")
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).")
-        self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
-        self.preemptions = counter("num_preemptions_total", "Preemptions (recompute or swap).")
-        self.cache_queries = counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
-        self.cache_hits = counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence steps that carried draft tokens.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        # The engine's own numbers carry an ``engine`` label, as vLLM's do: "0", or the replica's
+        # index under data parallelism (sum over it for the server's total).
+        engine = ["model_name", "engine"]
+
+        def engine_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"vpage:{name}", doc, engine, registry=r)
+
+        def engine_counter(name: str, doc: str) -> Counter:
+            return Counter(f"vpage:{name}", doc, engine, registry=r)
+
+        self.running = engine_gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = engine_gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = engine_gauge("num_requests_swapped", "Requests swapped out to CPU memory.")
+        self.kv_usage = engine_gauge("kv_cache_usage_perc", "Fraction of device KV cache blocks in use (1 = full).")
+        self.cpu_usage = engine_gauge("cpu_cache_usage_perc", "Fraction of CPU swap blocks in use (1 = full).")
+        self.prompt_tokens = engine_counter("prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).")
+        self.generation_tokens = engine_counter("generation_tokens_total", "Tokens generated.")
+        self.preemptions = engine_counter("num_preemptions_total", "Preemptions (recompute or swap).")
+        self.cache_queries = engine_counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
+        self.cache_hits = engine_counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
+        self.spec_drafts = engine_counter("spec_decode_num_drafts", "Sequence steps that carried draft tokens.")
+        self.spec_draft_tokens = engine_counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted = engine_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.spec_accepted_per_pos = Counter("vpage:spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position in the draft.",
-                                             ["model_name", "position"], registry=r)
+                                             ["model_name", "engine", "position"], registry=r)
+        for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_usage, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.cache_queries, self.cache_hits,
+                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+            for i in range(num_engines):  # exported from the start, at zero
+                metric.labels(model_name, str(i))
         self.success = Counter("vpage:request_success_total", "Requests finished, by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         # Two SLOs: a streamed response is judged by its first token (and TPOT), a whole one by
@@ -82,7 +91,8 @@ class ServerMetrics:
             self.e2e.labels(model_name, stream)
         self.queue = histogram("request_queue_time_seconds",
                                "Arrival to the start of the step that produced the first token.", _LATENCY_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.", _TOKEN_BUCKETS)
+        self.iteration_tokens = Histogram("vpage:iteration_tokens_total", "Tokens computed per engine step.", engine,
+                                          buckets=_TOKEN_BUCKETS, registry=r)
         self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
         self.request_generation = histogram("request_generation_tokens", "Generated tokens per request.",
                                             _TOKEN_BUCKETS)
@@ -99,12 +109,12 @@ class ServerMetrics:
         """Drops a request that ended without finishing (aborted)."""
         self._progress.pop(request_id, None)
 
-    def on_step(self, msg: StepOutputs, outputs: list[RequestOutput], now: float) -> None:
-        """A step's message and the DELTA outputs of its requests."""
+    def on_step(self, msg: StepOutputs, outputs: list[RequestOutput], now: float, engine: int = 0) -> None:
+        """A step's message and the DELTA outputs of its requests, from engine (replica) ``engine``."""
         if msg.stats is not None:
-            self._engine_stats(msg.stats)
+            self._engine_stats(msg.stats, str(engine))
         if msg.outputs:
-            self.iteration_tokens.observe(msg.step_tokens)
+            self.iteration_tokens.labels(self.model_name, str(engine)).observe(msg.step_tokens)
         for out in outputs:
             self._request(out, msg.step_start, now)
         for error in msg.errors:
@@ -116,26 +126,29 @@ class ServerMetrics:
             counter.inc(delta)
         self._totals[key] = total
 
-    def _engine_stats(self, s) -> None:
+    def _engine_stats(self, s, engine: str) -> None:
         if s.max_lora:
             self.lora_info.clear()
             self.lora_info.labels(str(s.max_lora), ",".join(s.waiting_lora_adapters),
                                   ",".join(s.running_lora_adapters)).set(time.time())
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.swapped.set(s.num_swapped)
-        self.kv_usage.set(s.kv_cache_usage)
-        self.cpu_usage.set(s.swap_usage)
-        self._advance(self.prompt_tokens, "prompt", s.prefill_tokens)
-        self._advance(self.generation_tokens, "generation", s.generation_tokens)
-        self._advance(self.preemptions, "preempt", s.num_preempted_recompute + s.num_preempted_swap)
-        self._advance(self.cache_queries, "queries", s.prefix_cache_queries)
-        self._advance(self.cache_hits, "hits", s.prefix_cache_hits)
-        self._advance(self.spec_drafts, "spec_drafts", s.spec_decode_num_drafts)
-        self._advance(self.spec_draft_tokens, "spec_draft_tokens", s.spec_decode_num_draft_tokens)
-        self._advance(self.spec_accepted, "spec_accepted", s.spec_decode_num_accepted_tokens)
+        m = self.model_name
+        self.running.labels(m, engine).set(s.num_running)
+        self.waiting.labels(m, engine).set(s.num_waiting)
+        self.swapped.labels(m, engine).set(s.num_swapped)
+        self.kv_usage.labels(m, engine).set(s.kv_cache_usage)
+        self.cpu_usage.labels(m, engine).set(s.swap_usage)
+        for counter, key, total in (
+                (self.prompt_tokens, "prompt", s.prefill_tokens),
+                (self.generation_tokens, "generation", s.generation_tokens),
+                (self.preemptions, "preempt", s.num_preempted_recompute + s.num_preempted_swap),
+                (self.cache_queries, "queries", s.prefix_cache_queries),
+                (self.cache_hits, "hits", s.prefix_cache_hits),
+                (self.spec_drafts, "spec_drafts", s.spec_decode_num_drafts),
+                (self.spec_draft_tokens, "spec_draft_tokens", s.spec_decode_num_draft_tokens),
+                (self.spec_accepted, "spec_accepted", s.spec_decode_num_accepted_tokens)):
+            self._advance(counter.labels(m, engine), f"{engine}:{key}", total)
         for pos, total in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            self._advance(self.spec_accepted_per_pos.labels(self.model_name, str(pos)), f"spec_pos{pos}", total)
+            self._advance(self.spec_accepted_per_pos.labels(m, engine, str(pos)), f"{engine}:spec_pos{pos}", total)
 
     def _request(self, out: RequestOutput, step_start: float, now: float) -> None:
         progress = self._progress.get(out.request_id)

@@ -119,9 +119,9 @@ class OpenAIServing(ServedModel):
             for i, (ids, p) in enumerate(zip(prompts, params)):
                 self.metrics.on_prompt(f"{request_id}-{i}", len(ids), bool(req.stream))
                 streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt, lora))
-        except EngineDeadError:
+        except EngineDeadError as exc:
             self.abort(streams)
-            raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
+            raise _unavailable(exc) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Submission(builder, streams, include_usage)
 
@@ -236,8 +236,8 @@ class OpenAIServing(ServedModel):
             self.abort(streams)
             kind = "invalid_request_error" if exc.status == 400 else "server_error"
             raise ApiError(exc.status, str(exc), kind=kind) from None
-        except EngineDeadError:
-            raise ApiError(503, "the engine is not available", kind="service_unavailable") from None
+        except EngineDeadError as exc:
+            raise _unavailable(exc) from None
         return finals
 
     async def stream(self, sub: Submission) -> AsyncIterator[bytes]:
@@ -274,11 +274,16 @@ class OpenAIServing(ServedModel):
             if not started:
                 raise ApiError(exc.status, str(exc), kind=kind) from None
             yield _event(ApiError(exc.status, str(exc), kind=kind).body())
-        except EngineDeadError:
-            yield _event(ApiError(503, "the engine is not available", kind="service_unavailable").body())
+        except EngineDeadError as exc:
+            yield _event(_unavailable(exc).body())
         finally:
             self.abort(sub.streams)
         yield b"data: [DONE]\n\n"
+
+
+def _unavailable(exc: EngineDeadError) -> ApiError:
+    """503 for a request whose engine died (with data parallelism: its replica), saying why."""
+    return ApiError(503, f"the engine is not available: {exc}", kind="service_unavailable")
 
 
 def _event(body: dict) -> bytes:
