@@ -9,9 +9,9 @@ under one of ``--system-prompts`` long system prompts (random common words, abou
 each), of ``--turns`` turns; turn k's prompt is the system prompt, the earlier turns (the user's
 messages and the model's replies as it wrote them) and a new user message. Conversations run
 ``--concurrency`` at a time, each one's turns in order; every reply is streamed, greedy,
-``--max-tokens`` long. Reported per policy: the prefix-cache hit rate over the run (hits /
-queries, in KV blocks, summed over the replicas' ``vpage:prefix_cache_*_total`` counters), TTFT
-p50/p90, end-to-end time, and the ratios prefix / round-robin.
+``--max-tokens`` long. Reported per policy: the prefix-cache hit rate over the run (the prompt
+tokens served from a replica's cache, ``usage.prompt_tokens_details.cached_tokens``, over all
+prompt tokens), TTFT p50/p90, end-to-end time, and the ratios prefix / round-robin.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def make_trace(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def start_server(args: argparse.Namespace, routing: str, log_path: str) -> tuple[subprocess.Popen, int]:
     cmd = [sys.executable, "-m", "vpage.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--data-parallel-size", str(args.dp), "--data-parallel-routing", routing,
-           "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "4096"]
+           "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "2048"]
     if args.model:
         cmd += ["--model", args.model]
     log = open(log_path, "wb")
@@ -67,54 +67,46 @@ def start_server(args: argparse.Namespace, routing: str, log_path: str) -> tuple
     raise RuntimeError(f"the server did not start; see {log_path}")
 
 
-def complete(port: int, prompt: str, max_tokens: int) -> tuple[float, str]:
-    """(TTFT in s, reply text) of one streamed greedy completion."""
+def complete(port: int, prompt: str, max_tokens: int) -> tuple[float, str, dict]:
+    """(TTFT in s, reply text, usage) of one streamed greedy completion."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     conn.request("POST", "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft, parts = None, []
+    ttft, parts, usage = None, [], {}
     for line in resp:
         line = line.strip()
         if not line.startswith(b"data:") or line == b"data: [DONE]":
             continue
-        text = "".join(c.get("text") or "" for c in json.loads(line[5:]).get("choices") or [])
+        event = json.loads(line[5:])
+        usage = event.get("usage") or usage
+        text = "".join(c.get("text") or "" for c in event.get("choices") or [])
         if text and ttft is None:
             ttft = time.perf_counter() - start
         parts.append(text)
     conn.close()
-    return ttft if ttft is not None else float("nan"), "".join(parts)
-
-
-def cache_counters(port: int) -> tuple[float, float]:
-    """(hits, queries) summed over the replicas."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^vpage:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE))
-
-    return total("prefix_cache_hits_total"), total("prefix_cache_queries_total")
+    return ttft if ttft is not None else float("nan"), "".join(parts), usage
 
 
 def run_policy(args: argparse.Namespace, routing: str, trace, log_path: str) -> dict:
     proc, port = start_server(args, routing, log_path)
     try:
         complete(port, "warm up", 2)
-        hits0, queries0 = cache_counters(port)
         ttfts: list[float] = []
+        tokens = {"prompt": 0, "cached": 0}
 
         def conversation(system: str, messages: list[str]) -> None:
             history = system
             for message in messages:
                 history += f"\nUser: {message}\nAssistant:"
-                ttft, reply = complete(port, history, args.max_tokens)
+                ttft, reply, usage = complete(port, history, args.max_tokens)
                 ttfts.append(ttft)
+                tokens["prompt"] += usage["prompt_tokens"]
+                tokens["cached"] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 history += reply
 
         start = time.perf_counter()
@@ -122,12 +114,11 @@ def run_policy(args: argparse.Namespace, routing: str, trace, log_path: str) -> 
             for future in [pool.submit(conversation, s, m) for s, m in trace]:
                 future.result()
         elapsed = time.perf_counter() - start
-        hits, queries = cache_counters(port)
     finally:
         proc.kill()
         proc.wait(timeout=30)
     ttfts.sort()
-    return {"routing": routing, "hit_rate": (hits - hits0) / max(1.0, queries - queries0),
+    return {"routing": routing, "hit_rate": tokens["cached"] / max(1, tokens["prompt"]),
             "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
             "elapsed": elapsed, "requests": len(ttfts)}
 
