@@ -141,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("-dp", "--data-parallel-size", type=int, default=1,
                        help="engine replicas behind this server, each with its own KV cache and share of the "
                             "cores; a request goes to the replica that holds the longest prefix of its prompt")
+    serve.add_argument("-dpb", "--data-parallel-backend", default="mp", choices=["mp", "ray"],
+                       help="the replicas as local processes (mp, each pinned to its share of the cores) or Ray "
+                            "actors (ray: on any node of the Ray cluster this server joins)")
     serve.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "round_robin"],
                        help="how requests are spread over the replicas (round_robin: to compare)")
     serve.add_argument("--enable-lora", action="store_true",
@@ -241,7 +244,8 @@ def _serve(args: argparse.Namespace) -> int:
                              runner=args.runner, hf_overrides=_json_option("--hf-overrides", args.hf_overrides),
                              enable_lora=args.enable_lora, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                             kv_events_config=args.kv_events_config, data_parallel_size=args.data_parallel_size)
+                             kv_events_config=args.kv_events_config, data_parallel_size=args.data_parallel_size,
+                             data_parallel_backend=args.data_parallel_backend)
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(

@@ -51,8 +51,9 @@ class EngineArgs:
     the prefix cache's changes published for routers (``KVEventsConfig``; needs prefix caching).
     data_parallel_size (``vpage serve``): that many engine replicas, each a whole engine (its own
     KV cache, its share of the CPU threads), behind one API server that routes each request to the
-    replica holding the longest prefix of its prompt (``vpage.engine.dp_router``), each replica
-    a local process.
+    replica holding the longest prefix of its prompt (``vpage.engine.dp_router``);
+    data_parallel_backend "mp" runs the replicas as local processes, each pinned to its share of
+    the cores, "ray" as Ray actors (on any node of the Ray cluster this process joins).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -89,6 +90,7 @@ class EngineArgs:
     lora_dtype: str = "auto"
     kv_events_config: Optional[Union[dict[str, Any], str, KVEventsConfig]] = None
     data_parallel_size: int = 1  # engine replicas behind one API server (``vpage serve``)
+    data_parallel_backend: str = "mp"  # the replicas as local processes ("mp") or Ray actors ("ray")
     data_parallel_rank: Optional[int] = None  # set by the server for each replica it starts
 
     def __post_init__(self) -> None:
@@ -120,6 +122,8 @@ class EngineArgs:
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
               f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        check(self.data_parallel_backend in _EXECUTOR_BACKENDS,
+              f"data_parallel_backend must be one of {_EXECUTOR_BACKENDS}, got {self.data_parallel_backend!r}")
         check(self.data_parallel_rank is None or 0 <= self.data_parallel_rank < self.data_parallel_size,
               f"data_parallel_rank must lie in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
         if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
@@ -127,11 +131,12 @@ class EngineArgs:
         check(self.distributed_executor_backend in (None, *_EXECUTOR_BACKENDS),
               f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
               f"got {self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "ray":
+        if self.distributed_executor_backend == "ray" or (self.data_parallel_backend == "ray"
+                                                           and self.data_parallel_size > 1):
             try:
                 import ray  # noqa: F401
             except ImportError:
-                raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install 'vpage[ray]'") from None
+                raise ValueError("the 'ray' backend needs Ray: pip install 'vpage[ray]'") from None
         check(self.generation_config in _GENERATION_CONFIG_MODES or os.path.isdir(self.generation_config),
               f"generation_config must be one of {_GENERATION_CONFIG_MODES} or a folder, "
               f"got {self.generation_config!r}")

@@ -12,9 +12,7 @@ engine-core process dies: every stream then fails with :class:`EngineDeadError` 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -26,7 +24,7 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, CommandReply, CoreFailed, CoreReady, FinishSequences,
                                         LoraCommand, RequestError, StepOutputs, decode, encode)
 from vpage.engine.core_io import EngineCoreRequest
-from vpage.engine.core_process import run_engine_core
+from vpage.engine.core_launch import LocalCore, RayCore
 from vpage.engine.output_processor import OutputProcessor
 from vpage.engine.request_state import RequestState
 from vpage.lora.request import LoRARequest
@@ -107,9 +105,11 @@ class EngineCoreClient:
 
     def __init__(self, args: EngineArgs,
                  on_step: Optional[Callable[[StepOutputs, list[RequestOutput], float], None]] = None,
-                 on_dead: Optional[Callable[[str], None]] = None, cpu_ids: Optional[list[int]] = None):
+                 on_dead: Optional[Callable[[str], None]] = None, cpu_ids: Optional[list[int]] = None,
+                 ray_cpus: Optional[int] = None):
         self.args = args
         self.cpu_ids = cpu_ids  # the cores the engine-core process may use (None: all)
+        self.ray_cpus = ray_cpus  # not None: run the engine core as a Ray actor of that many CPUs
         self.on_step = on_step
         self.on_dead = on_dead
         self.info: Optional[CoreReady] = None
@@ -131,26 +131,24 @@ class EngineCoreClient:
         import zmq
         import zmq.asyncio
 
-        self._dir = tempfile.mkdtemp(prefix="vpage-core-")
-        os.chmod(self._dir, 0o700)
-        inp, out = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._ctx, self._actx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.bind(inp)
-        self._push_monitor = self._push.get_monitor_socket(zmq.EVENT_ACCEPTED)
         self._pull = self._actx.socket(zmq.PULL)
-        self._pull.bind(out)
-        mp = multiprocessing.get_context("spawn")
-        # Not daemonic: with tensor parallelism the engine core starts worker processes, which
-        # a daemonic process may not. It still dies with this process (PR_SET_PDEATHSIG and
-        # its parent check), and is killed at exit before multiprocessing would join it.
-        rank = self.args.data_parallel_rank
-        self._proc = mp.Process(target=run_engine_core, args=(self.args, inp, out, os.getpid(), self.cpu_ids),
-                                name="vpage-engine-core" if rank is None else f"vpage-engine-core-dp{rank}",
-                                daemon=False)
-        self._proc.start()
-        atexit.register(self._proc.kill)
+        if self.ray_cpus is None:
+            self._dir = tempfile.mkdtemp(prefix="vpage-core-")
+            os.chmod(self._dir, 0o700)
+            inp, out = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+            self._push.bind(inp)
+            self._pull.bind(out)
+        else:  # an actor may run on another node: tcp ports on this node's address
+            host = await asyncio.get_running_loop().run_in_executor(None, RayCore.node_address)
+            inp = f"tcp://{host}:{self._push.bind_to_random_port(f'tcp://{host}')}"
+            out = f"tcp://{host}:{self._pull.bind_to_random_port(f'tcp://{host}')}"
+        self._push_monitor = self._push.get_monitor_socket(zmq.EVENT_ACCEPTED)
+        self._proc = (LocalCore(self.args, inp, out, self.cpu_ids) if self.ray_cpus is None else
+                      await asyncio.get_running_loop().run_in_executor(
+                          None, lambda: RayCore(self.args, inp, out, self.ray_cpus)))
         deadline = time.monotonic() + timeout_s
         while True:
             if await self._pull.poll(int(_WATCH_S * 1000)):
@@ -165,9 +163,9 @@ class EngineCoreClient:
                     self._remove_endpoints()
                     break
             if not self._proc.is_alive() or time.monotonic() > deadline:
-                code = self._proc.exitcode
+                how = self._proc.exit_description()
                 await self.shutdown()
-                raise ValueError(f"the engine-core process did not start (exit code {code})")
+                raise ValueError(f"the engine-core process did not start ({how})")
         self.last_message = time.monotonic()
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._watch())]
         return msg
@@ -181,7 +179,7 @@ class EngineCoreClient:
 
         if self._push_monitor.poll(int(_WATCH_S * 1000)):
             recv_monitor_message(self._push_monitor)
-            shutil.rmtree(self._dir, ignore_errors=True)
+            shutil.rmtree(getattr(self, "_dir", ""), ignore_errors=True)
         self._push.disable_monitor()
         self._push_monitor.close(linger=0)
 
@@ -289,7 +287,7 @@ class EngineCoreClient:
     async def _watch(self) -> None:
         while self._proc.is_alive():
             await asyncio.sleep(_WATCH_S)
-        self._die(f"the engine-core process exited (code {self._proc.exitcode})")
+        self._die(f"the engine-core process exited ({self._proc.exit_description()})")
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is not None:
@@ -317,8 +315,7 @@ class EngineCoreClient:
         self._streams = {}
         proc = getattr(self, "_proc", None)
         if proc is not None:
-            if proc.is_alive():
-                proc.kill()
+            proc.kill()
             await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
         for sock in (getattr(self, "_push_monitor", None), getattr(self, "_push", None), getattr(self, "_pull", None)):
             if sock is not None:

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -159,20 +160,23 @@ def build_engine_core(args: EngineArgs) -> EngineCore:
     return EngineCore(config)
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: int,
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, parent_pid: Optional[int],
                     cpu_ids: Optional[list[int]] = None) -> None:
     """Process entry point: builds the engine, reports CoreReady (or CoreFailed) and serves
-    until the parent goes away or kills it. ``cpu_ids``: the cores this process (and the threads
-    it starts) may run on (a data-parallel replica's share); None: all."""
+    until the parent goes away or kills it (``parent_pid`` None: a Ray actor, which Ray stops
+    with its owner). ``cpu_ids``: the cores this process (and the threads it starts) may run on
+    (a data-parallel replica's share); None: all."""
     import zmq
 
-    _die_with_parent()
+    if parent_pid is not None:
+        _die_with_parent()
     if cpu_ids:
         os.sched_setaffinity(0, cpu_ids)
     # Ctrl-C and a service manager's SIGTERM reach the whole process group: they are the API
     # process's to handle (it drains, then stops this process with SIGKILL).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # not so in a (threaded) Ray actor
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -193,7 +197,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, p
     _busy_loop(EngineCoreProc(core), pull, push, parent_pid)
 
 
-def _busy_loop(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
+def _busy_loop(proc: EngineCoreProc, pull, push, parent_pid: Optional[int]) -> None:
     try:
         _serve(proc, pull, push, parent_pid)
     except WorkerDiedError as exc:
@@ -208,11 +212,11 @@ def _busy_loop(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
         sys.exit(1)
 
 
-def _serve(proc: EngineCoreProc, pull, push, parent_pid: int) -> None:
+def _serve(proc: EngineCoreProc, pull, push, parent_pid: Optional[int]) -> None:
     import zmq
 
     last_sent = time.monotonic()
-    while os.getppid() == parent_pid and proc.failed_steps < _MAX_FAILED_STEPS:
+    while (parent_pid is None or os.getppid() == parent_pid) and proc.failed_steps < _MAX_FAILED_STEPS:
         errors: list[RequestError] = []
         replies: list[CommandReply] = []
         if pull.poll(0 if proc.core.has_unfinished_requests() else int(HEARTBEAT_S * 1000)):

@@ -1,5 +1,6 @@
 """Data parallelism behind one API server: ``data_parallel_size`` engine replicas, each a whole
-engine-core process (its own KV cache, its share of the cores), driven by one
+engine-core process (its own KV cache, its share of the cores; a local process, or a Ray actor
+with ``data_parallel_backend="ray"``), driven by one
 :class:`EngineCoreClient` each, with a :class:`PrefixRouter` choosing the replica of every
 request from the replicas' KV cache events and loads.
 
@@ -58,11 +59,14 @@ class DPEngineCoreClient:
         self.on_dead = on_dead
         self.routing = routing
         self.router = PrefixRouter(n, args.block_size)
+        ray = args.data_parallel_backend == "ray"
         cores = replica_cores(n)
         threads = max(1, (args.num_threads or torch.get_num_threads()) // n)
+        # A Ray actor takes as many CPUs as it runs threads (and needs none of this node's cores).
         self.replicas = [
             EngineCoreClient(dataclasses.replace(args, data_parallel_rank=i, num_threads=threads),
-                             on_step=self._step_callback(i), on_dead=self._dead_callback(i), cpu_ids=cores[i])
+                             on_step=self._step_callback(i), on_dead=self._dead_callback(i),
+                             cpu_ids=None if ray else cores[i], ray_cpus=threads if ray else None)
             for i in range(n)]
         self._next = 0  # round robin
 
@@ -75,10 +79,6 @@ class DPEngineCoreClient:
     @property
     def tokenizer(self):
         return self.replicas[0].tokenizer
-
-    @property
-    def stats(self):
-        return self.replicas[0].stats
 
     @property
     def pid(self) -> list[Optional[int]]:
@@ -146,6 +146,10 @@ class DPEngineCoreClient:
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
+        if self.args.data_parallel_backend == "ray":  # the local Ray instance goes now, not at exit
+            import ray
+
+            await asyncio.get_running_loop().run_in_executor(None, ray.shutdown)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -161,8 +165,7 @@ class DPEngineCoreClient:
         def on_dead(reason: str) -> None:
             self.router.forget(i)
             alive = sum(r.dead_reason is None for r in self.replicas)
-            logger.error("vpage: data-parallel replica %d is gone (%s); %d of %d serve on", i, reason, alive,
-                         len(self.replicas))
+            logger.error("vpage: %s; %d of %d replicas serve on", reason, alive, len(self.replicas))
             if alive == 0 and self.on_dead is not None:
                 self.on_dead(reason)
         return on_dead

@@ -1,6 +1,8 @@
 """Data parallelism: the prefix router on its own (KV events in, a replica out), then `vpage serve
---data-parallel-size 2` on a tiny random model: the same greedy text as one engine, repeated
-prefixes on the replica that caches them, a dead replica failing only its own requests."""
+--data-parallel-size 2` on a tiny random model, its replicas local processes and Ray actors: the
+same greedy text as one engine, repeated prefixes on the replica that caches them, a dead
+replica failing only its own requests. Servers with Ray replicas end by themselves (SIGTERM, or
+their last replica's death), so that Ray's own processes go with them."""
 
 from __future__ import annotations
 
@@ -87,9 +89,12 @@ def tiny_model(tmp_path_factory):
     return str(folder)
 
 
-def dp_server(model: str, *extra: str) -> LiveServer:
+BACKENDS = ["mp", "ray"]
+
+
+def dp_server(model: str, backend: str, *extra: str) -> LiveServer:
     return LiveServer("--model", model, "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-num-seqs", "4",
-                      "--data-parallel-size", "2", *extra)
+                      "--data-parallel-size", "2", "--data-parallel-backend", backend, *extra)
 
 
 def per_engine(srv: LiveServer, name: str) -> list[float]:
@@ -99,7 +104,8 @@ def per_engine(srv: LiveServer, name: str) -> list[float]:
                 if line.startswith(f"vpage:{name}{{") and f'engine="{i}"' in line) for i in range(2)]
 
 
-def test_two_replicas_give_one_engines_text_and_route_by_prefix(tiny_model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_replicas_give_one_engines_text_and_route_by_prefix(tiny_model, backend):
     from vpage import LLM, SamplingParams
 
     prompts = [list(range(3 + 7 * i, 70 + 7 * i)) for i in range(4)]  # 67 tokens: 4 full blocks each
@@ -107,7 +113,7 @@ def test_two_replicas_give_one_engines_text_and_route_by_prefix(tiny_model):
     want = [out.outputs[0].text for out in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))]
     del llm
-    srv = dp_server(tiny_model)
+    srv = dp_server(tiny_model, backend)
     try:
         assert len(srv.core_pids) == 2
         body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -123,12 +129,15 @@ def test_two_replicas_give_one_engines_text_and_route_by_prefix(tiny_model):
             assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         assert sum(per_engine(srv, "prefix_cache_hits_total")) - hits_before == 4 * 4
         assert srv.request("GET", "/health")[0] == 200
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(timeout=120) == 0
     finally:
         srv.stop()
 
 
-def test_a_dead_replica_fails_only_its_requests(tiny_model):
-    srv = dp_server(tiny_model, "--request-timeout", "120")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dead_replica_fails_only_its_requests(tiny_model, backend):
+    srv = dp_server(tiny_model, backend, "--request-timeout", "120")
     try:
         long = {"max_tokens": 3000, "ignore_eos": True}
         results: dict[int, tuple] = {}
@@ -154,6 +163,6 @@ def test_a_dead_replica_fails_only_its_requests(tiny_model):
         for i in range(3):
             assert srv.request("POST", "/v1/completions", {"prompt": [9, 8, 7, i], "max_tokens": 2})[0] == 200
         os.kill(srv.core_pids[0], signal.SIGKILL)  # the last replica: the server goes
-        assert srv.proc.wait(timeout=60) == 1
+        assert srv.proc.wait(timeout=120) == 1
     finally:
         srv.stop()
