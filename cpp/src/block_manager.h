@@ -113,6 +113,8 @@ class BlockManager {
   BlockHash hash_salt(const std::string& salt) const;
 
   BlockUsage usage() const;
+  /// Empties the GPU prefix cache when no GPU block is in use (else false; nothing changes).
+  bool reset_prefix_cache() { return gpu_.reset_cache(); }
   /// The GPU prefix cache's events since the last call (config().enable_kv_cache_events).
   std::vector<KvCacheEvent> take_events() { return gpu_.take_events(); }
   const BlockPool& gpu_pool() const { return gpu_; }

@@ -60,6 +60,21 @@ void BlockPool::drop_hash(BlockId block) {
   salt_[block].clear();
 }
 
+bool BlockPool::reset_cache() {
+  if (num_free_ != num_blocks_) return false;
+  for (BlockId block = 0; block < num_blocks_; ++block) {
+    cid_[block] = kNoContent;
+    salt_[block].clear();
+  }
+  cached_.clear();
+  if (record_events_ && caching_) {
+    KvCacheEvent event;
+    event.kind = KvCacheEvent::Kind::kAllCleared;
+    events_.push_back(std::move(event));
+  }
+  return true;
+}
+
 bool BlockPool::same_content(BlockId block, const BlockContent& content) const {
   if (parent_[block] != content.parent) return false;
   if (content.parent == kFirstBlock && salt_[block] != (content.salt ? *content.salt : std::string())) {

@@ -70,6 +70,10 @@ class BlockPool {
 
   const PrefixCacheStats& cache_stats() const { return stats_; }
 
+  /// Empties the prefix cache (one kAllCleared event, no kRemoved ones) when no block is in
+  /// use; returns false, changing nothing, when one is.
+  bool reset_cache();
+
   /// With `on`, every cache entry dropped by allocate() is logged as a kRemoved event, and
   /// record_stored() logs kStored ones; take_events() hands the log over in order.
   void set_record_events(bool on) { record_events_ = on; }

@@ -563,6 +563,7 @@ const BlockManagerConfig& Scheduler::block_config() const { return impl_->block_
 const SchedulerStats& Scheduler::stats() const { return impl_->stats(); }
 BlockUsage Scheduler::usage() const { return impl_->block_manager().usage(); }
 std::vector<KvCacheEvent> Scheduler::take_kv_events() { return impl_->take_kv_events(); }
+bool Scheduler::reset_prefix_cache() { return impl_->reset_prefix_cache(); }
 void Scheduler::check_invariants() const { impl_->check_invariants(); }
 
 }  // namespace vpage

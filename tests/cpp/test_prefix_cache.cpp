@@ -151,6 +151,26 @@ TEST_CASE("kv events: one stored event per new entry, chained; removed on evicti
   EXPECT(quiet.take_kv_events().empty());
 }
 
+TEST_CASE("reset_prefix_cache: refused while blocks are in use, then empties the cache (one event)") {
+  BlockManagerConfig config = caching_pools(8);
+  config.enable_kv_cache_events = true;
+  Scheduler s(SchedulerConfig{}, config);
+  EXPECT(run_one(s, "a", tokens(13)) == 0);
+  s.add_sequence_group("running", tokens(9, 500), 1, stop(4), 0.0);
+  s.schedule();  // holds 3 blocks
+  s.take_kv_events();
+  EXPECT(!s.reset_prefix_cache());
+  EXPECT(s.take_kv_events().empty());
+  EXPECT(s.abort("running"));
+  EXPECT(s.reset_prefix_cache());
+  const std::vector<KvCacheEvent> cleared = s.take_kv_events();
+  EXPECT(cleared.size() == 1 && cleared[0].kind == KvCacheEvent::Kind::kAllCleared);
+  s.check_invariants();
+  EXPECT(run_one(s, "b", tokens(13)) == 0);  // a miss: computed again, then cached again
+  EXPECT(run_one(s, "c", tokens(13)) == 12);
+  EXPECT(s.usage().free_gpu_blocks == 8);
+}
+
 TEST_CASE("a snapshot taken before abort stays readable after it") {
   Scheduler s(SchedulerConfig{}, caching_pools(32));
   s.add_sequence_group("r", tokens(6), 2, stop(4), 0.0);

@@ -34,7 +34,7 @@ struct BlockManagerConfig {
 /// salt's for a first block: the request's cache salt and LoRA adapter) and its tokens. The
 /// key is drawn per process: the names are stable within one engine, not across engines.
 struct KvCacheEvent {
-  enum class Kind : int32_t { kStored = 0, kRemoved = 1 };
+  enum class Kind : int32_t { kStored = 0, kRemoved = 1, kAllCleared = 2 };  ///< kAllCleared: reset_prefix_cache
   Kind kind = Kind::kStored;
   uint64_t hash_hi = 0, hash_lo = 0;
   bool has_parent = false;  ///< kStored: false for a sequence's first block

@@ -162,6 +162,10 @@ class Scheduler {
   /// With BlockManagerConfig::enable_kv_cache_events (and prefix caching): the blocks that
   /// entered or left the GPU prefix cache since the last call, in order; else empty.
   std::vector<KvCacheEvent> take_kv_events();
+  /// Empties the GPU prefix cache (vLLM's reset_prefix_cache) when no request holds GPU blocks
+  /// (nothing running); returns false, changing nothing, otherwise. Later prompts miss until
+  /// their blocks are computed again.
+  bool reset_prefix_cache();
 
   /// Throws CheckError unless: each group is in exactly one queue with matching statuses;
   /// waiting groups hold no blocks, running ones only GPU blocks, swapped ones only CPU

@@ -161,6 +161,8 @@ void bind_scheduler(py::module_& m) {
       .def("usage", &Scheduler::usage, "Occupancy of both pools and prefix-cache counters.")
       .def("take_kv_events", &Scheduler::take_kv_events,
            "KvCacheEvents of the GPU prefix cache since the last call (enable_kv_cache_events).")
+      .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
+           "Empties the GPU prefix cache when nothing holds GPU blocks; False (no change) otherwise.")
       .def("check_invariants", &Scheduler::check_invariants,
            "Raises unless queues, statuses, block tables and pools are consistent.");
 }

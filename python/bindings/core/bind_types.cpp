@@ -107,9 +107,11 @@ void bind_types(py::module_& m) {
 
   py::enum_<KvCacheEvent::Kind>(m, "KvCacheEventKind")
       .value("STORED", KvCacheEvent::Kind::kStored)
-      .value("REMOVED", KvCacheEvent::Kind::kRemoved);
+      .value("REMOVED", KvCacheEvent::Kind::kRemoved)
+      .value("ALL_CLEARED", KvCacheEvent::Kind::kAllCleared);
   py::class_<KvCacheEvent>(m, "KvCacheEvent",
-                           "A block that entered (STORED) or left (REMOVED) the GPU prefix cache.")
+                           "A block that entered (STORED) or left (REMOVED) the GPU prefix cache, or the "
+                           "whole cache emptied (ALL_CLEARED, by reset_prefix_cache).")
       .def_readonly("kind", &KvCacheEvent::kind)
       .def_property_readonly("block_hash", [](const KvCacheEvent& e) { return hash_bytes(e.hash_hi, e.hash_lo); },
                              "16 bytes, big-endian: the block's chained content hash")

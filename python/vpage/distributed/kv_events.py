@@ -10,7 +10,8 @@ event a map tagged by ``type``:
   "token_ids": [...], "block_size": B, "lora_id": id or None, "medium": "GPU", "lora_name": ...}``:
   full blocks that entered the cache, one chain (each block's parent the one before it, the first
   one's ``parent_block_hash``), their tokens end to end;
-- ``{"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}``: cached blocks evicted.
+- ``{"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}``: cached blocks evicted;
+- ``{"type": "AllBlocksCleared"}``: the whole cache emptied (``reset_prefix_cache``).
 
 A block hash is 16 bytes (vpage's chained 128-bit content hash, keyed per process: stable within
 one engine, not across engines). With ``replay_endpoint``, a ROUTER socket answers a request
@@ -45,7 +46,7 @@ def wire_events(events: Sequence[Any], block_size: int,
                 lora_name: Callable[[int], Optional[str]] = lambda _: None) -> list[dict]:
     """The C++ scheduler's ``KvCacheEvent``s as vLLM's tagged event maps, in order: a stored block
     whose parent is the previous stored block (same adapter) joins its BlockStored, consecutive
-    removals share one BlockRemoved."""
+    removals share one BlockRemoved; a reset of the cache is AllBlocksCleared."""
     out: list[dict] = []
     for event in events:
         last = out[-1] if out else None
@@ -60,6 +61,8 @@ def wire_events(events: Sequence[Any], block_size: int,
                         "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
                         "block_size": block_size, "lora_id": lora_id, "medium": MEDIUM_GPU,
                         "lora_name": lora_name(event.lora_id) if lora_id else None})
+        elif event.kind == _core.KvCacheEventKind.ALL_CLEARED:
+            out.append({"type": "AllBlocksCleared"})
         elif last is not None and last["type"] == "BlockRemoved":
             last["block_hashes"].append(event.block_hash)
         else:

@@ -255,6 +255,15 @@ class EngineCore:
     def list_loras(self) -> set[int]:
         return set(self.executor.list_loras()) - self._lora_removals
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (its KV events say AllBlocksCleared at once); False, with
+        nothing changed, while requests hold KV blocks."""
+        if not self.scheduler.reset_prefix_cache():
+            return False
+        if self.kv_events is not None or self.reported_kv_events is not None:
+            self._publish_kv_events()
+        return True
+
     def _pooling_request(self, request: EngineCoreRequest) -> EngineCoreRequest:
         """A pooling request as the core runs it (its prefill samples one token, which ends it);
         ValueError when the engine and the request disagree on pooling."""
@@ -382,7 +391,8 @@ class EngineCore:
     def _kv_events_wanted(config: EngineConfig) -> bool:
         """Whether the scheduler records KV cache events: for a publisher, or for the router of
         a data-parallel server."""
-        published = config.kv_events is not None and config.kv_events.enable_kv_cache_events
+        events = config.kv_events
+        published = events is not None and events.enable_kv_cache_events and events.publisher != "null"
         return published or (config.parallel.data_parallel_rank is not None and config.cache.enable_prefix_caching)
 
     def _publish_kv_events(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core_messages import (AbortRequests, CommandReply, CoreFailed, CoreReady, FinishSequences,
-                                        LoraCommand, RequestError, StepOutputs, decode, encode)
+                                        LoraCommand, RequestError, ResetPrefixCache, StepOutputs, decode, encode)
 from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.core_launch import LocalCore, RayCore
 from vpage.engine.output_processor import OutputProcessor
@@ -202,12 +202,21 @@ class EngineCoreClient:
     async def lora_command(self, add: Optional[LoRARequest] = None, remove: Optional[int] = None) -> CommandReply:
         """Loads (``add``) or forgets (``remove``) a LoRA adapter in the engine core and waits for
         its answer."""
+        return await self._command(lambda reply_id: LoraCommand(reply_id, add, remove))
+
+    async def reset_prefix_cache(self) -> CommandReply:
+        """Empties the engine's prefix cache; the reply's error says why not (409: requests hold
+        KV blocks)."""
+        return await self._command(ResetPrefixCache)
+
+    async def _command(self, make: Callable[[str], Any]) -> CommandReply:
+        """Sends the command ``make(reply_id)`` to the engine core and waits for its reply."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        reply_id = f"lora-{uuid.uuid4().hex}"
+        reply_id = f"cmd-{uuid.uuid4().hex}"
         future = asyncio.get_running_loop().create_future()
         self._replies[reply_id] = future
-        self._push.send(encode(LoraCommand(reply_id, add, remove)))
+        self._push.send(encode(make(reply_id)))
         try:
             return await future
         finally:

@@ -40,9 +40,17 @@ class LoraCommand:
 
 
 @dataclass
+class ResetPrefixCache:
+    """Empty the prefix cache (vLLM's reset_prefix_cache); the core answers with a
+    ``CommandReply`` (status 409 while requests hold KV blocks)."""
+
+    reply_id: str
+
+
+@dataclass
 class CommandReply:
     """The outcome of a command: ``error`` None when it worked, else why not, with the HTTP
-    status it stands for (400: a bad adapter, 404: no such files or adapter)."""
+    status it stands for (400: a bad adapter, 404: no such files or adapter, 409: a cache in use)."""
 
     reply_id: str
     error: Optional[str] = None

@@ -28,7 +28,8 @@ from vpage.engine.arg_utils import EngineArgs
 from vpage.engine.core import EngineCore
 from vpage.engine.core_io import EngineCoreRequest
 from vpage.engine.core_messages import (AbortRequests, CommandReply, CoreFailed, CoreReady, FinishSequences,
-                                        LoraCommand, RequestError, StepOutputs, decode, encode)
+                                        LoraCommand, RequestError, ResetPrefixCache, StepOutputs, decode,
+                                        encode)
 from vpage.executor.errors import WorkerDiedError
 
 logger = logging.getLogger("vpage")
@@ -72,6 +73,11 @@ class EngineCoreProc:
             missing = "not a folder" in str(exc) or "no adapter_config.json" in str(exc)
             return CommandReply(command.reply_id, str(exc), 404 if missing else 400)
         return CommandReply(command.reply_id)
+
+    def reset_prefix_cache(self, command: ResetPrefixCache) -> CommandReply:
+        if self.core.reset_prefix_cache():
+            return CommandReply(command.reply_id)
+        return CommandReply(command.reply_id, "requests hold KV blocks: the prefix cache was not reset", 409)
 
     def abort(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if rid in self.live]
@@ -235,12 +241,15 @@ def _serve(proc: EngineCoreProc, pull, push, parent_pid: Optional[int]) -> None:
                     proc.finish(msg.samples)
                 elif isinstance(msg, LoraCommand):
                     replies.append(proc.lora(msg))
+                elif isinstance(msg, ResetPrefixCache):
+                    replies.append(proc.reset_prefix_cache(msg))
         if proc.core.has_unfinished_requests():
             out = proc.step()
             out.errors = errors + out.errors
         elif errors or replies or time.monotonic() - last_sent >= HEARTBEAT_S:
             proc.core.executor.check_health()  # idle: a dead worker must still take the server down
-            out = StepOutputs(errors=errors, stats=proc.stats(force=True), step_start=time.monotonic())
+            out = StepOutputs(errors=errors, stats=proc.stats(force=True), step_start=time.monotonic(),
+                              kv_events=proc.core.take_reported_kv_events())
         else:
             continue
         out.replies = replies

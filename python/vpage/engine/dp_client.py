@@ -125,6 +125,14 @@ class DPEngineCoreClient:
         replies = await asyncio.gather(*(r.lora_command(add, remove) for r in live))
         return next((reply for reply in replies if reply.error is not None), replies[0])
 
+    async def reset_prefix_cache(self) -> CommandReply:
+        """Every serving replica's cache emptied; the first refusal's reply, else success."""
+        live = [r for r in self.replicas if r.dead_reason is None]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine replica is serving")
+        replies = await asyncio.gather(*(r.reset_prefix_cache() for r in live))
+        return next((reply for reply in replies if reply.error is not None), replies[0])
+
     def abort(self, request_ids: list[str]) -> None:
         for replica in self.replicas:
             replica.abort(request_ids)  # each aborts the ones it holds

@@ -136,6 +136,11 @@ class LLMEngine:
         """The ids of the adapters added and not removed."""
         return self.core.list_loras()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's name): True when done, False (nothing changed) while
+        unfinished requests hold KV blocks."""
+        return self.core.reset_prefix_cache()
+
     def _truncated(self, prompt: PromptType, k: Optional[int]) -> list[int]:
         """A pooling prompt's token ids, cut to its last ``k`` (-1: the last max_model_len - 1)."""
         ids = self._prompt_ids(prompt)[1]

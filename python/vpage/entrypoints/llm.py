@@ -74,6 +74,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache, so that later prompts compute every block again (vLLM's
+        name; e.g. between benchmark runs). An encoder has no cache: True."""
+        reset = getattr(self.engine, "reset_prefix_cache", None)
+        return True if reset is None else reset()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation defaults (``generation_config="auto"``)
         over SamplingParams' own; what ``generate`` and ``chat`` use when given none."""

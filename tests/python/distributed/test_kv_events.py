@@ -137,6 +137,20 @@ def test_engine_publishes_what_vllm_subscribers_read(folder):
         assert topic == b"kv" and int.from_bytes(seq, "big") == len(batches)
         first = decode_batch(payload)[1][0]
         assert first["parent_block_hash"] is None and first["token_ids"][:16] == list(range(200, 216))
+
+        # reset_prefix_cache: one AllBlocksCleared batch at once (no step needed), then the first
+        # prompt misses.
+        assert engine.reset_prefix_cache()
+        for _ in range(1000):
+            assert sub.poll(10_000), "no AllBlocksCleared batch"
+            events = decode_batch(sub.recv_multipart()[2])[1]
+            if events == [{"type": "AllBlocksCleared"}]:
+                break
+        engine.add_request("cold", {"prompt_token_ids": prompt}, params)
+        cold = []
+        while engine.has_unfinished_requests():
+            cold += [o for o in engine.step() if o.finished]
+        assert cold[0].num_cached_tokens == 0 and cold[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
     finally:
         sub.close(linger=0)
         replay.close(linger=0)

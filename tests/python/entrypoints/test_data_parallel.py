@@ -94,7 +94,8 @@ BACKENDS = ["mp", "ray"]
 
 def dp_server(model: str, backend: str, *extra: str) -> LiveServer:
     return LiveServer("--model", model, "--dtype", "float32", "--kv-cache-memory", "0.02", "--max-num-seqs", "4",
-                      "--data-parallel-size", "2", "--data-parallel-backend", backend, *extra)
+                      "--data-parallel-size", "2", "--data-parallel-backend", backend, *extra,
+                      env={"VLLM_SERVER_DEV_MODE": "1"})
 
 
 def per_engine(srv: LiveServer, name: str) -> list[float]:
@@ -128,6 +129,12 @@ def test_two_replicas_give_one_engines_text_and_route_by_prefix(tiny_model, back
             status, answer = srv.request("POST", "/v1/completions", {**body, "prompt": prompt + [1, 2, 3]})
             assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         assert sum(per_engine(srv, "prefix_cache_hits_total")) - hits_before == 4 * 4
+        # Dev mode: every replica's cache emptied; the same prompts then miss (and the router,
+        # told by AllBlocksCleared, places them afresh).
+        assert srv.request("POST", "/reset_prefix_cache")[0] == 200
+        for prompt in prompts:
+            status, answer = srv.request("POST", "/v1/completions", {**body, "prompt": prompt + [1, 2, 3]})
+            assert status == 200 and answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert srv.request("GET", "/health")[0] == 200
         os.kill(srv.proc.pid, signal.SIGTERM)
         assert srv.proc.wait(timeout=120) == 0
@@ -151,6 +158,8 @@ def test_a_dead_replica_fails_only_its_requests(tiny_model, backend):
         for _ in bounded(lambda: per_engine(srv, "num_requests_running") != [1, 1], 3000,
                          "the two requests did not start on the two replicas"):
             threading.Event().wait(0.01)
+        status, error = srv.request("POST", "/reset_prefix_cache")  # requests hold blocks: refused
+        assert status == 409 and "not reset" in error["error"]["message"]
         os.kill(srv.core_pids[1], signal.SIGKILL)
         for t in threads:
             t.join(timeout=300)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
@@ -25,6 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vpage.engine.core_client import EngineDeadError
 from vpage.entrypoints.anthropic.messages import chat_request, message_body, message_events
 from vpage.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, error_body
 from vpage.entrypoints.openai.auth import ApiKeys, cache_salt
@@ -162,13 +164,36 @@ def _lora_routes(app: FastAPI, serving: OpenAIServing, limits: HttpLimits,
         return Response(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.", media_type="text/plain")
 
 
+def dev_mode() -> bool:
+    """vLLM's ``VLLM_SERVER_DEV_MODE=1``: routes meant for development and benchmarks."""
+    return os.environ.get("VLLM_SERVER_DEV_MODE", "0").strip() == "1"
+
+
+def _dev_routes(app: FastAPI, serving: OpenAIServing, authenticate: Callable[[Request], Optional[str]]) -> None:
+    """``POST /reset_prefix_cache`` (vLLM's dev-mode route): 200 once every engine's prefix cache
+    is empty, 409 while requests hold KV blocks (nothing is reset then)."""
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        authenticate(request)
+        try:
+            reply = await serving.client.reset_prefix_cache()
+        except EngineDeadError as exc:
+            raise ApiError(503, f"the engine is not available: {exc}", kind="service_unavailable") from None
+        if reply.error is not None:
+            raise ApiError(reply.status, reply.error, kind="conflict_error")
+        return Response(status_code=200)
+
+
 def _generation_routes(app: FastAPI, serving: OpenAIServing, keys: ApiKeys, limits: HttpLimits,
                        authenticate: Callable[[Request], Optional[str]],
                        responses_store: Optional[ResponseStore]) -> None:
     """Completions, chat completions, Responses and Anthropic Messages (and, when runtime LoRA
-    updating is allowed, loading and unloading adapters)."""
+    updating is allowed, loading and unloading adapters; in dev mode, resetting the prefix cache)."""
     if runtime_updating_allowed():
         _lora_routes(app, serving, limits, authenticate)
+    if dev_mode():
+        _dev_routes(app, serving, authenticate)
 
     async def generate(request: Request, kind: type) -> Response:
         tenant = authenticate(request)
