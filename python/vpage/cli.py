@@ -144,6 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("-dpb", "--data-parallel-backend", default="mp", choices=["mp", "ray"],
                        help="the replicas as local processes (mp, each pinned to its share of the cores) or Ray "
                             "actors (ray: on any node of the Ray cluster this server joins)")
+    serve.add_argument("--ray-serve", action="store_true",
+                       help="run on Ray Serve: --data-parallel-size engine replicas (or --ray-serve-autoscaling) "
+                            "placed, scaled and health-checked by Ray Serve, routed by prompt prefix")
+    serve.add_argument("--ray-serve-autoscaling", default=None, metavar="JSON",
+                       help='with --ray-serve, Ray Serve\'s autoscaling_config, e.g. \'{"min_replicas": 1, '
+                            '"max_replicas": 4, "target_ongoing_requests": 32}\'')
     serve.add_argument("--data-parallel-routing", default="prefix", choices=["prefix", "round_robin"],
                        help="how requests are spread over the replicas (round_robin: to compare)")
     serve.add_argument("--enable-lora", action="store_true",
@@ -258,6 +264,12 @@ def _serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.timeout_header, cors=cors_options(args),
         chat=chat, max_stored_responses=args.max_stored_responses,
         lora_modules=parse_lora_modules(args.lora_modules), data_parallel_routing=args.data_parallel_routing)
+    if args.ray_serve:
+        from vpage.entrypoints.ray_serve.app import run as run_ray_serve
+
+        return run_ray_serve(engine_args, options, _json_option("--ray-serve-autoscaling", args.ray_serve_autoscaling))
+    if args.ray_serve_autoscaling:
+        raise ValueError("--ray-serve-autoscaling needs --ray-serve")
     return run(engine_args, options)
 
 

@@ -58,7 +58,7 @@ class DPEngineCoreClient:
         self.on_step = on_step
         self.on_dead = on_dead
         self.routing = routing
-        self.router = PrefixRouter(n, args.block_size)
+        self.router = PrefixRouter(args.block_size)
         ray = args.data_parallel_backend == "ray"
         cores = replica_cores(n)
         threads = max(1, (args.num_threads or torch.get_num_threads()) // n)
@@ -107,8 +107,8 @@ class DPEngineCoreClient:
         return replica.add_request(request_id, prompt_token_ids, params, cache_salt, lora_request)
 
     def _choose(self, prompt_token_ids: list[int], lora_request: Optional[LoRARequest]) -> int:
-        loads = [None if r.dead_reason is not None else r.num_unfinished() for r in self.replicas]
-        if all(load is None for load in loads):
+        loads = {i: None if r.dead_reason is not None else r.num_unfinished() for i, r in enumerate(self.replicas)}
+        if all(load is None for load in loads.values()):
             raise EngineDeadError(self.dead_reason or "no engine replica is serving")
         if self.routing == "round_robin":
             n = len(loads)

@@ -16,7 +16,7 @@ blocks apart.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, lora_id: int = 0) -> list[int]:
@@ -71,41 +71,51 @@ class _ReplicaIndex:
 
 class PrefixRouter:
     """Chooses a replica per request from its prompt's block keys and the replicas' loads.
+    Replicas are named by any hashable key (an index, a Ray Serve replica id); one is known
+    from its first load, event or choice.
 
     ``imbalance``: the replica with the longest cached prefix wins unless it has more than this
     many unfinished requests beyond the least loaded replica (then the least loaded one does);
     ``max_recent_blocks``: the recently routed keys remembered per replica."""
 
-    def __init__(self, num_replicas: int, block_size: int, imbalance: int = 16, max_recent_blocks: int = 16384):
+    def __init__(self, block_size: int, imbalance: int = 16, max_recent_blocks: int = 16384):
         self.block_size = block_size
         self.imbalance = imbalance
-        self.replicas = [_ReplicaIndex(max_recent_blocks) for _ in range(num_replicas)]
-        self._next = 0  # round-robin start among equally loaded replicas
+        self.max_recent_blocks = max_recent_blocks
+        self.replicas: dict[Hashable, _ReplicaIndex] = {}
+        self._last_chosen: dict[Hashable, int] = {}  # replica -> when it was last chosen (a counter)
+        self._clock = 0
 
-    def choose(self, token_ids: Sequence[int], loads: Sequence[Optional[int]], lora_id: int = 0) -> int:
-        """The replica for a prompt; ``loads[i]`` is replica i's unfinished requests, None for a
-        replica that cannot serve. ValueError when none can."""
-        alive = [i for i, load in enumerate(loads) if load is not None]
+    def index(self, replica: Hashable) -> _ReplicaIndex:
+        if replica not in self.replicas:
+            self.replicas[replica] = _ReplicaIndex(self.max_recent_blocks)
+        return self.replicas[replica]
+
+    def choose(self, token_ids: Sequence[int], loads: Mapping[Hashable, Optional[int]], lora_id: int = 0) -> Hashable:
+        """The replica for a prompt; ``loads[r]`` is replica r's unfinished requests, None for a
+        replica that cannot serve. Equally loaded replicas without a cached prefix take turns.
+        ValueError when none can serve."""
+        alive = [r for r, load in loads.items() if load is not None]
         if not alive:
             raise ValueError("no engine replica is serving")
-        n = len(self.replicas)
-        order = sorted(alive, key=lambda i: (loads[i], (i - self._next) % n))
+        order = sorted(alive, key=lambda r: (loads[r], self._last_chosen.get(r, -1)))
         least = order[0]
-        self._next = (least + 1) % n
         keys = block_keys(token_ids, self.block_size, lora_id)
         best, best_match = least, 0
-        for i in order:  # the least loaded first, so a tie in matched blocks goes to it
-            matched = self.matched_blocks(i, keys)
+        for r in order:  # the least loaded first, so a tie in matched blocks goes to it
+            matched = self.matched_blocks(r, keys)
             if matched > best_match:
-                best, best_match = i, matched
+                best, best_match = r, matched
         if best_match and loads[best] - loads[least] <= self.imbalance:
             least = best
-        self.replicas[least].routed(keys)
+        self.index(least).routed(keys)
+        self._clock += 1
+        self._last_chosen[least] = self._clock
         return least
 
-    def matched_blocks(self, replica: int, keys: Sequence[int]) -> int:
+    def matched_blocks(self, replica: Hashable, keys: Sequence[int]) -> int:
         """How many of the leading blocks ``keys`` replica holds (or was just sent)."""
-        index = self.replicas[replica]
+        index = self.index(replica)
         count = 0
         for key in keys:
             if not index.has(key):
@@ -113,17 +123,18 @@ class PrefixRouter:
             count += 1
         return count
 
-    def on_events(self, replica: int, events: Sequence[dict]) -> None:
+    def on_events(self, replica: Hashable, events: Sequence[dict]) -> None:
         """A step's KV cache events of one replica, in order."""
-        index = self.replicas[replica]
+        index = self.index(replica)
         for event in events:
             if event["type"] == "BlockStored":
                 index.stored(event)
             elif event["type"] == "BlockRemoved":
                 index.removed(event)
             elif event["type"] == "AllBlocksCleared":
-                self.forget(replica)
+                index = self.replicas[replica] = _ReplicaIndex(self.max_recent_blocks)
 
-    def forget(self, replica: int) -> None:
-        """Drops all a replica was known to hold (it died, or cleared its cache)."""
-        self.replicas[replica] = _ReplicaIndex(self.replicas[replica].max_recent)
+    def forget(self, replica: Hashable) -> None:
+        """Drops all a replica was known to hold (it died, or left)."""
+        self.replicas.pop(replica, None)
+        self._last_chosen.pop(replica, None)

@@ -24,34 +24,39 @@ pytestmark = pytest.mark.timeout(600)
 BS = 4  # block size of the router tests
 
 
+def loads(*values):
+    """Replica index -> load."""
+    return dict(enumerate(values))
+
+
 def stored(hashes, tokens, parent=None, lora_id=None):
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
             "block_size": BS, "lora_id": lora_id, "medium": "GPU"}
 
 
 def test_router_follows_each_replicas_events():
-    router = PrefixRouter(3, BS, max_recent_blocks=0)  # only what the events say
+    router = PrefixRouter(BS, max_recent_blocks=0)  # only what the events say
     prompt = list(range(1, 14))  # 3 full blocks and a partial one
     assert len(block_keys(prompt, BS)) == 3
     # Replica 2 caches the first two blocks (two events, chained), replica 1 the first one.
     router.on_events(2, [stored([b"a" * 16], prompt[:4]), stored([b"b" * 16], prompt[4:8], parent=b"a" * 16)])
     router.on_events(1, [stored([b"x" * 16], prompt[:4])])
     assert [router.matched_blocks(i, block_keys(prompt, BS)) for i in range(3)] == [0, 1, 2]
-    assert router.choose(prompt, [0, 0, 0]) == 2
+    assert router.choose(prompt, loads(0, 0, 0)) == 2
     # Another prompt with the same first block only: replicas 1 and 2 tie, the least loaded wins.
     other = prompt[:4] + [99] * 8
-    assert router.choose(other, [0, 0, 1]) == 1
+    assert router.choose(other, loads(0, 0, 1)) == 1
     # Too busy: more than `imbalance` requests beyond the least loaded replica.
-    assert router.choose(prompt, [0, 0, router.imbalance + 1]) == 0
-    assert router.choose(prompt, [5, 5, 5 + router.imbalance]) == 2
+    assert router.choose(prompt, loads(0, 0, router.imbalance + 1)) == 0
+    assert router.choose(prompt, loads(5, 5, 5 + router.imbalance)) == 2
     # Evicted: replica 2 loses its second block, then the first; a dead replica is skipped.
     router.on_events(2, [{"type": "BlockRemoved", "block_hashes": [b"b" * 16], "medium": "GPU"}])
     assert router.matched_blocks(2, block_keys(prompt, BS)) == 1
     router.on_events(2, [{"type": "BlockRemoved", "block_hashes": [b"a" * 16], "medium": "GPU"}])
     assert router.matched_blocks(2, block_keys(prompt, BS)) == 0
-    assert router.choose(prompt, [3, None, 0]) == 2  # replica 1 holds it but cannot serve
+    assert router.choose(prompt, loads(3, None, 0)) == 2  # replica 1 holds it but cannot serve
     with pytest.raises(ValueError, match="no engine replica"):
-        router.choose(prompt, [None, None, None])
+        router.choose(prompt, loads(None, None, None))
     # An adapter's blocks are not the base model's; a cleared cache forgets everything.
     router.on_events(0, [stored([b"l" * 16], prompt[:4], lora_id=7)])
     assert router.matched_blocks(0, block_keys(prompt, BS)) == 0
@@ -61,12 +66,16 @@ def test_router_follows_each_replicas_events():
 
 
 def test_router_spreads_new_prefixes_and_keeps_a_burst_together():
-    router = PrefixRouter(2, BS)
+    router = PrefixRouter(BS)
     a, b = list(range(1, 9)), list(range(50, 58))
-    first = router.choose(a, [0, 0])
-    assert router.choose(b, [0, 0]) != first  # nothing cached: round robin among equal loads
+    first = router.choose(a, loads(0, 0))
+    assert router.choose(b, loads(0, 0)) != first  # nothing cached: equal loads take turns
     # A burst sharing a's prefix follows it before any event arrives (recently routed blocks).
-    assert all(router.choose(a + [i], [0, 0]) == first for i in range(5))
+    assert all(router.choose(a + [i], loads(0, 0)) == first for i in range(5))
+    # Replicas are any keys (Ray Serve's replica ids); one that left is forgotten.
+    assert router.choose(a, {"x": 0, "y": 0}) in ("x", "y")
+    router.forget("x")
+    assert "x" not in router.replicas
 
 
 def test_offset_endpoint_port_and_argument_checks():
