@@ -260,8 +260,7 @@ class EngineCore:
         nothing changed, while requests hold KV blocks."""
         if not self.scheduler.reset_prefix_cache():
             return False
-        if self.kv_events is not None or self.reported_kv_events is not None:
-            self._publish_kv_events()
+        self._publish_kv_events()
         return True
 
     def _pooling_request(self, request: EngineCoreRequest) -> EngineCoreRequest:
@@ -380,8 +379,7 @@ class EngineCore:
                 self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
             self.metrics.spec.add_step(sampled.num_drafts, sampled.num_accepted)
         outputs = self.update(plan, seq_ids, sampled, scheduled_at)
-        if self.kv_events is not None or self.reported_kv_events is not None:
-            self._publish_kv_events()
+        self._publish_kv_events()
         elapsed = time.perf_counter() - start
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)
@@ -396,6 +394,9 @@ class EngineCore:
         return published or (config.parallel.data_parallel_rank is not None and config.cache.enable_prefix_caching)
 
     def _publish_kv_events(self) -> None:
+        """Hands the scheduler's new KV events to the publisher and the data-parallel router."""
+        if self.kv_events is None and self.reported_kv_events is None:
+            return
         events = self.scheduler.take_kv_events()
         if not events:
             return
@@ -407,9 +408,10 @@ class EngineCore:
 
     def take_reported_kv_events(self) -> list[dict]:
         """The KV events since the last call, for a data-parallel router ([] when not a replica)."""
-        events, self.reported_kv_events = self.reported_kv_events, ([] if self.reported_kv_events is not None
-                                                                      else None)
-        return events or []
+        if not self.reported_kv_events:
+            return []
+        events, self.reported_kv_events = self.reported_kv_events, []
+        return events
 
     def update(self, plan: _core.SchedulePlan, seq_ids: list[int], sampled: Optional[ModelRunnerOutput],
                scheduled_at: float) -> list[EngineCoreOutput]:

@@ -2,9 +2,9 @@
 node of a Ray cluster; a data-parallel replica of ``--data-parallel-backend ray``).
 
 Both offer what :class:`~vpage.engine.core_client.EngineCoreClient` needs of the process:
-``pid``, ``is_alive()``, ``exit_description()``, ``kill()`` and ``join(timeout)``, and the
-ZeroMQ endpoints the client binds: ipc paths in a private folder for a local process, tcp
-ports on this node's address for an actor (which may live on another node).
+``pid``, ``is_alive()``, ``exit_description()``, ``kill()`` and ``join(timeout)``; the client
+binds the ZeroMQ endpoints they connect to (ipc paths for a local process, tcp ports on this
+node's address for an actor, which may live on another node).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from vpage.engine.core_process import run_engine_core
 
 class LocalCore:
     """The engine core as a spawned child process, pinned to ``cpu_ids`` when given."""
-
-    uses_ipc = True
 
     def __init__(self, args: EngineArgs, input_address: str, output_address: str,
                  cpu_ids: Optional[list[int]] = None):
@@ -68,8 +66,6 @@ class _CoreActor:
 class RayCore:
     """The engine core as a Ray actor of ``num_cpus`` CPUs (the local Ray instance is started
     when none is connected). The actor is owned by this process: Ray stops it when it dies."""
-
-    uses_ipc = False
 
     def __init__(self, args: EngineArgs, input_address: str, output_address: str, num_cpus: int):
         import ray

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Callable, Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 
@@ -119,18 +119,17 @@ class DPEngineCoreClient:
 
     async def lora_command(self, add: Optional[LoRARequest] = None, remove: Optional[int] = None) -> CommandReply:
         """The command on every serving replica; the first failure's reply, else success."""
-        live = [r for r in self.replicas if r.dead_reason is None]
-        if not live:
-            raise EngineDeadError(self.dead_reason or "no engine replica is serving")
-        replies = await asyncio.gather(*(r.lora_command(add, remove) for r in live))
-        return next((reply for reply in replies if reply.error is not None), replies[0])
+        return await self._broadcast(lambda r: r.lora_command(add, remove))
 
     async def reset_prefix_cache(self) -> CommandReply:
         """Every serving replica's cache emptied; the first refusal's reply, else success."""
+        return await self._broadcast(lambda r: r.reset_prefix_cache())
+
+    async def _broadcast(self, command: Callable[[EngineCoreClient], Awaitable[CommandReply]]) -> CommandReply:
         live = [r for r in self.replicas if r.dead_reason is None]
         if not live:
             raise EngineDeadError(self.dead_reason or "no engine replica is serving")
-        replies = await asyncio.gather(*(r.reset_prefix_cache() for r in live))
+        replies = await asyncio.gather(*(command(r) for r in live))
         return next((reply for reply in replies if reply.error is not None), replies[0])
 
     def abort(self, request_ids: list[str]) -> None:
