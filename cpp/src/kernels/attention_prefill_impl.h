@@ -28,6 +28,7 @@ struct KvTile {
   int n;
   int kx, k_chunk, k_token;
   int v_dim, v_token;
+  const BF16* kh = nullptr;  // bf16 dot-product QK: the keys as stored (same addressing), k unused
 };
 
 // QK for TT tokens [t0, t0 + TT) of a tile: s[t][rv] = sum_d K(t, d) qT[d][rv].
@@ -89,6 +90,63 @@ inline void pf_qk_tile(const KvTile& kv, const float* qT, float* s, int hs) {
   for (; t0 < kv.n; ++t0) pf_qk<RV, 1>(kv, qT, s, t0, hs);
 }
 
+#if defined(__AVX512BF16__)
+// QK by bf16 dot products (the avx512bf16 build, bfloat16 queries and keys): qP[j][r] holds row
+// r's query values of dims 2j and 2j + 1 as one bf16 pair, the key's pair of the same dims is
+// broadcast, and vdpbf16ps adds both exact products to lane r. Half the instructions of pf_qk,
+// and the keys are read as stored (no float32 copy). Scores come out unscaled.
+template <int RV, int TT>
+inline void pf_qk_dot(const KvTile& kv, const uint32_t* qP, float* s, int t0, int hs) {
+  __m512 acc[TT][RV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int dc = 0; dc < hs; dc += kv.kx) {
+    const BF16* kchunk = kv.kh + static_cast<int64_t>(dc / kv.kx) * kv.k_chunk + static_cast<int64_t>(t0) * kv.k_token;
+    for (int j = 0; j < kv.kx; j += 2) {
+      const uint32_t* q = qP + static_cast<int64_t>((dc + j) / 2) * RV * kLanes;
+      __m512bh qv[RV];
+      for (int v = 0; v < RV; ++v) qv[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + v * kLanes));
+      for (int t = 0; t < TT; ++t) {
+        uint32_t pair;
+        __builtin_memcpy(&pair, kchunk + static_cast<int64_t>(t) * kv.k_token + j, sizeof(pair));
+        const __m512bh k = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pair)));
+        for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], qv[v], k);
+      }
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(s + static_cast<int64_t>(t0 + t) * RV * kLanes + v * kLanes, acc[t][v]);
+}
+
+template <int RV>
+inline void pf_qk_dot_tile(const KvTile& kv, const uint32_t* qP, float* s, int hs) {
+  constexpr int TT = pf_tokens_per_pass<RV>();
+  int t0 = 0;
+  for (; t0 + TT <= kv.n; t0 += TT) pf_qk_dot<RV, TT>(kv, qP, s, t0, hs);
+  for (; t0 + 4 <= kv.n; t0 += 4) pf_qk_dot<RV, 4>(kv, qP, s, t0, hs);
+  for (; t0 < kv.n; ++t0) pf_qk_dot<RV, 1>(kv, qP, s, t0, hs);
+}
+#endif
+
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
+// Whether QK takes bf16 dot products: bfloat16 queries over bfloat16 keys, in the avx512bf16 build.
+template <typename T, typename TQ>
+constexpr bool dot_qk() {
+#if defined(__AVX512BF16__)
+  return SameType<T, BF16>::value && SameType<TQ, BF16>::value;
+#else
+  return false;
+#endif
+}
+
 // One task of the rows-in-lanes kernel, whatever holds its K/V. Row r is query r / heads,
 // head r % heads: its query row at q + (r / heads) * q_stride + (r % heads) * head_size, its
 // output row likewise in out. Lane r sees context positions [begin_r, end_r) (the caller's
@@ -116,8 +174,10 @@ inline int64_t prefill_scratch_floats(int32_t rows, int32_t head_size, int32_t t
 }
 
 // fetch(k, base, n, kf, vf) returns tile k (tokens [base, base + n)) as a KvTile, converting
-// into kf/vf (hs * tile floats each) when its elements are not fp32.
-template <int RV, typename TQ, typename Bounds, typename Fetch>
+// into kf/vf (hs * tile floats each) when its elements are not fp32. With kDotQK (bfloat16
+// queries and keys, the avx512bf16 build) the tile's keys stay bf16 (KvTile::kh) and QK takes
+// bf16 dot products (qT's room then holds the query pairs, unscaled; the scores are scaled after).
+template <int RV, bool kDotQK, typename TQ, typename Bounds, typename Fetch>
 void rows_in_lanes(const LaneTask<TQ>& task, int hs, Bounds&& bounds, Fetch&& fetch, float* scratch) {
   constexpr int RL = RV * kLanes;
   const int tile = task.tile;
@@ -134,14 +194,27 @@ void rows_in_lanes(const LaneTask<TQ>& task, int hs, Bounds&& bounds, Fetch&& fe
   float* visb = l + RL;       // first visible position per lane
   float* rowbuf = visb + RL;  // [RL][hs]: rows in row-major order (query in, output out)
 
+#if defined(__AVX512BF16__)
+  if constexpr (kDotQK) {
+    // qP[j][r] = (q_r[2j], q_r[2j + 1]) as stored; padding lanes zero.
+    uint32_t* qP = reinterpret_cast<uint32_t*>(qT);
+    for (int64_t i = 0; i < static_cast<int64_t>(hs / 2) * RL; ++i) qP[i] = 0;
+    for (int r = 0; r < rows; ++r) {
+      const TQ* src = task.q + (r / task.heads) * task.q_stride + static_cast<int64_t>(r % task.heads) * hs;
+      for (int j = 0; j < hs / 2; ++j) __builtin_memcpy(qP + static_cast<int64_t>(j) * RL + r, src + 2 * j, 4);
+    }
+  }
+#endif
   // qT[d][r] = q_r[d] * scale; padding lanes zero and see the whole task context.
   // (Converted rows first, padding rows zero, then a transpose by strided loads.)
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < rows && !kDotQK; ++r) {
     const TQ* src = task.q + (r / task.heads) * task.q_stride + static_cast<int64_t>(r % task.heads) * hs;
     for (int d = 0; d < hs; d += kLanes) store(rowbuf + static_cast<int64_t>(r) * hs + d, mul(load(src + d), set1(task.scale)));
   }
-  for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs; i += kLanes) store(rowbuf + i, zero());
-  for (int d = 0; d < hs; ++d) {
+  for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs && !kDotQK; i += kLanes) {
+    store(rowbuf + i, zero());
+  }
+  for (int d = 0; d < hs && !kDotQK; ++d) {
     for (int v = 0; v < RV; ++v) {
       store(qT + static_cast<int64_t>(d) * RL + v * kLanes, load_strided(rowbuf + static_cast<int64_t>(v) * kLanes * hs + d, hs));
     }
@@ -167,7 +240,16 @@ void rows_in_lanes(const LaneTask<TQ>& task, int hs, Bounds&& bounds, Fetch&& fe
     const int base = b * tile;
     const int n = task.ctx_end - base < tile ? task.ctx_end - base : tile;
     const KvTile kv = fetch(b, base, n, kf, vf);
+#if defined(__AVX512BF16__)
+    if constexpr (kDotQK) {
+      pf_qk_dot_tile<RV>(kv, reinterpret_cast<const uint32_t*>(qT), s, hs);
+      for (int64_t i = 0; i < static_cast<int64_t>(n) * RL; i += kLanes) store(s + i, mul(load(s + i), set1(task.scale)));
+    } else {
+      pf_qk_tile<RV>(kv, qT, s, hs);
+    }
+#else
     pf_qk_tile<RV>(kv, qT, s, hs);
+#endif
     if (task.cap > 0.0f) {
       for (int64_t i = 0; i < static_cast<int64_t>(n) * RL; i += kLanes) store(s + i, soft_cap(load(s + i), task.cap));
     }
@@ -245,11 +327,15 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
   const int32_t* table = a.block_tables + static_cast<int64_t>(task.seq) * a.max_blocks_per_seq;
   const int64_t head_offset = static_cast<int64_t>(task.kv_head) * block_elems;
   const int64_t block_stride = static_cast<int64_t>(a.cache.num_kv_heads) * block_elems;
+  constexpr bool kDot = dot_qk<T, TQ>();
   auto fetch = [&](int b, int, int n, float* kf, float* vf) {
     const T* kbt = key_cache + table[b] * block_stride + head_offset;
     const T* vbt = value_cache + table[b] * block_stride + head_offset;
     if constexpr (sizeof(T) == sizeof(float)) {
       return KvTile{reinterpret_cast<const float*>(kbt), reinterpret_cast<const float*>(vbt), n, x, bs * x, x, bs, 1};
+    } else if constexpr (kDot) {
+      for (int64_t i = 0; i < block_elems; i += kLanes) store(vf + i, load(vbt + i));
+      return KvTile{nullptr, vf, n, x, bs * x, x, bs, 1, reinterpret_cast<const BF16*>(kbt)};
     } else {
       for (int64_t i = 0; i < block_elems; i += kLanes) {
         store(kf + i, load(kbt + i));
@@ -258,7 +344,7 @@ void run_prefill_typed(const PagedAttentionArgs& a, const AttentionTask& task, f
       return KvTile{kf, vf, n, x, bs * x, x, bs, 1};
     }
   };
-  rows_in_lanes<RV>(lt, hs, bounds, fetch, scratch);
+  rows_in_lanes<RV, kDot>(lt, hs, bounds, fetch, scratch);
 }
 
 // Packed attention (bidirectional): query q of the task, at position p of its sequence, sees
@@ -297,6 +383,7 @@ void run_packed_typed(const PackedAttentionArgs& a, const PackedTask& task, floa
   const T* key = static_cast<const T*>(a.key) + kv_row * a.key_stride + head;
   const T* value = static_cast<const T*>(a.value) + kv_row * a.value_stride + head;
   const int ks = static_cast<int>(a.key_stride), vs = static_cast<int>(a.value_stride);
+  constexpr bool kDot = dot_qk<T, T>();
   auto fetch = [&](int, int base, int n, float* kf, float* vf) {
     if constexpr (sizeof(T) == sizeof(float)) {
       return KvTile{reinterpret_cast<const float*>(key + static_cast<int64_t>(base) * ks),
@@ -306,14 +393,18 @@ void run_packed_typed(const PackedAttentionArgs& a, const PackedTask& task, floa
         const T* kt = key + static_cast<int64_t>(base + t) * ks;
         const T* vt = value + static_cast<int64_t>(base + t) * vs;
         for (int d = 0; d < hs; d += kLanes) {
-          store(kf + static_cast<int64_t>(t) * hs + d, load(kt + d));
+          if constexpr (!kDot) store(kf + static_cast<int64_t>(t) * hs + d, load(kt + d));
           store(vf + static_cast<int64_t>(t) * hs + d, load(vt + d));
         }
       }
-      return KvTile{kf, vf, n, hs, 0, hs, 1, hs};
+      if constexpr (kDot) {
+        return KvTile{nullptr, vf, n, hs, 0, ks, 1, hs, reinterpret_cast<const BF16*>(key + static_cast<int64_t>(base) * ks)};
+      } else {
+        return KvTile{kf, vf, n, hs, 0, hs, 1, hs};
+      }
     }
   };
-  rows_in_lanes<RV>(lt, hs, bounds, fetch, scratch);
+  rows_in_lanes<RV, kDot>(lt, hs, bounds, fetch, scratch);
 }
 
 template <typename T>

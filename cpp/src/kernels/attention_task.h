@@ -76,12 +76,18 @@ namespace avx512vnni {  // the AVX-512 attention build under the avx512vnni leve
 extern const AttentionKernels kKernels;
 }
 #if defined(VPAGE_AVX512BF16_KERNELS)
-namespace avx512bf16 {  // the AVX-512 decode task with bf16 dot products (AVX512-BF16 CPUs)
+namespace avx512bf16 {  // the AVX-512 tasks with bf16 dot products for QK (AVX512-BF16 CPUs)
 extern const AttentionTaskFn kDecodeTask;
+extern const AttentionTaskFn kPrefillTask;
+extern const PackedTaskFn kPackedTask;
 }
 #endif
 
 /// The build paged_attention uses: the best one the CPU supports, or set_cpu_isa's choice.
 const AttentionKernels& selected_kernels();
+
+/// Whether the tasks of `kernels` (an AVX-512 level) are replaced by the avx512bf16 build's:
+/// this CPU has AVX512-BF16 and the library was built with it.
+bool use_bf16_dot_tasks(const AttentionKernels& kernels);
 
 }  // namespace vpage::cpu

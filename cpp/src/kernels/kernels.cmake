@@ -80,5 +80,5 @@ if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$"
   endif()
   set_source_files_properties(${_vpage_kernels_dir}/cpu_isa.cpp ${_vpage_kernels_dir}/quant_matmul.cpp
     ${_vpage_kernels_dir}/dense_matmul.cpp ${_vpage_kernels_dir}/paged_attention.cpp
-    TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS "${_vpage_x86_definitions}")
+    ${_vpage_kernels_dir}/packed_attention.cpp TARGET_DIRECTORY vpage_core PROPERTIES COMPILE_DEFINITIONS "${_vpage_x86_definitions}")
 endif()

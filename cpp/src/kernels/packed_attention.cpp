@@ -70,10 +70,14 @@ void packed_attention(const PackedAttentionArgs& a, int num_threads) {
   int32_t max_rows = 0;
   for (const PackedTask& t : tasks) max_rows = std::max(max_rows, t.num_queries);
   const int64_t scratch_floats = kernels.prefill_scratch_floats(max_rows, a.head_size, kPackedTile);
+  PackedTaskFn task_fn = kernels.run_packed_task;
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  if (use_bf16_dot_tasks(kernels)) task_fn = avx512bf16::kPackedTask;  // bf16 dot-product QK
+#endif
   ThreadPool::instance().parallel_for(static_cast<int64_t>(tasks.size()), num_threads, [&](int64_t index, int) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
-    kernels.run_packed_task(a, tasks[index], scratch.data());
+    task_fn(a, tasks[index], scratch.data());
   });
 }
 

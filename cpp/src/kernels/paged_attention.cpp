@@ -119,14 +119,20 @@ void store_row(const PagedAttentionArgs& a, int64_t row, const float* values) {
   }
 }
 
-// The selected build's decode task; on CPUs with AVX512-BF16 the AVX-512 levels take the one
-// whose bfloat16 QK uses bf16 dot products (the same scratch as the AVX-512 build's).
+// The selected build's decode and prefill tasks; on CPUs with AVX512-BF16 the AVX-512 levels take
+// the ones whose bfloat16 QK uses bf16 dot products (the same scratch as the AVX-512 build's).
 AttentionTaskFn decode_task(const AttentionKernels& kernels) {
 #if defined(VPAGE_AVX512BF16_KERNELS)
-  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
-  if (has_bf16_dot && std::strncmp(kernels.name, "avx512", 6) == 0) return avx512bf16::kDecodeTask;
+  if (use_bf16_dot_tasks(kernels)) return avx512bf16::kDecodeTask;
 #endif
   return kernels.run_task;
+}
+
+AttentionTaskFn prefill_task(const AttentionKernels& kernels) {
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  if (use_bf16_dot_tasks(kernels)) return avx512bf16::kPrefillTask;
+#endif
+  return kernels.run_prefill_task;
 }
 
 void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num_threads, bool prefill_kernel) {
@@ -149,7 +155,7 @@ void run(const PagedAttentionArgs& a, std::vector<AttentionTask>& tasks, int num
   for (const AttentionTask& t : tasks) max_rows = std::max(max_rows, t.num_queries * t.num_heads);
   const int64_t scratch_floats = (prefill_kernel ? kernels.prefill_scratch_floats : kernels.scratch_floats)(
       max_rows, a.cache.head_size, a.cache.block_size);
-  const AttentionTaskFn task_fn = prefill_kernel ? kernels.run_prefill_task : decode_task(kernels);
+  const AttentionTaskFn task_fn = prefill_kernel ? prefill_task(kernels) : decode_task(kernels);
   ThreadPool::instance().parallel_for(static_cast<int64_t>(tasks.size()), num_threads,
                                       [&](int64_t index, int) {
                                         thread_local std::vector<float> scratch;
@@ -345,6 +351,16 @@ void prefill(const PagedAttentionArgs& a, int num_threads) {
 }
 
 }  // namespace
+
+bool use_bf16_dot_tasks(const AttentionKernels& kernels) {
+#if defined(VPAGE_AVX512BF16_KERNELS)
+  static const bool has_bf16_dot = __builtin_cpu_supports("avx512bf16");
+  return has_bf16_dot && std::strncmp(kernels.name, "avx512", 6) == 0;
+#else
+  (void)kernels;
+  return false;
+#endif
+}
 
 void paged_attention(const PagedAttentionArgs& args, int num_threads) {
   validate(args, num_threads);
