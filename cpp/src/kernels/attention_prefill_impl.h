@@ -194,29 +194,29 @@ void rows_in_lanes(const LaneTask<TQ>& task, int hs, Bounds&& bounds, Fetch&& fe
   float* visb = l + RL;       // first visible position per lane
   float* rowbuf = visb + RL;  // [RL][hs]: rows in row-major order (query in, output out)
 
-#if defined(__AVX512BF16__)
+  // The query rows as QK reads them; padding lanes zero (they see the whole task context).
+  const TQ* q0 = task.q;
+  auto query_row = [&](int r) { return q0 + (r / task.heads) * task.q_stride + static_cast<int64_t>(r % task.heads) * hs; };
   if constexpr (kDotQK) {
-    // qP[j][r] = (q_r[2j], q_r[2j + 1]) as stored; padding lanes zero.
+    // qP[j][r] = (q_r[2j], q_r[2j + 1]) as stored, in qT's room.
     uint32_t* qP = reinterpret_cast<uint32_t*>(qT);
     for (int64_t i = 0; i < static_cast<int64_t>(hs / 2) * RL; ++i) qP[i] = 0;
     for (int r = 0; r < rows; ++r) {
-      const TQ* src = task.q + (r / task.heads) * task.q_stride + static_cast<int64_t>(r % task.heads) * hs;
-      for (int j = 0; j < hs / 2; ++j) __builtin_memcpy(qP + static_cast<int64_t>(j) * RL + r, src + 2 * j, 4);
+      for (int j = 0; j < hs / 2; ++j) __builtin_memcpy(qP + static_cast<int64_t>(j) * RL + r, query_row(r) + 2 * j, 4);
     }
-  }
-#endif
-  // qT[d][r] = q_r[d] * scale; padding lanes zero and see the whole task context.
-  // (Converted rows first, padding rows zero, then a transpose by strided loads.)
-  for (int r = 0; r < rows && !kDotQK; ++r) {
-    const TQ* src = task.q + (r / task.heads) * task.q_stride + static_cast<int64_t>(r % task.heads) * hs;
-    for (int d = 0; d < hs; d += kLanes) store(rowbuf + static_cast<int64_t>(r) * hs + d, mul(load(src + d), set1(task.scale)));
-  }
-  for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs && !kDotQK; i += kLanes) {
-    store(rowbuf + i, zero());
-  }
-  for (int d = 0; d < hs && !kDotQK; ++d) {
-    for (int v = 0; v < RV; ++v) {
-      store(qT + static_cast<int64_t>(d) * RL + v * kLanes, load_strided(rowbuf + static_cast<int64_t>(v) * kLanes * hs + d, hs));
+  } else {
+    // qT[d][r] = q_r[d] * scale: converted rows first, padding rows zero, then a transpose by
+    // strided loads.
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < hs; d += kLanes) {
+        store(rowbuf + static_cast<int64_t>(r) * hs + d, mul(load(query_row(r) + d), set1(task.scale)));
+      }
+    }
+    for (int64_t i = static_cast<int64_t>(rows) * hs; i < static_cast<int64_t>(RL) * hs; i += kLanes) store(rowbuf + i, zero());
+    for (int d = 0; d < hs; ++d) {
+      for (int v = 0; v < RV; ++v) {
+        store(qT + static_cast<int64_t>(d) * RL + v * kLanes, load_strided(rowbuf + static_cast<int64_t>(v) * kLanes * hs + d, hs));
+      }
     }
   }
   for (int r = 0; r < RL; ++r) {

@@ -33,10 +33,10 @@ logger = logging.getLogger("vpage")
 ROUTING_POLICIES = ("prefix", "round_robin")
 
 
-def replica_cores(num_replicas: int, cores: Optional[list[int]] = None) -> list[list[int]]:
+def replica_cores(num_replicas: int) -> list[list[int]]:
     """This process's cores split into ``num_replicas`` contiguous shares (a replica gets at least
     one; with fewer cores than replicas, shares repeat)."""
-    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // num_replicas)
     return [[cores[(i * per + j) % len(cores)] for j in range(per)] for i in range(num_replicas)]
 

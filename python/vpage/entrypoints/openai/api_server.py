@@ -33,7 +33,7 @@ from vpage.entrypoints.openai.auth import ApiKeys, cache_salt
 from vpage.entrypoints.openai.cors import CorsOptions, add_cors
 from vpage.entrypoints.openai.lora_adapters import runtime_updating_allowed
 from vpage.entrypoints.openai.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
-from vpage.entrypoints.openai.serving import OpenAIServing
+from vpage.entrypoints.openai.serving import OpenAIServing, engine_unavailable
 from vpage.entrypoints.openai.tokenization import Tokenization
 from vpage.entrypoints.pooling.protocol import (ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
                                                 ScoreRequest)
@@ -179,7 +179,7 @@ def _dev_routes(app: FastAPI, serving: OpenAIServing, authenticate: Callable[[Re
         try:
             reply = await serving.client.reset_prefix_cache()
         except EngineDeadError as exc:
-            raise ApiError(503, f"the engine is not available: {exc}", kind="service_unavailable") from None
+            raise engine_unavailable(exc) from None
         if reply.error is not None:
             raise ApiError(reply.status, reply.error, kind="conflict_error")
         return Response(status_code=200)

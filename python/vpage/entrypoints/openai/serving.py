@@ -121,7 +121,7 @@ class OpenAIServing(ServedModel):
                 streams.append(self.client.add_request(f"{request_id}-{i}", ids, p, cache_salt, lora))
         except EngineDeadError as exc:
             self.abort(streams)
-            raise _unavailable(exc) from None
+            raise engine_unavailable(exc) from None
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Submission(builder, streams, include_usage)
 
@@ -237,7 +237,7 @@ class OpenAIServing(ServedModel):
             kind = "invalid_request_error" if exc.status == 400 else "server_error"
             raise ApiError(exc.status, str(exc), kind=kind) from None
         except EngineDeadError as exc:
-            raise _unavailable(exc) from None
+            raise engine_unavailable(exc) from None
         return finals
 
     async def stream(self, sub: Submission) -> AsyncIterator[bytes]:
@@ -275,13 +275,13 @@ class OpenAIServing(ServedModel):
                 raise ApiError(exc.status, str(exc), kind=kind) from None
             yield _event(ApiError(exc.status, str(exc), kind=kind).body())
         except EngineDeadError as exc:
-            yield _event(_unavailable(exc).body())
+            yield _event(engine_unavailable(exc).body())
         finally:
             self.abort(sub.streams)
         yield b"data: [DONE]\n\n"
 
 
-def _unavailable(exc: EngineDeadError) -> ApiError:
+def engine_unavailable(exc: EngineDeadError) -> ApiError:
     """503 for a request whose engine died (with data parallelism: its replica), saying why."""
     return ApiError(503, f"the engine is not available: {exc}", kind="service_unavailable")
 
