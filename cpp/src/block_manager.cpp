@@ -10,10 +10,20 @@ namespace vpage {
 BlockManager::BlockManager(const BlockManagerConfig& config, int32_t max_step_tokens)
     : config_(config),
       gpu_(Device::kGpu, config.num_gpu_blocks, config.enable_prefix_caching, std::max(config.block_size, 1)),
-      cpu_(Device::kCpu, config.num_cpu_blocks, false),
-      hasher_(config.collide_prefix_hashes_for_testing),
+      cpu_(Device::kCpu, config.num_cpu_blocks,
+           config.enable_kv_offload && config.enable_prefix_caching && config.sliding_window == 0,
+           std::max(config.block_size, 1)),
+      disk_(config.enable_kv_offload && config.enable_prefix_caching && config.sliding_window == 0
+                ? config.num_disk_blocks : 0,
+            std::max(config.block_size, 1)),
+      hasher_(config.collide_prefix_hashes_for_testing, config.prefix_hash_key0, config.prefix_hash_key1),
       max_step_tokens_(max_step_tokens) {
   gpu_.set_record_events(config.enable_kv_cache_events && config.enable_prefix_caching);
+  VPAGE_CHECK(config.num_disk_blocks == 0 || config.enable_kv_offload,
+              "a disk tier (num_disk_blocks) needs the CPU tier (enable_kv_offload)");
+  cpu_.share_content_ids(gpu_);
+  gpu_.set_keep_evicted(offloads());
+  cpu_.set_keep_evicted(disk_.enabled());
   VPAGE_CHECK(config.block_size > 0, "block_size must be > 0, got " << config.block_size);
   VPAGE_CHECK(config.watermark >= 0.0 && config.watermark < 1.0,
               "watermark must be in [0, 1), got " << config.watermark);
@@ -75,8 +85,25 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
   int32_t hits = 0;
   uint64_t parent = kFirstBlock;
   while (hits < cacheable) {
-    const BlockId b = gpu_.lookup(seq.block_hashes_[hits], content_of(group, seq, hits, parent), acquire);
-    if (b < 0) break;
+    const BlockHash& hash = seq.block_hashes_[hits];
+    const BlockContent content = content_of(group, seq, hits, parent);
+    const BlockId b = gpu_.lookup(hash, content, acquire);
+    if (b < 0) {
+      if (!acquire || !offloads()) break;
+      // The CPU tier: the block is swapped into a new GPU block before the forward.
+      const BlockId c = cpu_.lookup(hash, content, true);
+      if (c < 0) break;
+      parent = cpu_.content_id(c);
+      hold_cpu(c);
+      const BlockId g = gpu_.allocate();
+      tier_swap_in_.emplace_back(c, g);
+      const uint64_t cid = gpu_.register_block(g, hash, content, parent);
+      if (cid == parent) gpu_.record_stored(g, hash, hits > 0 ? &seq.block_hashes_[hits - 1] : nullptr, group.lora_id());
+      seq.block_table_.push_back(g);
+      seq.block_cids_.push_back(parent);
+      ++hits;
+      continue;
+    }
     parent = gpu_.content_id(b);
     if (acquire) {
       // A hit before the window is not held: only its content id is kept, for the chain.
@@ -213,6 +240,7 @@ void BlockManager::allocate(SequenceGroup& group) {
               std::min(leader->block_cids_.size(), s->block_cids_.size()), s->block_cids_.begin());
   }
   group.identical_ = plan.identical;
+  group.disk_fetched_ = false;
   group.shared_len_ = plan.identical ? 0 : plan.shared_len;
   group.num_cached_tokens_ = leader->num_computed_;
 }
@@ -381,7 +409,13 @@ void BlockManager::move_group(SequenceGroup& group, Device to, std::vector<Block
       } else {
         dst.incref(it->second);
       }
-      src.decref(b);
+      // A swap-in's source stays held until finish_step: this step's offload copies and disk
+      // loads, which write CPU blocks before swap-ins read them, must not take it.
+      if (to == Device::kGpu && offloads()) {
+        swapped_in_cpu_.push_back(b);
+      } else {
+        src.decref(b);
+      }
       b = it->second;
     }
     s->block_device_ = to;
@@ -397,6 +431,107 @@ void BlockManager::swap_in(SequenceGroup& group, std::vector<BlockPair>& mapping
   VPAGE_CHECK(num_distinct_blocks(group) <= gpu_.num_free(),
               "not enough GPU blocks to swap in '" << group.request_id() << "'");
   move_group(group, Device::kGpu, mapping);
+}
+
+int32_t BlockManager::fetch_from_disk(SequenceGroup& group) {
+  if (!disk_.enabled() || group.disk_fetched_) return 0;
+  group.disk_fetched_ = true;
+  Sequence* leader = nullptr;
+  for (auto& s : group.seqs_) {
+    if (!is_finished(s->status())) {
+      leader = s.get();
+      break;
+    }
+  }
+  if (leader == nullptr) return 0;
+  const int32_t bs = config_.block_size;
+  const int32_t cacheable = (leader->num_tokens() - 1) / bs;
+  ensure_hashes(group, *leader, cacheable);
+  // Past the blocks the tiers above hold, to the first the disk lacks.
+  int32_t i = 0;
+  uint64_t parent = kFirstBlock;
+  for (; i < cacheable; ++i) {
+    const BlockContent content = content_of(group, *leader, i, parent);
+    BlockId b = gpu_.lookup(leader->block_hashes_[i], content, false);
+    if (b >= 0) {
+      parent = gpu_.content_id(b);
+      continue;
+    }
+    b = cpu_.lookup(leader->block_hashes_[i], content, false);
+    if (b < 0) break;
+    parent = cpu_.content_id(b);
+  }
+  int32_t loads = 0;
+  for (; i < cacheable && cpu_.num_free() > 0; ++i, ++loads) {
+    const BlockHash& hash = leader->block_hashes_[i];
+    if (!disk_.lookup(hash, leader->tokens_.data() + static_cast<size_t>(i) * bs, i == 0, group.cache_salt_, true)) break;
+    const BlockId c = cpu_.allocate();
+    held_cpu_.push_back(c);  // until finish_step: the load writes it
+    parent = cpu_.register_block(c, hash, content_of(group, *leader, i, parent));
+    if (parent == kNoContent) break;  // another content holds the key in the CPU index
+    tier_loads_.push_back(KvBlockLoad{hash.hi, hash.lo, c});
+  }
+  return loads;
+}
+
+void BlockManager::finish_step(SchedulePlan& plan) {
+  if (!offloads()) return;
+  // GPU entries evicted this step: copied to the CPU before this step's forward writes them.
+  for (const EvictedEntry& e : gpu_.take_evicted()) {
+    if (cpu_.num_free() == 0 || cpu_.lookup(e.hash, e.content(), false) >= 0) continue;
+    const BlockId c = cpu_.allocate();
+    held_cpu_.push_back(c);  // a later copy of this step must not take it
+    if (cpu_.register_block(c, e.hash, e.content(), e.cid) != kNoContent) plan.blocks_to_swap_out.emplace_back(e.block, c);
+  }
+  // CPU entries evicted this step: written to disk before their blocks are rewritten. A key
+  // pushed out of the disk in the same step is not written at all.
+  std::vector<BlockHash> gone;
+  for (EvictedEntry& e : cpu_.take_evicted()) {
+    KvBlockSave save{e.block, e.hash.hi, e.hash.lo, e.parent == kFirstBlock, e.salt, e.tokens};
+    if (disk_.insert(DiskRecord{e.hash, save.first, std::move(e.salt), std::move(e.tokens)}, gone)) {
+      plan.kv_saves.push_back(std::move(save));
+    }
+  }
+  for (const BlockHash& h : gone) {
+    const auto same = [&](const KvBlockSave& s) { return s.hash_hi == h.hi && s.hash_lo == h.lo; };
+    const auto it = std::find_if(plan.kv_saves.begin(), plan.kv_saves.end(), same);
+    if (it != plan.kv_saves.end()) {
+      plan.kv_saves.erase(it);
+    } else {
+      plan.kv_deletes.emplace_back(h.hi, h.lo);
+    }
+  }
+  plan.kv_deletes.insert(plan.kv_deletes.end(), tier_deletes_.begin(), tier_deletes_.end());
+  tier_deletes_.clear();
+  plan.blocks_to_swap_in.insert(plan.blocks_to_swap_in.end(), tier_swap_in_.begin(), tier_swap_in_.end());
+  tier_swap_in_.clear();
+  plan.kv_loads.swap(tier_loads_);
+  tier_loads_.clear();
+  for (BlockId c : held_cpu_) cpu_.decref(c);
+  held_cpu_.clear();
+  for (BlockId c : swapped_in_cpu_) cpu_.decref(c);
+  swapped_in_cpu_.clear();
+}
+
+void BlockManager::drop_failed_loads(const std::vector<KvBlockLoad>& loads) {
+  for (const KvBlockLoad& load : loads) {
+    const BlockHash hash{load.hash_lo, load.hash_hi};
+    cpu_.drop_entry(load.cpu_block, hash);
+    disk_.erase(hash);
+    tier_deletes_.emplace_back(load.hash_hi, load.hash_lo);
+  }
+}
+
+std::vector<BlockHash> BlockManager::add_disk_record(DiskRecord record) {
+  std::vector<BlockHash> gone;
+  disk_.insert(std::move(record), gone);
+  return gone;
+}
+
+bool BlockManager::reset_prefix_cache() {
+  if (!gpu_.reset_cache()) return false;
+  cpu_.drop_free_entries();
+  return true;
 }
 
 void BlockManager::register_computed_blocks(const SequenceGroup& group, Sequence& seq) {
@@ -431,6 +566,10 @@ BlockUsage BlockManager::usage() const {
   u.num_cpu_blocks = cpu_.num_blocks();
   u.free_cpu_blocks = cpu_.num_free();
   u.prefix_cache = gpu_.cache_stats();
+  u.cpu_prefix_cache = cpu_.cache_stats();
+  u.disk_prefix_cache = disk_.stats();
+  u.num_disk_blocks = disk_.enabled() ? config_.num_disk_blocks : 0;
+  u.used_disk_blocks = disk_.size();
   return u;
 }
 

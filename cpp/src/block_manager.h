@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "block_pool.h"
+#include "disk_tier.h"
 #include "sequence_group.h"
 #include "vpage/block_config.h"
 #include "vpage/common.h"
+#include "vpage/schedule_plan.h"
 
 namespace vpage {
 
@@ -22,8 +24,14 @@ enum class AllocStatus : int32_t {
   kNever = 2,  ///< can never fit (more blocks than the pool minus the watermark)
 };
 
-/// Owns both pools. Every method keeps refcount(block) == number of block tables holding it.
+/// Owns both pools. Every method keeps refcount(block) == number of block tables holding it
+/// (between steps: during one, CPU blocks read or written by its tier moves are held too).
 /// Not thread-safe: one scheduler drives it.
+///
+/// With enable_kv_offload the prefix cache has tiers: GPU entries evicted for reuse are copied
+/// into the CPU pool (keeping their content ids, so chains span tiers), CPU entries evicted go
+/// to the disk tier when there is one, and admission takes hits from the GPU, then the CPU
+/// (swapped in before the forward), then the disk (read into the CPU a step ahead).
 ///
 /// With a sliding window (config().sliding_window = W > 0) a sequence that has computed N
 /// tokens holds no block before first_window_block(N): those entries are -1 (the table keeps
@@ -106,6 +114,21 @@ class BlockManager {
   /// Moves the group's swapped sequences back; appends (cpu, gpu) pairs to `mapping`.
   void swap_in(SequenceGroup& group, std::vector<BlockPair>& mapping);
 
+  /// With a disk tier: reads the blocks of `group`'s prompt that only the disk holds into the
+  /// CPU pool (kv loads of this step), so that its admission in a later step finds them there.
+  /// Returns the number of blocks to load (then the group waits a step), 0 once tried.
+  int32_t fetch_from_disk(SequenceGroup& group);
+  /// A step's tier moves into `plan`: copies of the GPU entries evicted this step to the CPU
+  /// (swap-outs), the CPU hits taken (swap-ins), disk saves of the CPU entries evicted, loads
+  /// and deletes; then the CPU blocks held for those moves are released.
+  void finish_step(SchedulePlan& plan);
+  /// Forgets what `loads` of an earlier step were to bring (their files were missing, corrupt
+  /// or for other content): their CPU entries and disk records.
+  void drop_failed_loads(const std::vector<KvBlockLoad>& loads);
+  /// Indexes a block found on disk (a restart), as the most recent; returns the keys pushed
+  /// out of a full tier (their files are to go).
+  std::vector<BlockHash> add_disk_record(DiskRecord record);
+
   /// Offers the blocks of `seq` (of `group`) that became full and computed to the prefix cache.
   void register_computed_blocks(const SequenceGroup& group, Sequence& seq);
 
@@ -114,7 +137,8 @@ class BlockManager {
 
   BlockUsage usage() const;
   /// Empties the GPU prefix cache when no GPU block is in use (else false; nothing changes).
-  bool reset_prefix_cache() { return gpu_.reset_cache(); }
+  /// The CPU tier's entries go too (the disk keeps its files: a restart's cache).
+  bool reset_prefix_cache();
   /// The GPU prefix cache's events since the last call (config().enable_kv_cache_events).
   std::vector<KvCacheEvent> take_events() { return gpu_.take_events(); }
   const BlockPool& gpu_pool() const { return gpu_; }
@@ -164,13 +188,25 @@ class BlockManager {
   int32_t match_prefix(const SequenceGroup& group, Sequence& seq, bool acquire, int32_t skip);
   void move_group(SequenceGroup& group, Device to, std::vector<BlockPair>& mapping);
   BlockPool& pool(Device device) { return device == Device::kGpu ? gpu_ : cpu_; }
+  bool offloads() const { return cpu_.caching_enabled() && !windowed(); }
+  // A CPU block that this step's moves read or write: held until finish_step.
+  void hold_cpu(BlockId block) {
+    cpu_.acquire_cached(block);
+    held_cpu_.push_back(block);
+  }
   // Distinct blocks held by the group's unfinished sequences.
   int32_t num_distinct_blocks(const SequenceGroup& group) const;
 
   BlockManagerConfig config_;
   BlockPool gpu_;
   BlockPool cpu_;
+  DiskTier disk_;
   PrefixHasher hasher_;
+  std::vector<BlockId> held_cpu_;
+  std::vector<BlockId> swapped_in_cpu_;  // swap-in sources of this step, freed by finish_step
+  std::vector<BlockPair> tier_swap_in_;  // (cpu, gpu) of CPU hits taken this step
+  std::vector<KvBlockLoad> tier_loads_;
+  std::vector<std::pair<uint64_t, uint64_t>> tier_deletes_;  // files of failed loads
   int32_t watermark_blocks_;
   int32_t max_step_tokens_;
   int32_t max_window_blocks_;

@@ -75,6 +75,28 @@ bool BlockPool::reset_cache() {
   return true;
 }
 
+bool BlockPool::drop_entry(BlockId block, const BlockHash& hash) {
+  if (refcount_[check_id(block)] != 0 || cid_[block] == kNoContent || hash_[block] != hash) return false;
+  drop_hash(block);
+  return true;
+}
+
+void BlockPool::drop_free_entries() {
+  for (BlockId block = 0; block < num_blocks_; ++block) {
+    if (refcount_[block] == 0 && cid_[block] != kNoContent) {
+      cached_.erase(hash_[block]);
+      cid_[block] = kNoContent;
+      salt_[block].clear();
+    }
+  }
+}
+
+std::vector<EvictedEntry> BlockPool::take_evicted() {
+  std::vector<EvictedEntry> taken;
+  taken.swap(evicted_);
+  return taken;
+}
+
 bool BlockPool::same_content(BlockId block, const BlockContent& content) const {
   if (parent_[block] != content.parent) return false;
   if (content.parent == kFirstBlock && salt_[block] != (content.salt ? *content.salt : std::string())) {
@@ -90,6 +112,17 @@ BlockId BlockPool::allocate() {
   const BlockId block = next_[num_blocks_];
   unlink(block);
   if (cid_[block] != kNoContent) {
+    if (keep_evicted_) {
+      EvictedEntry entry;
+      entry.block = block;
+      entry.hash = hash_[block];
+      entry.cid = cid_[block];
+      entry.parent = parent_[block];
+      entry.salt = salt_[block];
+      const auto first = tokens_.begin() + static_cast<size_t>(block) * block_size_;
+      entry.tokens.assign(first, first + block_size_);
+      evicted_.push_back(std::move(entry));
+    }
     drop_hash(block);
     ++stats_.evictions;
   }
@@ -127,7 +160,8 @@ void BlockPool::acquire_cached(BlockId block) {
   if (refcount_[block]++ == 0) unlink(block);
 }
 
-uint64_t BlockPool::register_block(BlockId block, const BlockHash& hash, const BlockContent& content) {
+uint64_t BlockPool::register_block(BlockId block, const BlockHash& hash, const BlockContent& content,
+                                   uint64_t cid) {
   VPAGE_CHECK(refcount_[check_id(block)] > 0, "register_block on free block " << block);
   if (!caching_ || content.parent == kNoContent) return kNoContent;
   if (cid_[block] != kNoContent) return cid_[block];
@@ -138,7 +172,7 @@ uint64_t BlockPool::register_block(BlockId block, const BlockHash& hash, const B
     return kNoContent;
   }
   hash_[block] = hash;
-  cid_[block] = next_cid_++;
+  cid_[block] = cid != kNoContent ? cid : (*next_cid_)++;
   parent_[block] = content.parent;
   if (content.parent == kFirstBlock && content.salt) salt_[block] = *content.salt;
   std::copy(content.tokens, content.tokens + block_size_, tokens_.begin() + static_cast<size_t>(block) * block_size_);

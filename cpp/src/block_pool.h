@@ -22,10 +22,21 @@ struct BlockContent {
   const std::string* salt = nullptr;  ///< cache salt of the request (first blocks); null = ""
 };
 
-/// Content ids name cache entries: unique per pool, never reused, so a parent that was
-/// evicted can never be confused with new content in the same block.
+/// Content ids name cache entries: unique per pool (or per pair of pools sharing them), never
+/// reused, so a parent that was evicted can never be confused with new content in the same
+/// block. An entry copied to another pool of the pair keeps its id, so chains span pools.
 constexpr uint64_t kFirstBlock = 0;                 ///< `parent` of a sequence's first block
 constexpr uint64_t kNoContent = ~uint64_t{0};       ///< not in the cache (nothing can chain on it)
+
+/// A cache entry as it left a pool (allocate() evicted it), for a lower tier to keep.
+struct EvictedEntry {
+  BlockId block = -1;  ///< the block it was in (now reallocated: copy it out before writing it)
+  BlockHash hash;
+  uint64_t cid = kNoContent, parent = kNoContent;
+  std::string salt;
+  std::vector<TokenId> tokens;
+  BlockContent content() const { return BlockContent{tokens.data(), parent, &salt}; }
+};
 
 /// Allocator of `num_blocks` blocks. Free blocks sit in an intrusive doubly linked queue:
 /// allocate() takes the front (least recently freed), decref() to zero appends at the back,
@@ -63,8 +74,10 @@ class BlockPool {
   /// `hash`. Returns the content id of the entry that now holds that content: the block's
   /// own (new, or kept if it was already cached), or an equal entry's in another block.
   /// Returns kNoContent when caching is off, `content.parent` is kNoContent, or another
-  /// content holds `hash` (a collision, counted).
-  uint64_t register_block(BlockId block, const BlockHash& hash, const BlockContent& content);
+  /// content holds `hash` (a collision, counted). A new entry takes content id `cid` when
+  /// given (the same content copied from the other pool of a pair), else a fresh one.
+  uint64_t register_block(BlockId block, const BlockHash& hash, const BlockContent& content,
+                          uint64_t cid = kNoContent);
   /// Content id of a cached block, kNoContent when it holds none.
   uint64_t content_id(BlockId block) const { return cid_.at(check_id(block)); }
 
@@ -73,6 +86,18 @@ class BlockPool {
   /// Empties the prefix cache (one kAllCleared event, no kRemoved ones) when no block is in
   /// use; returns false, changing nothing, when one is.
   bool reset_cache();
+  /// Forgets the entry of free `block` if it is the one under `hash`; returns whether it was.
+  bool drop_entry(BlockId block, const BlockHash& hash);
+  /// Forgets the entries of free blocks (no events); blocks in use hold none in a pool whose
+  /// entries are only copies (the CPU tier).
+  void drop_free_entries();
+
+  /// Makes this pool draw content ids from `other`'s counter (a tier pair), so that an
+  /// entry copied across keeps its id. `other` outlives this pool.
+  void share_content_ids(BlockPool& other) { next_cid_ = other.next_cid_; }
+  /// With `on`, allocate() keeps every entry it evicts for take_evicted().
+  void set_keep_evicted(bool on) { keep_evicted_ = on; }
+  std::vector<EvictedEntry> take_evicted();
 
   /// With `on`, every cache entry dropped by allocate() is logged as a kRemoved event, and
   /// record_stored() logs kStored ones; take_events() hands the log over in order.
@@ -110,8 +135,11 @@ class BlockPool {
   std::vector<std::string> salt_;
   std::vector<TokenId> tokens_;
   std::unordered_map<BlockHash, BlockId, BlockHashHasher> cached_;
-  uint64_t next_cid_ = 1;
+  uint64_t own_next_cid_ = 1;
+  uint64_t* next_cid_ = &own_next_cid_;  // this pool's counter or the pair's (share_content_ids)
   PrefixCacheStats stats_;
+  bool keep_evicted_ = false;
+  std::vector<EvictedEntry> evicted_;
   bool record_events_ = false;
   std::vector<KvCacheEvent> events_;
 };

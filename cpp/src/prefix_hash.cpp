@@ -68,8 +68,9 @@ BlockHash siphash128(uint64_t k0, uint64_t k1, const void* data, size_t len) {
   return siphash<2, 4>(k0, k1, data, len);
 }
 
-PrefixHasher::PrefixHasher(bool collide_for_testing)
-    : k0_(process_key().first), k1_(process_key().second), collide_(collide_for_testing) {}
+PrefixHasher::PrefixHasher(bool collide_for_testing, uint64_t k0, uint64_t k1)
+    : k0_(k0 | k1 ? k0 : process_key().first), k1_(k0 | k1 ? k1 : process_key().second),
+      collide_(collide_for_testing) {}
 
 BlockHash PrefixHasher::hash_block(const BlockHash& parent, const BlockHash& salt,
                                    const TokenId* tokens, int32_t num_tokens) const {

@@ -26,8 +26,9 @@ struct BlockHashHasher {
 /// SipHash-2-4 with a 128-bit output over `len` bytes of `data`, keyed with (k0, k1).
 BlockHash siphash128(uint64_t k0, uint64_t k1, const void* data, size_t len);
 
-/// Hashes block contents with a key drawn once per process from std::random_device, so
-/// block names cannot be predicted (or collisions searched for) from outside the process.
+/// Hashes block contents with a key drawn once per process from std::random_device (or one
+/// given: a disk tier's, kept secret beside its files so names outlive the process), so
+/// block names cannot be predicted (or collisions searched for) from outside.
 /// Blocks use SipHash-1-3 (the keyed variant hash tables use against flooding: a collision
 /// here is only ever a miss, since hits are verified), salts SipHash-2-4.
 /// Cost: one pass over 16 + 4 * block_size bytes per full block.
@@ -35,7 +36,8 @@ class PrefixHasher {
  public:
   /// `collide_for_testing` makes every block hash to one constant (a test hook that
   /// forces collisions; lookups stay exact, they just miss).
-  explicit PrefixHasher(bool collide_for_testing = false);
+  /// A nonzero (`k0`, `k1`) replaces the process's key.
+  explicit PrefixHasher(bool collide_for_testing = false, uint64_t k0 = 0, uint64_t k1 = 0);
 
   /// Chained hash of one full block: the parent block's hash (for the first block, zero
   /// parent, the cache salt's hash instead) and this block's `num_tokens` token ids.

@@ -375,6 +375,10 @@ void SchedulerImpl::schedule_waiting(StepBudget& budget, StepBuilder& step, Sche
       len = std::max(len, s->num_tokens());
       total += group.identical_ && total > 0 ? 0 : s->num_tokens();
     }
+    if (blocks_.fetch_from_disk(group) > 0) {  // admitted once its disk blocks are in the CPU pool
+      ++next;
+      continue;
+    }
     std::string reason;
     const AllocStatus status = admission_status(group, len, reason);
     if (status == AllocStatus::kNever) {
@@ -423,6 +427,7 @@ std::shared_ptr<const SchedulePlan> SchedulerImpl::schedule() {
   schedule_prefills(budget, step);
   // 4. New prompts (FCFS) while the budgets and the KV cache allow.
   schedule_waiting(budget, step, plan);
+  blocks_.finish_step(plan);
 
   step.finish();
   last_decode_seqs_ = plan.num_prefill_tokens == 0 ? static_cast<int32_t>(plan.sample_seq_ids.size()) : 0;
@@ -564,6 +569,18 @@ const SchedulerStats& Scheduler::stats() const { return impl_->stats(); }
 BlockUsage Scheduler::usage() const { return impl_->block_manager().usage(); }
 std::vector<KvCacheEvent> Scheduler::take_kv_events() { return impl_->take_kv_events(); }
 bool Scheduler::reset_prefix_cache() { return impl_->reset_prefix_cache(); }
+void Scheduler::fail_kv_loads(const std::vector<KvBlockLoad>& loads) { impl_->block_manager().drop_failed_loads(loads); }
+std::vector<std::pair<uint64_t, uint64_t>> Scheduler::add_disk_block(uint64_t hash_hi, uint64_t hash_lo, bool first,
+                                                                     const std::string& salt,
+                                                                     const std::vector<TokenId>& tokens) {
+  VPAGE_CHECK(static_cast<int32_t>(tokens.size()) == impl_->block_manager().block_size(),
+              "a disk block holds " << tokens.size() << " tokens, not block_size");
+  std::vector<std::pair<uint64_t, uint64_t>> gone;
+  for (const BlockHash& h : impl_->block_manager().add_disk_record(DiskRecord{BlockHash{hash_lo, hash_hi}, first, salt, tokens})) {
+    gone.emplace_back(h.hi, h.lo);
+  }
+  return gone;
+}
 void Scheduler::check_invariants() const { impl_->check_invariants(); }
 
 }  // namespace vpage

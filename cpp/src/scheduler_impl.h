@@ -46,6 +46,7 @@ class SchedulerImpl {
 
   const SchedulerConfig& config() const { return config_; }
   const BlockManager& block_manager() const { return blocks_; }
+  BlockManager& block_manager() { return blocks_; }
   std::vector<KvCacheEvent> take_kv_events() { return blocks_.take_events(); }
   bool reset_prefix_cache() { return blocks_.reset_prefix_cache(); }
   const SchedulerStats& stats() const { return stats_; }

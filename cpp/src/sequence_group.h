@@ -114,6 +114,7 @@ class SequenceGroup {
   int32_t num_cached_tokens_ = 0;
   bool speculate_ = true;  // may get draft tokens
   int32_t lora_id_ = 0;
+  bool disk_fetched_ = false;  // its prompt's disk blocks were read for this admission
   int64_t last_step_ = -1;  // last step that scheduled this group
 };
 

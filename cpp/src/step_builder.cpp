@@ -21,6 +21,9 @@ void SchedulePlan::clear() {
   blocks_to_swap_out.clear();
   blocks_to_swap_in.clear();
   blocks_to_copy.clear();
+  kv_saves.clear();
+  kv_loads.clear();
+  kv_deletes.clear();
   ignored.clear();
   num_prefill_tokens = num_decode_tokens = num_draft_tokens = 0;
   num_preempted_recompute = num_preempted_swap = 0;

@@ -26,6 +26,18 @@ struct BlockManagerConfig {
   /// Record a KvCacheEvent for every block that enters or leaves the GPU prefix cache
   /// (Scheduler::take_kv_events); off, nothing is recorded.
   bool enable_kv_cache_events = false;
+  /// The CPU pool doubles as a tier of the prefix cache (needs enable_prefix_caching): GPU
+  /// entries evicted for reuse are copied into free CPU blocks, least recently used first out
+  /// (a swap-out takes such blocks like any free one), and admission swaps hits there back in
+  /// instead of recomputing them. Sliding-window models keep to the GPU cache.
+  bool enable_kv_offload = false;
+  /// Blocks of the disk tier below the CPU pool (0: none; needs enable_kv_offload): entries
+  /// the CPU pool evicts are written to disk, and admission reads hits there into the CPU pool
+  /// a step before it takes them (SchedulePlan::kv_saves / kv_loads).
+  int32_t num_disk_blocks = 0;
+  /// Key of the block hashes; both 0: drawn per process. A disk tier's own key keeps the names
+  /// of its files valid across restarts.
+  uint64_t prefix_hash_key0 = 0, prefix_hash_key1 = 0;
 };
 
 /// A change of the GPU prefix cache as routers that follow it read it (vLLM's KV events): a
@@ -43,7 +55,7 @@ struct KvCacheEvent {
   std::vector<TokenId> token_ids;  ///< kStored: the block's block_size tokens
 };
 
-/// Counters of the prefix cache (only the GPU pool caches).
+/// Counters of one tier of the prefix cache, in blocks.
 struct PrefixCacheStats {
   int64_t queries = 0;    ///< full blocks looked up
   int64_t hits = 0;       ///< lookups that found a cached block
@@ -56,6 +68,9 @@ struct BlockUsage {
   int32_t num_gpu_blocks = 0, free_gpu_blocks = 0;
   int32_t num_cpu_blocks = 0, free_cpu_blocks = 0;
   PrefixCacheStats prefix_cache;
+  /// The lower tiers (enable_kv_offload, num_disk_blocks): lookups of blocks the tiers above missed.
+  PrefixCacheStats cpu_prefix_cache, disk_prefix_cache;
+  int32_t num_disk_blocks = 0, used_disk_blocks = 0;
 };
 
 }  // namespace vpage

@@ -10,9 +10,25 @@
 
 namespace vpage {
 
+/// A block of the CPU pool to write to the disk tier, as the file named by its key.
+struct KvBlockSave {
+  BlockId cpu_block = -1;
+  uint64_t hash_hi = 0, hash_lo = 0;  ///< its key
+  bool first = false;                 ///< a sequence's first block: `salt` is its cache salt
+  std::string salt;
+  std::vector<TokenId> tokens;        ///< [block_size]
+};
+
+/// A block to read from the disk tier into the CPU pool.
+struct KvBlockLoad {
+  uint64_t hash_hi = 0, hash_lo = 0;
+  BlockId cpu_block = -1;
+};
+
 /// Output of Scheduler::schedule(). Rows ("computing sequences") are the sequences that
 /// compute at least one token this step; tokens are flattened over rows with no padding.
-/// The engine performs swap-out, swap-in and copies (in that order) before the forward.
+/// The engine performs disk saves, swap-out, disk loads, swap-in and copies (in that order)
+/// before the forward.
 struct SchedulePlan {
   int64_t step_id = 0;
 
@@ -45,6 +61,12 @@ struct SchedulePlan {
   std::vector<BlockPair> blocks_to_swap_out;  ///< (gpu, cpu)
   std::vector<BlockPair> blocks_to_swap_in;   ///< (cpu, gpu)
   std::vector<BlockPair> blocks_to_copy;      ///< (src gpu, dst gpu) copy-on-write
+  // The disk tier: CPU blocks to write out (before their blocks are reused), files to read
+  // into CPU blocks (their requests are admitted in a later step, after commit_kv_loads), and
+  // keys whose files to delete.
+  std::vector<KvBlockSave> kv_saves;
+  std::vector<KvBlockLoad> kv_loads;
+  std::vector<std::pair<uint64_t, uint64_t>> kv_deletes;  ///< (hash_hi, hash_lo)
 
   /// Requests finished as ignored in this step, with the reason.
   std::vector<std::pair<std::string, std::string>> ignored;

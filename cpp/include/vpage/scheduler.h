@@ -166,6 +166,16 @@ class Scheduler {
   /// (nothing running); returns false, changing nothing, otherwise. Later prompts miss until
   /// their blocks are computed again.
   bool reset_prefix_cache();
+  /// The disk tier (BlockManagerConfig::num_disk_blocks): forgets the blocks that `loads` of
+  /// the last plan were to bring (their files missing, corrupt or of other content); the
+  /// requests waiting for them compute those tokens instead. Call before the next schedule().
+  void fail_kv_loads(const std::vector<KvBlockLoad>& loads);
+  /// The disk tier: indexes a block whose file an earlier engine wrote (its header's key, salt
+  /// of a first block, tokens), as the most recent. Returns the keys pushed out of a full tier
+  /// ((hash_hi, hash_lo)), whose files are to be deleted.
+  std::vector<std::pair<uint64_t, uint64_t>> add_disk_block(uint64_t hash_hi, uint64_t hash_lo, bool first,
+                                                            const std::string& salt,
+                                                            const std::vector<TokenId>& tokens);
 
   /// Throws CheckError unless: each group is in exactly one queue with matching statuses;
   /// waiting groups hold no blocks, running ones only GPU blocks, swapped ones only CPU
