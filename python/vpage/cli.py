@@ -39,6 +39,16 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                              "none: dequantize them to --dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (per rank)")
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="GiB of host memory keeping prefix blocks evicted from the KV cache; a prompt whose "
+                             "prefix is there loads it instead of computing it (default: none)")
+    parser.add_argument("--kv-offloading-backend", default=None, choices=["native"],
+                        help="the offloading implementation (vLLM's flag): native, vpage's own tiers")
+    parser.add_argument("--kv-offloading-disk-path", default=None, metavar="DIR",
+                        help="a disk tier below --kv-offloading-size: blocks evicted from host memory are written "
+                             "here, and a restarted engine finds them")
+    parser.add_argument("--kv-offloading-disk-size", type=float, default=10.0, metavar="GIB",
+                        help="GiB the disk tier may use (default: 10)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: fraction of the GPU's memory for weights, activations and KV cache (default: 0.9)")
     parser.add_argument("--enforce-eager", action="store_true",
@@ -211,7 +221,14 @@ def _engine(args: argparse.Namespace):
                                 generation_config=args.generation_config,
                                 structured_outputs_backend=args.structured_outputs_backend,
                                 reasoning_parser=args.reasoning_parser,
-                                speculative_config=args.speculative_config))
+                                speculative_config=args.speculative_config, **_offloading(args)))
+
+
+def _offloading(args: argparse.Namespace) -> dict:
+    """The KV offloading flags as EngineArgs fields."""
+    return {"kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
+            "kv_offloading_disk_path": args.kv_offloading_disk_path,
+            "kv_offloading_disk_size": args.kv_offloading_disk_size}
 
 
 def _json_option(flag: str, text: Optional[str]) -> Optional[dict]:
@@ -251,7 +268,7 @@ def _serve(args: argparse.Namespace) -> int:
                              enable_lora=args.enable_lora, max_loras=args.max_loras,
                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                              kv_events_config=args.kv_events_config, data_parallel_size=args.data_parallel_size,
-                             data_parallel_backend=args.data_parallel_backend)
+                             data_parallel_backend=args.data_parallel_backend, **_offloading(args))
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     options = ServerOptions(

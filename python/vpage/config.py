@@ -49,6 +49,11 @@ class CacheConfig:
     # The window W every attention layer shares (None: keep every block): a sequence's blocks
     # wholly before its next query's window are freed.
     sliding_window: Optional[int] = None
+    # Tiers of the prefix cache below the device's: GiB of host memory for evicted blocks (beside
+    # swap_space, in one pool), then a folder and GiB on disk (None: no disk tier).
+    kv_offloading_size: float = 0.0
+    kv_offloading_disk_path: Optional[str] = None
+    kv_offloading_disk_size: float = 0.0
 
 
 @dataclass(frozen=True)

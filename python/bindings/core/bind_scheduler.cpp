@@ -79,6 +79,13 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("blocks_to_swap_out", [](const Plan& p) { return pairs(p.blocks_to_swap_out); }, "[n, 2] int64 (gpu, cpu)")
       .def_property_readonly("blocks_to_swap_in", [](const Plan& p) { return pairs(p.blocks_to_swap_in); }, "[n, 2] int64 (cpu, gpu)")
       .def_property_readonly("blocks_to_copy", [](const Plan& p) { return pairs(p.blocks_to_copy); }, "[n, 2] int64 (src, dst)")
+      .def_readonly("kv_saves", &Plan::kv_saves, "[KvBlockSave] CPU blocks to write to disk, first of all moves")
+      .def_readonly("kv_loads", &Plan::kv_loads, "[KvBlockLoad] files to read into CPU blocks, after swap-out")
+      .def_property_readonly("kv_deletes", [](const Plan& p) {
+            py::list keys;
+            for (const auto& [hi, lo] : p.kv_deletes) keys.append(hash_bytes(hi, lo));
+            return keys;
+          }, "[16-byte key] files of the disk tier to delete")
       .def_readonly("ignored", &Plan::ignored, "[(request_id, reason)] finished as ignored in this step");
 
   py::class_<CommitResult>(m, "CommitResult", "What commit() did.")
@@ -163,6 +170,17 @@ void bind_scheduler(py::module_& m) {
            "KvCacheEvents of the GPU prefix cache since the last call (enable_kv_cache_events).")
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
            "Empties the GPU prefix cache when nothing holds GPU blocks; False (no change) otherwise.")
+      .def("fail_kv_loads", &Scheduler::fail_kv_loads, py::arg("loads"),
+           "Forgets the blocks these KvBlockLoads of the last plan were to bring (unreadable files).")
+      .def("add_disk_block",
+           [](Scheduler& s, const std::string& key, bool first, const std::string& salt, std::vector<TokenId> tokens) {
+             const auto [hi, lo] = hash_words(key);
+             py::list gone;
+             for (const auto& [ghi, glo] : s.add_disk_block(hi, lo, first, salt, tokens)) gone.append(hash_bytes(ghi, glo));
+             return gone;
+           },
+           py::arg("key"), py::arg("first"), py::arg("salt"), py::arg("tokens"),
+           "Indexes a block an earlier engine wrote to disk (its header); returns the keys pushed out.")
       .def("check_invariants", &Scheduler::check_invariants,
            "Raises unless queues, statuses, block tables and pools are consistent.");
 }

@@ -26,15 +26,6 @@ BlockContent content(const BlockPool& pool, const std::vector<TokenId>& tokens, 
   return c;
 }
 
-// A 128-bit block hash as 16 big-endian bytes (how vLLM's KV events carry block hashes).
-py::bytes hash_bytes(uint64_t hi, uint64_t lo) {
-  char out[16];
-  for (int i = 0; i < 8; ++i) {
-    out[i] = static_cast<char>(hi >> (56 - 8 * i));
-    out[8 + i] = static_cast<char>(lo >> (56 - 8 * i));
-  }
-  return py::bytes(out, sizeof(out));
-}
 
 }  // namespace
 
@@ -85,15 +76,18 @@ void bind_types(py::module_& m) {
   py::class_<BlockManagerConfig>(m, "BlockManagerConfig", "Sizes of the KV pools and the admission watermark.")
       .def(py::init([](int32_t block_size, int32_t num_gpu_blocks, int32_t num_cpu_blocks,
                        double watermark, bool enable_prefix_caching, bool collide_prefix_hashes_for_testing,
-                       int32_t sliding_window, bool enable_kv_cache_events) {
+                       int32_t sliding_window, bool enable_kv_cache_events, bool enable_kv_offload,
+                       int32_t num_disk_blocks, uint64_t prefix_hash_key0, uint64_t prefix_hash_key1) {
              return BlockManagerConfig{block_size, num_gpu_blocks, num_cpu_blocks, watermark,
                                        enable_prefix_caching, collide_prefix_hashes_for_testing, sliding_window,
-                                       enable_kv_cache_events};
+                                       enable_kv_cache_events, enable_kv_offload, num_disk_blocks,
+                                       prefix_hash_key0, prefix_hash_key1};
            }),
            py::arg("block_size") = 16, py::arg("num_gpu_blocks") = 0, py::arg("num_cpu_blocks") = 0,
            py::arg("watermark") = 0.01, py::arg("enable_prefix_caching") = true,
            py::arg("collide_prefix_hashes_for_testing") = false, py::arg("sliding_window") = 0,
-           py::arg("enable_kv_cache_events") = false)
+           py::arg("enable_kv_cache_events") = false, py::arg("enable_kv_offload") = false,
+           py::arg("num_disk_blocks") = 0, py::arg("prefix_hash_key0") = 0, py::arg("prefix_hash_key1") = 0)
       .def_readwrite("block_size", &BlockManagerConfig::block_size)
       .def_readwrite("num_gpu_blocks", &BlockManagerConfig::num_gpu_blocks)
       .def_readwrite("num_cpu_blocks", &BlockManagerConfig::num_cpu_blocks)
@@ -103,7 +97,25 @@ void bind_types(py::module_& m) {
       .def_readwrite("sliding_window", &BlockManagerConfig::sliding_window,
                      "window W of every attention layer (0: none); blocks before it are freed")
       .def_readwrite("enable_kv_cache_events", &BlockManagerConfig::enable_kv_cache_events,
-                     "record the GPU prefix cache's KvCacheEvents (Scheduler.take_kv_events)");
+                     "record the GPU prefix cache's KvCacheEvents (Scheduler.take_kv_events)")
+      .def_readwrite("enable_kv_offload", &BlockManagerConfig::enable_kv_offload,
+                     "the CPU pool keeps the GPU prefix cache's evicted blocks; hits are swapped back in")
+      .def_readwrite("num_disk_blocks", &BlockManagerConfig::num_disk_blocks,
+                     "blocks of the disk tier below the CPU pool (0: none)")
+      .def_readwrite("prefix_hash_key0", &BlockManagerConfig::prefix_hash_key0)
+      .def_readwrite("prefix_hash_key1", &BlockManagerConfig::prefix_hash_key1,
+                     "key of the block hashes (both 0: drawn per process)");
+
+  py::class_<KvBlockSave>(m, "KvBlockSave", "A CPU block to write to the disk tier.")
+      .def_readonly("cpu_block", &KvBlockSave::cpu_block)
+      .def_property_readonly("key", [](const KvBlockSave& s) { return hash_bytes(s.hash_hi, s.hash_lo); },
+                             "16 bytes: the block's chained hash, its file's name")
+      .def_readonly("first", &KvBlockSave::first, "a sequence's first block (salt is its cache salt)")
+      .def_property_readonly("salt", [](const KvBlockSave& s) { return py::bytes(s.salt); })
+      .def_readonly("tokens", &KvBlockSave::tokens);
+  py::class_<KvBlockLoad>(m, "KvBlockLoad", "A block to read from the disk tier into a CPU block.")
+      .def_property_readonly("key", [](const KvBlockLoad& l) { return hash_bytes(l.hash_hi, l.hash_lo); })
+      .def_readonly("cpu_block", &KvBlockLoad::cpu_block);
 
   py::enum_<KvCacheEvent::Kind>(m, "KvCacheEventKind")
       .value("STORED", KvCacheEvent::Kind::kStored)
@@ -192,7 +204,11 @@ void bind_types(py::module_& m) {
       .def_readonly("free_gpu_blocks", &BlockUsage::free_gpu_blocks)
       .def_readonly("num_cpu_blocks", &BlockUsage::num_cpu_blocks)
       .def_readonly("free_cpu_blocks", &BlockUsage::free_cpu_blocks)
-      .def_readonly("prefix_cache", &BlockUsage::prefix_cache);
+      .def_readonly("prefix_cache", &BlockUsage::prefix_cache)
+      .def_readonly("cpu_prefix_cache", &BlockUsage::cpu_prefix_cache, "the CPU tier's lookups (enable_kv_offload)")
+      .def_readonly("disk_prefix_cache", &BlockUsage::disk_prefix_cache, "the disk tier's lookups")
+      .def_readonly("num_disk_blocks", &BlockUsage::num_disk_blocks)
+      .def_readonly("used_disk_blocks", &BlockUsage::used_disk_blocks);
   py::class_<SchedulerStats>(m, "SchedulerStats", "Running totals of the scheduler.")
       .def_readonly("num_steps", &SchedulerStats::num_steps)
       .def_readonly("num_preempted_recompute", &SchedulerStats::num_preempted_recompute)

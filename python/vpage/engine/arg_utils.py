@@ -54,6 +54,12 @@ class EngineArgs:
     replica holding the longest prefix of its prompt (``vpage.engine.dp_router``);
     data_parallel_backend "mp" runs the replicas as local processes, each pinned to its share of
     the cores, "ray" as Ray actors (on any node of the Ray cluster this process joins).
+    kv_offloading_size (vLLM's; kv_offloading_backend "native" or None): GiB of host memory that
+    keeps prefix blocks evicted from the KV cache, in one pool with ``swap_space`` (swapped-out
+    requests take blocks first); a prompt whose prefix is there swaps it back in instead of
+    computing it. kv_offloading_disk_path / kv_offloading_disk_size (GiB, default 10): a disk
+    tier below it, one file per block under a folder named for the model and KV layout; a new
+    engine over the same folder finds the blocks an earlier one wrote (one rank only).
     """
 
     model: Optional[str] = None  # None or "smollm2": the default model
@@ -92,6 +98,24 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas behind one API server (``vpage serve``)
     data_parallel_backend: str = "mp"  # the replicas as local processes ("mp") or Ray actors ("ray")
     data_parallel_rank: Optional[int] = None  # set by the server for each replica it starts
+    kv_offloading_size: Optional[float] = None  # GiB of host memory for evicted prefix blocks
+    kv_offloading_backend: Optional[str] = None  # "native" (ours) or None
+    kv_offloading_disk_path: Optional[str] = None
+    kv_offloading_disk_size: float = 10.0
+
+    def _check_offloading(self, check) -> None:
+        offload = self.kv_offloading_size is not None
+        check(not offload or self.kv_offloading_size > 0,
+              f"kv_offloading_size must be > 0 GiB, got {self.kv_offloading_size}")
+        check(self.kv_offloading_backend in (None, "native"),
+              f"kv_offloading_backend must be 'native' (vpage's own tiers), got {self.kv_offloading_backend!r}")
+        check(not offload or self.enable_prefix_caching, "kv_offloading_size needs prefix caching")
+        if self.kv_offloading_disk_path is None:
+            return
+        check(offload, "kv_offloading_disk_path needs kv_offloading_size (the disk tier lies below the CPU tier)")
+        check(self.kv_offloading_disk_size > 0,
+              f"kv_offloading_disk_size must be > 0 GiB, got {self.kv_offloading_disk_size}")
+        check(self.tensor_parallel_size == 1, "the KV disk tier runs with tensor_parallel_size 1 only")
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -114,6 +138,7 @@ class EngineArgs:
         check(0.0 < self.gpu_memory_utilization <= 1.0,
               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        self._check_offloading(check)
         check(self.preemption_mode in _PREEMPTION_MODES,
               f"preemption_mode must be one of {_PREEMPTION_MODES}, got {self.preemption_mode!r}")
         check(self.num_threads is None or self.num_threads >= 1,
@@ -224,7 +249,10 @@ class EngineArgs:
                               kv_cache_memory=self.kv_cache_memory,
                               gpu_memory_utilization=self.gpu_memory_utilization, swap_space=self.swap_space,
                               enable_prefix_caching=self.enable_prefix_caching,
-                              sliding_window=facts.sliding_window),
+                              sliding_window=facts.sliding_window,
+                              kv_offloading_size=self.kv_offloading_size or 0.0,
+                              kv_offloading_disk_path=self.kv_offloading_disk_path,
+                              kv_offloading_disk_size=self.kv_offloading_disk_size),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
                                     num_threads=self.num_threads, data_parallel_rank=self.data_parallel_rank),

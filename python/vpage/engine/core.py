@@ -16,6 +16,8 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
+import secrets
 import time
 from typing import Any, Optional, Sequence
 
@@ -37,6 +39,7 @@ from vpage.pooling.pooler import embedding
 from vpage.sampler import beam_candidates
 from vpage.sampling_params import SamplingParams
 from vpage.spec_decode.draft_proposer import DraftModelProposer
+from vpage.worker.kv_disk import open_disk_tier, scan
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
 logger = logging.getLogger("vpage")
@@ -87,6 +90,11 @@ class EngineCore:
                 f"the KV cache holds {num_gpu_blocks * cache.block_size} tokens, less than {held}: raise "
                 f"{'gpu_memory_utilization' if self.device.type == 'cuda' else 'kv_cache_memory'} or lower max_model_len")
         self.num_gpu_blocks = num_gpu_blocks
+        if cache.kv_offloading_size and cache.sliding_window:
+            logger.warning("vpage: a sliding-window model keeps its prefix cache on the device: kv_offloading_size "
+                           "holds no evicted blocks for it")
+        disk = (open_disk_tier(config, self.model_config, self.executor.block_bytes())
+                if cache.kv_offloading_disk_path else None)
         spec = config.speculative
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -103,7 +111,13 @@ class EngineCore:
                                      num_cpu_blocks=num_cpu_blocks, watermark=cache.watermark,
                                      enable_prefix_caching=cache.enable_prefix_caching,
                                      sliding_window=cache.sliding_window or 0,
-                                     enable_kv_cache_events=self._kv_events_wanted(config)))
+                                     enable_kv_cache_events=self._kv_events_wanted(config),
+                                     enable_kv_offload=cache.kv_offloading_size > 0,
+                                     num_disk_blocks=disk.num_blocks if disk else 0,
+                                     prefix_hash_key0=disk.key[0] if disk else 0,
+                                     prefix_hash_key1=disk.key[1] if disk else 0))
+        if disk is not None:
+            self._index_disk_tier(disk.directory)
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
@@ -124,7 +138,10 @@ class EngineCore:
         self.seq_owner: dict[int, CoreRequest] = {}
         self.unscheduled: dict[str, CoreRequest] = {}  # added, never in a step yet (queue time)
         self.prompt_logprobs = PromptLogprobs()  # requests whose prompt rows need logits
+        # Salts this process makes up name its own things (a prompt-logprobs request, an adapter
+        # id): the nonce keeps another process's disk tier from ever matching them.
         self._private_salts = itertools.count()
+        self._salt_nonce = secrets.token_hex(8)
         # LoRA adapters: unfinished requests per adapter, and adapters removed while some ran
         # (the workers forget them when their last request ends).
         self._lora_users: dict[int, int] = {}
@@ -193,9 +210,9 @@ class EngineCore:
             # Cached prompt tokens get no logits: a salt no other request has keeps this one off
             # others' cached blocks. (Its own blocks may serve its recompute after a preemption;
             # their positions are scored already.)
-            cache_salt = f"\x00prompt-logprobs-{next(self._private_salts)}"
+            cache_salt = f"\x00prompt-logprobs-{self._salt_nonce}-{next(self._private_salts)}"
         if lora_id:  # a prefix computed under one adapter is no hit for another or the base model
-            cache_salt = f"{cache_salt or ''}\x00lora-{lora_id}"
+            cache_salt = f"{cache_salt or ''}\x00lora-{self._salt_nonce}-{lora_id}"
 
         def admit(grammar=None) -> None:
             # Drafts are verified by the sampler alone: not for beams or grammar-constrained rows.
@@ -374,6 +391,10 @@ class EngineCore:
                                         list(range(len(seq_ids))) if self.pooler else None,  # all pool, or none
                                         list(self.classifier_token_ids) if self.classifier_token_ids else None)
         sampled = self.executor.execute(plan, sampling, drafts)
+        if plan.kv_loads:  # unreadable files: their requests compute those tokens instead
+            failed = self.executor.take_failed_kv_loads()
+            if failed:
+                self.scheduler.fail_kv_loads(failed)
         if sampled is not None:
             if prompt_rows is not None:
                 self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)
@@ -384,6 +405,17 @@ class EngineCore:
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)
         return outputs
+
+    def _index_disk_tier(self, directory: str) -> None:
+        """Indexes the blocks an earlier engine left in the disk tier (oldest first; those past
+        its size are deleted)."""
+        found = 0
+        for block in scan(directory):
+            found += 1
+            for key in self.scheduler.add_disk_block(block.key, block.first, block.salt, block.tokens):
+                os.remove(os.path.join(directory, f"{key.hex()}.kv"))
+        if found:
+            logger.info("vpage: KV disk tier: %d blocks found in %s", self.scheduler.usage().used_disk_blocks, directory)
 
     @staticmethod
     def _kv_events_wanted(config: EngineConfig) -> bool:

@@ -65,6 +65,10 @@ class Executor:
         whenever the plan has rows). The driver's output; None without rows."""
         raise NotImplementedError
 
+    def take_failed_kv_loads(self) -> list:
+        """The disk tier's loads that failed since the last call (the driver rank's files)."""
+        return self.driver_worker.take_failed_kv_loads()
+
     def add_lora(self, request: Any) -> bool:
         """Loads a LoRA adapter (a ``LoRARequest``) on the workers; True when it was read now.
         ValueError or FileNotFoundError for one that cannot serve the model."""

@@ -121,6 +121,12 @@ class CacheEngine:
         self._pending = False
         return self._layer_events
 
+    def synchronize_swaps(self) -> None:
+        """Waits on the host until every queued swap is done (CUDA; no-op otherwise): before the
+        host itself reads or writes CPU blocks."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def wait_for_swaps(self) -> None:
         """Makes the compute stream wait for every queued swap (CUDA; no-op otherwise)."""
         if self._pending:

@@ -35,6 +35,7 @@ from vpage.spec_decode.draft_runner import DraftRunner, shares_target_kv
 from vpage.worker.cuda_graphs import DecodeGraphs
 from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.worker.input_staging import StepInputs
+from vpage.worker.kv_disk import DiskTierFiles, kv_tier_directory
 from vpage.worker.model_runner import ModelRunner
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
@@ -83,6 +84,8 @@ class Worker:
         self.cache_engine: Optional[CacheEngine] = None
         self.model_runner: Optional[ModelRunner] = None
         self.draft_cache: Optional[CacheEngine] = None  # the draft's own KV, in the same block ids
+        self.kv_disk: Optional[DiskTierFiles] = None  # the KV cache's disk tier (kv_offloading_disk_path)
+        self.failed_kv_loads: list = []
         self.draft_runner: Optional[DraftRunner] = None
         self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
 
@@ -113,18 +116,19 @@ class Worker:
         """(device blocks, swap blocks) of this rank's budget; the smallest rank decides."""
         cache = self.config.cache
         block_bytes = self.block_bytes()
-        host_gib = cache.swap_space + (cache.kv_cache_memory or 0.0) * (self.device.type == "cpu")
+        host_pool_gib = cache.swap_space + cache.kv_offloading_size  # one pool: swap and the CPU tier
+        host_gib = host_pool_gib + (cache.kv_cache_memory or 0.0) * (self.device.type == "cpu")
         total_gib = psutil.virtual_memory().total / _GIB
         if host_gib > total_gib:
-            raise ValueError(f"kv_cache_memory and swap_space ask for {host_gib:.1f} GiB of host memory, more than "
-                             f"this machine's {total_gib:.1f} GiB")
+            raise ValueError(f"kv_cache_memory, swap_space and kv_offloading_size ask for {host_gib:.1f} GiB of host "
+                             f"memory, more than this machine's {total_gib:.1f} GiB")
         if cache.kv_cache_memory is not None:
             gpu = int(cache.kv_cache_memory * _GIB // block_bytes)
         elif self.device.type == "cpu":  # the ranks share this machine's memory
             gpu = int(default_cpu_kv_gib() / self.tp_size * _GIB // block_bytes)
         else:
             gpu = self._profile_cuda_blocks(block_bytes)
-        cpu = int(cache.swap_space * _GIB // block_bytes)
+        cpu = int(host_pool_gib * _GIB // block_bytes)
         if self.tp_size > 1:
             gpu, cpu = ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
         if gpu <= 0 and self.profile is not None:  # after the reduction: every rank raises alike
@@ -148,6 +152,13 @@ class Worker:
                 self.draft_cache = CacheEngine(self.draft_cache_config, block_size, num_gpu_blocks, num_cpu_blocks,
                                                self.device)
             self.draft_runner = DraftRunner(self.draft, (self.draft_cache or self.cache_engine).gpu_cache, block_size)
+        disk_path = self.config.cache.kv_offloading_disk_path
+        if disk_path is not None:
+            if self.draft_cache is not None:
+                raise ValueError("the KV disk tier does not keep a draft model's own KV cache: use a draft that "
+                                 "shares the target's cache, or no kv_offloading_disk_path")
+            self.kv_disk = DiskTierFiles(os.path.join(kv_tier_directory(self.config, self.loaded.config), "rank0"),
+                                         self.cache_engine.cpu_cache)
 
     def _init_target_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         block_size = self.config.cache.block_size
@@ -225,6 +236,11 @@ class Worker:
             blocks = int(free // block_bytes)
         return blocks
 
+    def take_failed_kv_loads(self) -> list:
+        """The disk tier's loads (``KvBlockLoad``) that failed since the last call."""
+        failed, self.failed_kv_loads = self.failed_kv_loads, []
+        return failed
+
     def execute(self, plan, sampling: Optional[SamplingMetadata],
                 drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
         """One step on this rank alone: ``prepare``, then ``run``."""
@@ -234,6 +250,9 @@ class Worker:
     def prepare(self, plan, drafts: Optional[DraftRequest] = None) -> None:
         """A step's first part: its block moves (swap out, swap in, copy: in that order); then,
         with ``drafts`` (the driver), the draft model's proposals, written into the plan."""
+        if self.kv_disk is not None and (plan.kv_saves or plan.kv_loads or plan.kv_deletes):
+            self.cache_engine.synchronize_swaps()  # the files move CPU blocks that queued swaps use
+            self.failed_kv_loads.extend(self.kv_disk.apply(plan))
         for cache in (self.cache_engine, self.draft_cache):
             if cache is not None:
                 cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
