@@ -30,6 +30,10 @@ class EngineStats:
     prefix_cache_hit_rate: float  # hit blocks / looked-up blocks
     prefix_cache_queries: int  # looked-up blocks
     prefix_cache_hits: int  # blocks found in the cache
+    # The offloading tiers (kv_offloading_size, a disk path), vLLM's external prefix cache:
+    # blocks looked up there after the device cache missed, and found.
+    external_prefix_cache_queries: int
+    external_prefix_cache_hits: int
     prefill_tokens: int  # tokens computed in rows of several tokens (prefix-cache hits excluded)
     generation_tokens: int
     generation_tokens_per_s: float  # over the time spent inside step()
@@ -91,6 +95,8 @@ class EngineMetrics:
             prefix_cache_hit_rate=cache.hits / cache.queries if cache.queries else 0.0,
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,
+            external_prefix_cache_queries=usage.cpu_prefix_cache.queries + usage.disk_prefix_cache.queries,
+            external_prefix_cache_hits=usage.cpu_prefix_cache.hits + usage.disk_prefix_cache.hits,
             prefill_tokens=stats.num_prefill_tokens,
             generation_tokens=self.generation_tokens,
             generation_tokens_per_s=self.generation_tokens / self.step_time if self.step_time else 0.0,

@@ -86,6 +86,8 @@ def test_cpu_tier_serves_the_evicted_prefix(folder, cold):
     assert results[3][1] == 96  # every full block of 100 tokens but the one holding the last token
     usage = engine.scheduler.usage()
     assert usage.cpu_prefix_cache.hits == 12 and usage.num_disk_blocks == 0
+    stats = engine.get_stats()  # vLLM's external_prefix_cache_* metrics
+    assert stats.external_prefix_cache_hits == 12 and stats.external_prefix_cache_queries >= 12
 
 
 def test_cpu_tier_keeps_tenants_apart(folder, cold):

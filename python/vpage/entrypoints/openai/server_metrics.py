@@ -64,6 +64,10 @@ class ServerMetrics:
         self.preemptions = engine_counter("num_preemptions_total", "Preemptions (recompute or swap).")
         self.cache_queries = engine_counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
         self.cache_hits = engine_counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
+        self.external_queries = engine_counter("external_prefix_cache_queries_total",
+                                               "KV blocks looked up in the offloading tiers (host memory, disk).")
+        self.external_hits = engine_counter("external_prefix_cache_hits_total",
+                                            "KV blocks found in the offloading tiers.")
         self.spec_drafts = engine_counter("spec_decode_num_drafts", "Sequence steps that carried draft tokens.")
         self.spec_draft_tokens = engine_counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
         self.spec_accepted = engine_counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -72,7 +76,7 @@ class ServerMetrics:
                                              ["model_name", "engine", "position"], registry=r)
         for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_usage, self.prompt_tokens,
                        self.generation_tokens, self.preemptions, self.cache_queries, self.cache_hits,
-                       self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                       self.external_queries, self.external_hits, self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
             for i in range(num_engines):  # exported from the start, at zero
                 metric.labels(model_name, str(i))
         self.success = Counter("vpage:request_success_total", "Requests finished, by finish reason.",
@@ -143,6 +147,8 @@ class ServerMetrics:
                 (self.preemptions, "preempt", s.num_preempted_recompute + s.num_preempted_swap),
                 (self.cache_queries, "queries", s.prefix_cache_queries),
                 (self.cache_hits, "hits", s.prefix_cache_hits),
+                (self.external_queries, "external_queries", s.external_prefix_cache_queries),
+                (self.external_hits, "external_hits", s.external_prefix_cache_hits),
                 (self.spec_drafts, "spec_drafts", s.spec_decode_num_drafts),
                 (self.spec_draft_tokens, "spec_draft_tokens", s.spec_decode_num_draft_tokens),
                 (self.spec_accepted, "spec_accepted", s.spec_decode_num_accepted_tokens)):
