@@ -91,8 +91,10 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
     if (b < 0) {
       if (!acquire || !offloads()) break;
       // The CPU tier: the block is swapped into a new GPU block before the forward.
+      // (Not a block a disk load of this step fills: that load may yet fail.)
       const BlockId c = cpu_.lookup(hash, content, true);
-      if (c < 0) break;
+      const auto loading = [c](const KvBlockLoad& l) { return l.cpu_block == c; };
+      if (c < 0 || std::any_of(tier_loads_.begin(), tier_loads_.end(), loading)) break;
       parent = cpu_.content_id(c);
       hold_cpu(c);
       const BlockId g = gpu_.allocate();
@@ -531,6 +533,9 @@ std::vector<BlockHash> BlockManager::add_disk_record(DiskRecord record) {
 bool BlockManager::reset_prefix_cache() {
   if (!gpu_.reset_cache()) return false;
   cpu_.drop_free_entries();
+  std::vector<BlockHash> gone;
+  disk_.clear(gone);
+  for (const BlockHash& h : gone) tier_deletes_.emplace_back(h.hi, h.lo);
   return true;
 }
 

@@ -137,7 +137,7 @@ class BlockManager {
 
   BlockUsage usage() const;
   /// Empties the GPU prefix cache when no GPU block is in use (else false; nothing changes).
-  /// The CPU tier's entries go too (the disk keeps its files: a restart's cache).
+  /// The lower tiers' entries go too (the disk tier's files with the next plan's kv_deletes).
   bool reset_prefix_cache();
   /// The GPU prefix cache's events since the last call (config().enable_kv_cache_events).
   std::vector<KvCacheEvent> take_events() { return gpu_.take_events(); }

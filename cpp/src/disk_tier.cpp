@@ -48,4 +48,10 @@ void DiskTier::erase(const BlockHash& hash) {
   index_.erase(it);
 }
 
+void DiskTier::clear(std::vector<BlockHash>& gone) {
+  for (const DiskRecord& r : lru_) gone.push_back(r.hash);
+  lru_.clear();
+  index_.clear();
+}
+
 }  // namespace vpage

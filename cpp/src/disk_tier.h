@@ -39,6 +39,8 @@ class DiskTier {
   /// `evicted`. Returns false, changing nothing, when its key is indexed already.
   bool insert(DiskRecord record, std::vector<BlockHash>& evicted);
   void erase(const BlockHash& hash);
+  /// Forgets every record, appending their keys to `gone`.
+  void clear(std::vector<BlockHash>& gone);
   const PrefixCacheStats& stats() const { return stats_; }
 
  private:

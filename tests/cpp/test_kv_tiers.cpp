@@ -210,7 +210,10 @@ TEST_CASE("disk tier: a new engine with the same key finds the files; failed loa
     const size_t files = disk.size();
     Sim sim(on, &disk);
     sim.add(s, "a", prompt(1));
-    EXPECT(sim.run(s, "a", fail) == (fail ? 0 : 12));
+    // b, admitted while a's blocks load, never takes them (the loads may fail: then the simulated
+    // blocks hold stale K/V); b computes the prompt, and a then finds it on the device if not loaded.
+    sim.add(s, "b", prompt(1));
+    EXPECT(sim.run(s, "a", fail) == 12);
     EXPECT(sim.loads == 3);
     // Failed loads lose their records and files; loaded blocks stay on disk too.
     EXPECT(disk.size() == (fail ? files - 3 : files));
@@ -222,6 +225,20 @@ TEST_CASE("disk tier: a new engine with the same key finds the files; failed loa
   size_t gone = 0;
   for (const auto& [key, f] : disk) gone += s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens).size();
   EXPECT(gone == disk.size() - 2 && s.usage().used_disk_blocks == 2);
+}
+
+TEST_CASE("reset_prefix_cache empties every tier; the files go with the next plan") {
+  std::map<Key, DiskFile> disk;
+  const BlockManagerConfig on = tiers(8, 4, 64);
+  Scheduler s(SchedulerConfig{}, on);
+  Sim sim(on, &disk);
+  evict_and_return(s, sim, 8);
+  EXPECT(!disk.empty());
+  EXPECT(s.reset_prefix_cache());
+  EXPECT(s.usage().used_disk_blocks == 0);
+  sim.add(s, "after", prompt(0));
+  EXPECT(sim.run(s, "after") == 0);
+  EXPECT(static_cast<int>(disk.size()) == s.usage().used_disk_blocks);
 }
 
 TEST_MAIN()

@@ -162,9 +162,9 @@ class Scheduler {
   /// With BlockManagerConfig::enable_kv_cache_events (and prefix caching): the blocks that
   /// entered or left the GPU prefix cache since the last call, in order; else empty.
   std::vector<KvCacheEvent> take_kv_events();
-  /// Empties the GPU prefix cache (vLLM's reset_prefix_cache) when no request holds GPU blocks
-  /// (nothing running); returns false, changing nothing, otherwise. Later prompts miss until
-  /// their blocks are computed again.
+  /// Empties the GPU prefix cache (vLLM's reset_prefix_cache) and its offloading tiers when no
+  /// request holds GPU blocks (nothing running); returns false, changing nothing, otherwise.
+  /// Later prompts miss until their blocks are computed again.
   bool reset_prefix_cache();
   /// The disk tier (BlockManagerConfig::num_disk_blocks): forgets the blocks that `loads` of
   /// the last plan were to bring (their files missing, corrupt or of other content); the

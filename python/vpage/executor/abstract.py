@@ -85,3 +85,6 @@ class Executor:
 
     def shutdown(self) -> None:
         """Stops the workers (idempotent); the executor cannot run plans afterwards."""
+        worker = getattr(self, "driver_worker", None)
+        if worker is not None:
+            worker.close()

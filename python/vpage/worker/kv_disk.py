@@ -23,6 +23,7 @@ import os
 import secrets
 import struct
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -147,13 +148,16 @@ def _read_header(f) -> Optional[DiskBlock]:
 
 class DiskTierFiles:
     """One rank's block files and its CPU pool (``cpu_cache``: per layer (keys, values) with
-    blocks along dim 0)."""
+    blocks along dim 0). Saves copy the block at once and write the file on a writer thread;
+    deletes queue behind them, and a load of a key still being written waits for it."""
 
     def __init__(self, directory: str, cpu_cache: list[tuple[torch.Tensor, torch.Tensor]]):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.cpu_cache = cpu_cache
         self.block_bytes = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in cpu_cache)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vpage-kv-disk")
+        self._pending: dict[bytes, Future] = {}  # key -> its last queued write or delete
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, f"{key.hex()}.kv")
@@ -161,32 +165,34 @@ class DiskTierFiles:
     def apply(self, plan) -> list:
         """The plan's disk work in order: deletes, saves (before its swap-outs rewrite those CPU
         blocks), loads (into blocks no swap of the step touches). Returns the failed loads."""
+        self._pending = {key: f for key, f in self._pending.items() if not f.done()}
         for key in plan.kv_deletes:
-            try:
-                os.remove(self._path(key))
-            except FileNotFoundError:
-                pass
+            self._pending[key] = self._writer.submit(_remove, self._path(key))
         for save in plan.kv_saves:
-            self._save(save)
-        return [load for load in plan.kv_loads if not self._load(load.key, load.cpu_block)]
+            self._pending[save.key] = self._writer.submit(_write, self._path(save.key), self._file_bytes(save))
+        failed = []
+        for load in plan.kv_loads:
+            pending = self._pending.get(load.key)
+            if pending is not None:
+                pending.result()
+            if not self._load(load.key, load.cpu_block):
+                failed.append(load)
+        return failed
+
+    def close(self) -> None:
+        """Finishes the queued writes (idempotent)."""
+        self._writer.shutdown(wait=True)
 
     def _block_views(self, block: int) -> list[torch.Tensor]:
         return [t[block].view(torch.uint8).reshape(-1) for pair in self.cpu_cache for t in pair]
 
-    def _save(self, save) -> None:
+    def _file_bytes(self, save) -> bytes:
         salt = save.salt
         tokens = np.asarray(save.tokens, dtype=np.int32).tobytes()
         payload = torch.cat(self._block_views(save.cpu_block)).numpy().tobytes()
         crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(salt)))
         header = _HEADER.pack(_MAGIC, save.key, save.first, len(salt), len(save.tokens), len(payload), crc)
-        path = self._path(save.key)
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(header + salt + tokens + payload)
-            os.replace(tmp, path)
-        except OSError as e:  # a full disk loses the block (a later load fails and recomputes)
-            logger.warning("vpage: KV disk tier: cannot write %s: %s", path, e)
+        return b"".join((header, salt, tokens, payload))
 
     def _load(self, key: bytes, cpu_block: int) -> bool:
         path = self._path(key)
@@ -209,3 +215,21 @@ class DiskTierFiles:
             view.copy_(torch.frombuffer(payload, dtype=torch.uint8, count=view.numel(), offset=offset))
             offset += view.numel()
         return True
+
+
+def _write(path: str, data: bytes) -> None:
+    """Writes a block file whole or not at all (a crash leaves a .tmp that ``scan`` removes)."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk loses the block: its load fails and its tokens are computed
+        logger.warning("vpage: KV disk tier: cannot write %s: %s", path, e)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

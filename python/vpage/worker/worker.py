@@ -236,6 +236,11 @@ class Worker:
             blocks = int(free // block_bytes)
         return blocks
 
+    def close(self) -> None:
+        """Finishes this worker's queued disk writes (idempotent)."""
+        if self.kv_disk is not None:
+            self.kv_disk.close()
+
     def take_failed_kv_loads(self) -> list:
         """The disk tier's loads (``KvBlockLoad``) that failed since the last call."""
         failed, self.failed_kv_loads = self.failed_kv_loads, []

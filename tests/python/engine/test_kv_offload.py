@@ -114,7 +114,7 @@ def test_disk_tier_serves_the_prefix_and_outlives_the_engine(folder, cold, tmp_p
     assert engine.scheduler.usage().disk_prefix_cache.hits == 12
     files = block_files(tmp_path)
     assert len(files) == engine.scheduler.usage().used_disk_blocks >= 12
-    del engine
+    engine.shutdown()  # its last files written
 
     # A new engine over the same folder finds prompt 0's blocks in the files (but not for another tenant).
     restarted = disk_engine(folder, tmp_path)
@@ -127,7 +127,7 @@ def test_disk_tier_serves_the_prefix_and_outlives_the_engine(folder, cold, tmp_p
 def test_damaged_files_are_recomputed(folder, cold, tmp_path, damage):
     engine = disk_engine(folder, tmp_path)
     conversation(engine, others=4)
-    del engine
+    engine.shutdown()  # its last files written
     # A restarted engine indexes the files; then every one is damaged, and every load fails its check.
     restarted = disk_engine(folder, tmp_path)
     for path in block_files(tmp_path):
@@ -144,8 +144,9 @@ def test_damaged_files_are_recomputed(folder, cold, tmp_path, damage):
     files = len(block_files(tmp_path))
     assert run(restarted, "again", prompt(0)) == (cold[0], 0)
     assert restarted.scheduler.usage().disk_prefix_cache.hits == 12  # found, then failed to load
-    assert len(block_files(tmp_path)) == max(files - 12, 0)  # the failed files are gone
     assert run(restarted, "twice", prompt(0)) == (cold[0], 96)  # computed again, cached on the device
+    restarted.shutdown()
+    assert len(block_files(tmp_path)) == max(files - 12, 0)  # the failed files are gone
 
 
 def test_offloading_arguments_are_checked(folder, tmp_path):
