@@ -23,6 +23,7 @@ import os
 import platform
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,10 +46,10 @@ def make_trace(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
                                    for _ in range(args.turns)]) for _ in range(args.conversations)]
 
 
-def start_server(args: argparse.Namespace, routing: str, log_path: str) -> tuple[subprocess.Popen, int]:
+def start_server(args: argparse.Namespace, flags: list[str], log_path: str) -> tuple[subprocess.Popen, int]:
+    """One `vpage serve` on a free port with ``flags`` added: (process, port)."""
     cmd = [sys.executable, "-m", "vpage.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--data-parallel-size", str(args.dp), "--data-parallel-routing", routing,
-           "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "2048"]
+           "--kv-cache-memory", str(args.kv_cache_memory), "--max-model-len", "2048", *flags]
     if args.model:
         cmd += ["--model", args.model]
     log = open(log_path, "wb")
@@ -65,6 +66,16 @@ def start_server(args: argparse.Namespace, routing: str, log_path: str) -> tuple
             break
     proc.kill()
     raise RuntimeError(f"the server did not start; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains and exits: queued disk writes finish), SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def complete(port: int, prompt: str, max_tokens: int) -> tuple[float, str, dict]:
@@ -93,7 +104,8 @@ def complete(port: int, prompt: str, max_tokens: int) -> tuple[float, str, dict]
 
 
 def run_policy(args: argparse.Namespace, routing: str, trace, log_path: str) -> dict:
-    proc, port = start_server(args, routing, log_path)
+    proc, port = start_server(args, ["--data-parallel-size", str(args.dp), "--data-parallel-routing", routing],
+                              log_path)
     try:
         complete(port, "warm up", 2)
         ttfts: list[float] = []
@@ -115,8 +127,7 @@ def run_policy(args: argparse.Namespace, routing: str, trace, log_path: str) -> 
                 future.result()
         elapsed = time.perf_counter() - start
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        stop_server(proc)
     ttfts.sort()
     return {"routing": routing, "hit_rate": tokens["cached"] / max(1, tokens["prompt"]),
             "ttft_p50": statistics.median(ttfts), "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
