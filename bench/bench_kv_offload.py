@@ -87,7 +87,8 @@ def config_flags(args: argparse.Namespace, config: str, disk_dir: str) -> list[s
         return ["--kv-cache-memory", str(args.fits_kv_cache_memory)]
     if config == "cpu":
         return ["--kv-offloading-size", str(args.offloading_size)]
-    return ["--kv-offloading-size", str(args.disk_cpu_size), "--kv-offloading-disk-path", disk_dir,
+    # No swap space: the CPU tier is DISK_CPU_SIZE alone (free swap blocks would hold offloaded ones too).
+    return ["--swap-space", "0", "--kv-offloading-size", str(args.disk_cpu_size), "--kv-offloading-disk-path", disk_dir,
             "--kv-offloading-disk-size", str(args.disk_size)]
 
 

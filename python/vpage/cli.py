@@ -39,6 +39,9 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                              "none: dequantize them to --dtype")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (per rank)")
+    parser.add_argument("--swap-space", type=float, default=4.0, metavar="GIB",
+                        help="GiB of host memory for preempted requests' blocks (default: 4); offloaded blocks "
+                             "use it too while it is free")
     parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                         help="GiB of host memory keeping prefix blocks evicted from the KV cache; a prompt whose "
                              "prefix is there loads it instead of computing it (default: none)")
@@ -225,8 +228,8 @@ def _engine(args: argparse.Namespace):
 
 
 def _offloading(args: argparse.Namespace) -> dict:
-    """The KV offloading flags as EngineArgs fields."""
-    return {"kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
+    """The host-memory and KV offloading flags as EngineArgs fields."""
+    return {"swap_space": args.swap_space, "kv_offloading_size": args.kv_offloading_size, "kv_offloading_backend": args.kv_offloading_backend,
             "kv_offloading_disk_path": args.kv_offloading_disk_path,
             "kv_offloading_disk_size": args.kv_offloading_disk_size}
 

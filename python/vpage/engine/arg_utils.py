@@ -55,8 +55,8 @@ class EngineArgs:
     data_parallel_backend "mp" runs the replicas as local processes, each pinned to its share of
     the cores, "ray" as Ray actors (on any node of the Ray cluster this process joins).
     kv_offloading_size (vLLM's; kv_offloading_backend "native" or None): GiB of host memory that
-    keeps prefix blocks evicted from the KV cache, in one pool with ``swap_space`` (swapped-out
-    requests take blocks first); a prompt whose prefix is there swaps it back in instead of
+    keeps prefix blocks evicted from the KV cache, in one pool with ``swap_space`` (offloaded
+    blocks fill its free blocks too; swapped-out requests take them back); a prompt whose prefix is there swaps it back in instead of
     computing it. kv_offloading_disk_path / kv_offloading_disk_size (GiB, default 10): a disk
     tier below it, one file per block under a folder named for the model and KV layout; a new
     engine over the same folder finds the blocks an earlier one wrote (one rank only).
