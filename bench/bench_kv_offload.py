@@ -1,18 +1,20 @@
 """Tiered KV cache: prefixes evicted from the KV cache kept in CPU memory or on disk, against recomputing them.
 
-    python bench/bench_kv_offload.py [--configs recompute,cpu,disk,disk-restart] [--conversations 48] [--turns 3]
-        [--concurrency 4] [--system-prompts 16] [--system-words 300] [--kv-cache-memory 0.15]
+    python bench/bench_kv_offload.py [--configs recompute,cpu,disk,disk-restart,fits] [--conversations 96]
+        [--turns 1] [--concurrency 1] [--system-prompts 48] [--system-words 300] [--kv-cache-memory 0.15]
         [--offloading-size 2] [--disk-cpu-size 0.05] [--disk-size 4] [--work-dir DIR] [--json OUT] [--model M]
 
-The multi-turn chat trace of bench_dp_routing.py (same flags, same seeded generator), sent to one
-fresh `vpage serve` (one engine) per configuration, each with a KV cache (``--kv-cache-memory``)
-too small for the trace's working set (all its system prompts and conversations):
+The chat trace of bench_dp_routing.py (same flags, same seeded generator), sent to one fresh
+`vpage serve` (one engine) per configuration, each with a KV cache (``--kv-cache-memory``) too small
+for the trace's working set. By default each conversation is one turn (one of 48 system prompts, then
+a new message), one at a time, so a request's TTFT is its own prefill: the KV cache holds about ten
+of the system prompts, the tiers all of them.
 
 recompute     no tier: an evicted prefix is computed again
 cpu           ``--kv-offloading-size OFFLOADING_SIZE`` GiB of CPU memory, enough for the working set
-disk          ``--kv-offloading-size DISK_CPU_SIZE`` (less than the working set) and a disk tier,
-              ``--kv-offloading-disk-path DIR --kv-offloading-disk-size DISK_SIZE``, DIR a fresh
-              folder under ``--work-dir``
+disk          ``--swap-space 0 --kv-offloading-size DISK_CPU_SIZE`` (less than the working set) and a
+              disk tier, ``--kv-offloading-disk-path DIR --kv-offloading-disk-size DISK_SIZE``, DIR a
+              fresh folder under ``--work-dir``
 disk-restart  after disk: a new server on the same disk flags and DIR, the trace again; the
               prefixes come from the disk that the previous server wrote
 fits          no tier, a KV cache of ``--fits-kv-cache-memory`` GiB that holds the working set: the
@@ -21,9 +23,9 @@ fits          no tier, a KV cache of ``--fits-kv-cache-memory`` GiB that holds t
 Each server answers one short request before the trace. Reported per configuration: prompt tokens,
 those served from a cache or tier (``usage.prompt_tokens_details.cached_tokens``) and the hit rate,
 TTFT p50/p90, the trace's end-to-end time, and TTFT p50 over recompute's (target: at most 0.5x).
-With several turns most requests find their conversation's previous turn still in the KV cache,
-so TTFT p50 moves little: on 2 EPYC cores, a KV cache holding the whole trace gave 0.66x with the
-defaults, 0.28x with ``--turns 1 --conversations 96 --concurrency 2`` (each prefix a system prompt).
+With several turns most requests find their conversation's previous turn still in the KV cache and
+TTFT p50 tells the tiers apart less (``--turns 3 --concurrency 4``: a KV cache holding everything
+gave 0.66x on 2 EPYC cores).
 """
 
 from __future__ import annotations
@@ -108,11 +110,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated, run in this order")
     parser.add_argument("--model", default=None, help="default: vpage's default model")
-    parser.add_argument("--conversations", type=int, default=48)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=4,
+    parser.add_argument("--conversations", type=int, default=96)
+    parser.add_argument("--turns", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=1,
                         help="conversations at a time; their prompts must fit the KV cache together")
-    parser.add_argument("--system-prompts", type=int, default=16)
+    parser.add_argument("--system-prompts", type=int, default=48)
     parser.add_argument("--system-words", type=int, default=300)
     parser.add_argument("--user-words", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=32)
