@@ -91,10 +91,9 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
     if (b < 0) {
       if (!acquire || !offloads()) break;
       // The CPU tier: the block is swapped into a new GPU block before the forward.
-      // (Not a block a disk load of this step fills: that load may yet fail.)
+      // (Not a block a disk load still fills: that load may yet fail.)
       const BlockId c = cpu_.lookup(hash, content, true);
-      const auto loading = [c](const KvBlockLoad& l) { return l.cpu_block == c; };
-      if (c < 0 || std::any_of(tier_loads_.begin(), tier_loads_.end(), loading)) break;
+      if (c < 0 || is_loading(c)) break;
       parent = cpu_.content_id(c);
       hold_cpu(c);
       const BlockId g = gpu_.allocate();
@@ -468,10 +467,15 @@ int32_t BlockManager::fetch_from_disk(SequenceGroup& group) {
     const BlockHash& hash = leader->block_hashes_[i];
     if (!disk_.lookup(hash, leader->tokens_.data() + static_cast<size_t>(i) * bs, i == 0, group.cache_salt_, true)) break;
     const BlockId c = cpu_.allocate();
-    held_cpu_.push_back(c);  // until finish_step: the load writes it
     parent = cpu_.register_block(c, hash, content_of(group, *leader, i, parent));
-    if (parent == kNoContent) break;  // another content holds the key in the CPU index
-    tier_loads_.push_back(KvBlockLoad{hash.hi, hash.lo, c});
+    if (parent == kNoContent) {  // another content holds the key in the CPU index
+      held_cpu_.push_back(c);
+      break;
+    }
+    // Held (the allocation's reference) until complete_kv_loads: the read may take steps.
+    loading_.push_back(KvBlockLoad{hash.hi, hash.lo, c});
+    plan_loads_.push_back(loading_.back());
+    group.loading_blocks_.push_back(c);
   }
   return loads;
 }
@@ -507,16 +511,37 @@ void BlockManager::finish_step(SchedulePlan& plan) {
   tier_deletes_.clear();
   plan.blocks_to_swap_in.insert(plan.blocks_to_swap_in.end(), tier_swap_in_.begin(), tier_swap_in_.end());
   tier_swap_in_.clear();
-  plan.kv_loads.swap(tier_loads_);
-  tier_loads_.clear();
+  plan.kv_loads.swap(plan_loads_);
+  plan_loads_.clear();
   for (BlockId c : held_cpu_) cpu_.decref(c);
   held_cpu_.clear();
   for (BlockId c : swapped_in_cpu_) cpu_.decref(c);
   swapped_in_cpu_.clear();
 }
 
-void BlockManager::drop_failed_loads(const std::vector<KvBlockLoad>& loads) {
-  for (const KvBlockLoad& load : loads) {
+bool BlockManager::is_loading(BlockId cpu_block) const {
+  return std::any_of(loading_.begin(), loading_.end(), [&](const KvBlockLoad& l) { return l.cpu_block == cpu_block; });
+}
+
+bool BlockManager::waits_for_disk(SequenceGroup& group) const {
+  auto& blocks = group.loading_blocks_;
+  blocks.erase(std::remove_if(blocks.begin(), blocks.end(), [&](BlockId c) { return !is_loading(c); }), blocks.end());
+  return !blocks.empty();
+}
+
+void BlockManager::complete_kv_loads(const std::vector<KvBlockLoad>& done, const std::vector<KvBlockLoad>& failed) {
+  const auto finish = [&](const KvBlockLoad& load) {
+    const auto same = [&](const KvBlockLoad& l) {
+      return l.cpu_block == load.cpu_block && l.hash_hi == load.hash_hi && l.hash_lo == load.hash_lo;
+    };
+    const auto it = std::find_if(loading_.begin(), loading_.end(), same);
+    VPAGE_CHECK(it != loading_.end(), "no disk load of block " << load.cpu_block << " is in flight");
+    loading_.erase(it);
+    cpu_.decref(load.cpu_block);
+  };
+  for (const KvBlockLoad& load : done) finish(load);
+  for (const KvBlockLoad& load : failed) {
+    finish(load);
     const BlockHash hash{load.hash_lo, load.hash_hi};
     cpu_.drop_entry(load.cpu_block, hash);
     disk_.erase(hash);
@@ -598,6 +623,7 @@ void BlockManager::check_invariants(const std::vector<const Sequence*>& seqs) co
       ++refs[b];
     }
   }
+  for (const KvBlockLoad& load : loading_) ++cpu_refs[load.cpu_block];  // held while the disk fills it
   gpu_.check_invariants(gpu_refs);
   cpu_.check_invariants(cpu_refs);
 }

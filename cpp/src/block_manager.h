@@ -115,16 +115,19 @@ class BlockManager {
   void swap_in(SequenceGroup& group, std::vector<BlockPair>& mapping);
 
   /// With a disk tier: reads the blocks of `group`'s prompt that only the disk holds into the
-  /// CPU pool (kv loads of this step), so that its admission in a later step finds them there.
-  /// Returns the number of blocks to load (then the group waits a step), 0 once tried.
+  /// CPU pool (kv loads of this step), so that its admission finds them there once they are
+  /// read. Returns the number of blocks to load, 0 once tried.
   int32_t fetch_from_disk(SequenceGroup& group);
+  /// Whether loads that fetch_from_disk started for `group` are still in flight (then it waits).
+  bool waits_for_disk(SequenceGroup& group) const;
+  /// Disk loads of earlier plans that finished: `done` ones are CPU cache entries like any other,
+  /// `failed` ones (files missing, corrupt or of other content) are forgotten, and their files
+  /// go with the next plan's kv_deletes.
+  void complete_kv_loads(const std::vector<KvBlockLoad>& done, const std::vector<KvBlockLoad>& failed);
   /// A step's tier moves into `plan`: copies of the GPU entries evicted this step to the CPU
   /// (swap-outs), the CPU hits taken (swap-ins), disk saves of the CPU entries evicted, loads
   /// and deletes; then the CPU blocks held for those moves are released.
   void finish_step(SchedulePlan& plan);
-  /// Forgets what `loads` of an earlier step were to bring (their files were missing, corrupt
-  /// or for other content): their CPU entries and disk records.
-  void drop_failed_loads(const std::vector<KvBlockLoad>& loads);
   /// Indexes a block found on disk (a restart), as the most recent; returns the keys pushed
   /// out of a full tier (their files are to go).
   std::vector<BlockHash> add_disk_record(DiskRecord record);
@@ -189,6 +192,7 @@ class BlockManager {
   void move_group(SequenceGroup& group, Device to, std::vector<BlockPair>& mapping);
   BlockPool& pool(Device device) { return device == Device::kGpu ? gpu_ : cpu_; }
   bool offloads() const { return cpu_.caching_enabled() && !windowed(); }
+  bool is_loading(BlockId cpu_block) const;
   // A CPU block that this step's moves read or write: held until finish_step.
   void hold_cpu(BlockId block) {
     cpu_.acquire_cached(block);
@@ -205,7 +209,8 @@ class BlockManager {
   std::vector<BlockId> held_cpu_;
   std::vector<BlockId> swapped_in_cpu_;  // swap-in sources of this step, freed by finish_step
   std::vector<BlockPair> tier_swap_in_;  // (cpu, gpu) of CPU hits taken this step
-  std::vector<KvBlockLoad> tier_loads_;
+  std::vector<KvBlockLoad> loading_;     // disk loads in flight (their CPU blocks held)
+  std::vector<KvBlockLoad> plan_loads_;  // those started this step
   std::vector<std::pair<uint64_t, uint64_t>> tier_deletes_;  // files of failed loads
   int32_t watermark_blocks_;
   int32_t max_step_tokens_;

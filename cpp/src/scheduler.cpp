@@ -375,7 +375,8 @@ void SchedulerImpl::schedule_waiting(StepBudget& budget, StepBuilder& step, Sche
       len = std::max(len, s->num_tokens());
       total += group.identical_ && total > 0 ? 0 : s->num_tokens();
     }
-    if (blocks_.fetch_from_disk(group) > 0) {  // admitted once its disk blocks are in the CPU pool
+    // Admitted once its disk blocks are in the CPU pool.
+    if (blocks_.fetch_from_disk(group) > 0 || blocks_.waits_for_disk(group)) {
       ++next;
       continue;
     }
@@ -569,7 +570,9 @@ const SchedulerStats& Scheduler::stats() const { return impl_->stats(); }
 BlockUsage Scheduler::usage() const { return impl_->block_manager().usage(); }
 std::vector<KvCacheEvent> Scheduler::take_kv_events() { return impl_->take_kv_events(); }
 bool Scheduler::reset_prefix_cache() { return impl_->reset_prefix_cache(); }
-void Scheduler::fail_kv_loads(const std::vector<KvBlockLoad>& loads) { impl_->block_manager().drop_failed_loads(loads); }
+void Scheduler::complete_kv_loads(const std::vector<KvBlockLoad>& done, const std::vector<KvBlockLoad>& failed) {
+  impl_->block_manager().complete_kv_loads(done, failed);
+}
 std::vector<std::pair<uint64_t, uint64_t>> Scheduler::add_disk_block(uint64_t hash_hi, uint64_t hash_lo, bool first,
                                                                      const std::string& salt,
                                                                      const std::vector<TokenId>& tokens) {

@@ -115,6 +115,7 @@ class SequenceGroup {
   bool speculate_ = true;  // may get draft tokens
   int32_t lora_id_ = 0;
   bool disk_fetched_ = false;  // its prompt's disk blocks were read for this admission
+  std::vector<BlockId> loading_blocks_;  // CPU blocks of those reads, until they finish
   int64_t last_step_ = -1;  // last step that scheduled this group
 };
 

@@ -42,6 +42,9 @@ struct Sim {
   std::map<std::string, std::string> salts;  // request -> salt
   std::map<SeqId, std::string> seq_request;
   int loads = 0;
+  int load_delay = 0;  // steps a disk read takes after the one that starts it
+  int steps = 0;
+  std::vector<std::pair<KvBlockLoad, int>> reading;  // in flight, with the step they finish in
   std::string watch;  // a request whose admission to note
   int watch_cached = 0;
 
@@ -70,16 +73,25 @@ struct Sim {
       (*disk)[Key{save.hash_hi, save.hash_lo}] = f;
     }
     for (const BlockPair& p : plan->blocks_to_swap_out) copy_block(gpu, p.first, cpu, p.second);
-    std::vector<KvBlockLoad> failed;
-    for (const KvBlockLoad& load : plan->kv_loads) {
-      ++loads;
-      const auto it = disk->find(Key{load.hash_hi, load.hash_lo});
-      EXPECT(it != disk->end());
-      if (fail_loads) {
-        failed.push_back(load);
+    // Disk reads finish `load_delay` steps after they start (the worker reads on a thread).
+    for (const KvBlockLoad& load : plan->kv_loads) reading.emplace_back(load, steps + load_delay);
+    std::vector<KvBlockLoad> done, failed;
+    for (auto it = reading.begin(); it != reading.end();) {
+      if (it->second > steps) {
+        ++it;
         continue;
       }
-      copy_block(it->second.slots, 0, cpu, load.cpu_block);
+      const KvBlockLoad& load = it->first;
+      ++loads;
+      const auto file = disk->find(Key{load.hash_hi, load.hash_lo});
+      EXPECT(file != disk->end());
+      if (fail_loads) {
+        failed.push_back(load);
+      } else {
+        copy_block(file->second.slots, 0, cpu, load.cpu_block);
+        done.push_back(load);
+      }
+      it = reading.erase(it);
     }
     for (const BlockPair& p : plan->blocks_to_swap_in) copy_block(cpu, p.first, gpu, p.second);
     for (const BlockPair& p : plan->blocks_to_copy) copy_block(gpu, p.first, gpu, p.second);
@@ -100,9 +112,10 @@ struct Sim {
     std::vector<SeqId> ids = plan->sample_seq_ids;
     std::vector<TokenId> next(ids.size());
     for (size_t i = 0; i < ids.size(); ++i) next[i] = 1000 + static_cast<TokenId>(ids[i]);
-    if (!failed.empty()) s.fail_kv_loads(failed);
     s.commit(ids.data(), next.data(), static_cast<int64_t>(ids.size()));
+    if (!done.empty() || !failed.empty()) s.complete_kv_loads(done, failed);
     s.check_invariants();
+    ++steps;
   }
 
   // Steps until nothing is left (bounded); returns the cached prompt tokens of `id`'s admission.
@@ -225,6 +238,25 @@ TEST_CASE("disk tier: a new engine with the same key finds the files; failed loa
   size_t gone = 0;
   for (const auto& [key, f] : disk) gone += s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens).size();
   EXPECT(gone == disk.size() - 2 && s.usage().used_disk_blocks == 2);
+}
+
+TEST_CASE("disk tier: a request waits for reads that take several steps, while others run") {
+  std::map<Key, DiskFile> disk;
+  {
+    const BlockManagerConfig on = tiers(8, 4, 64);
+    Scheduler s(SchedulerConfig{}, on);
+    Sim sim(on, &disk);
+    evict_and_return(s, sim, 8);
+  }
+  const BlockManagerConfig on = tiers(16, 4, 64);
+  Scheduler s(SchedulerConfig{}, on);
+  for (const auto& [key, f] : disk) s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens);
+  Sim sim(on, &disk);
+  sim.load_delay = 3;
+  sim.add(s, "a", prompt(1));
+  sim.add(s, "other", prompt(9), "", 4);  // no file: runs while a's blocks are read
+  EXPECT(sim.run(s, "a") == 12);
+  EXPECT(sim.loads == 3);
 }
 
 TEST_CASE("reset_prefix_cache empties every tier; the files go with the next plan") {

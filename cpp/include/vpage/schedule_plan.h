@@ -62,7 +62,7 @@ struct SchedulePlan {
   std::vector<BlockPair> blocks_to_swap_in;   ///< (cpu, gpu)
   std::vector<BlockPair> blocks_to_copy;      ///< (src gpu, dst gpu) copy-on-write
   // The disk tier: CPU blocks to write out (before their blocks are reused), files to read
-  // into CPU blocks (their requests are admitted in a later step, after commit_kv_loads), and
+  // into CPU blocks (their requests are admitted once complete_kv_loads reports them), and
   // keys whose files to delete.
   std::vector<KvBlockSave> kv_saves;
   std::vector<KvBlockLoad> kv_loads;

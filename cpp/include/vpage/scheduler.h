@@ -166,10 +166,12 @@ class Scheduler {
   /// request holds GPU blocks (nothing running); returns false, changing nothing, otherwise.
   /// Later prompts miss until their blocks are computed again.
   bool reset_prefix_cache();
-  /// The disk tier (BlockManagerConfig::num_disk_blocks): forgets the blocks that `loads` of
-  /// the last plan were to bring (their files missing, corrupt or of other content); the
-  /// requests waiting for them compute those tokens instead. Call before the next schedule().
-  void fail_kv_loads(const std::vector<KvBlockLoad>& loads);
+  /// The disk tier (BlockManagerConfig::num_disk_blocks): the kv_loads of earlier plans that
+  /// finished, read (`done`) or not (`failed`: files missing, corrupt or of other content; the
+  /// requests waiting for them compute those tokens instead). A request whose blocks are being
+  /// read waits until each of its loads is reported here. Throws CheckError for a load not in
+  /// flight.
+  void complete_kv_loads(const std::vector<KvBlockLoad>& done, const std::vector<KvBlockLoad>& failed);
   /// The disk tier: indexes a block whose file an earlier engine wrote (its header's key, salt
   /// of a first block, tokens), as the most recent. Returns the keys pushed out of a full tier
   /// ((hash_hi, hash_lo)), whose files are to be deleted.

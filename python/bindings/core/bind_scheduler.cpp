@@ -170,8 +170,8 @@ void bind_scheduler(py::module_& m) {
            "KvCacheEvents of the GPU prefix cache since the last call (enable_kv_cache_events).")
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache,
            "Empties the GPU prefix cache when nothing holds GPU blocks; False (no change) otherwise.")
-      .def("fail_kv_loads", &Scheduler::fail_kv_loads, py::arg("loads"),
-           "Forgets the blocks these KvBlockLoads of the last plan were to bring (unreadable files).")
+      .def("complete_kv_loads", &Scheduler::complete_kv_loads, py::arg("done"), py::arg("failed"),
+           "KvBlockLoads of earlier plans that finished: read (done) or unreadable (failed).")
       .def("add_disk_block",
            [](Scheduler& s, const std::string& key, bool first, const std::string& salt, std::vector<TokenId> tokens) {
              const auto [hi, lo] = hash_words(key);

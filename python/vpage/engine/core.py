@@ -391,10 +391,10 @@ class EngineCore:
                                         list(range(len(seq_ids))) if self.pooler else None,  # all pool, or none
                                         list(self.classifier_token_ids) if self.classifier_token_ids else None)
         sampled = self.executor.execute(plan, sampling, drafts)
-        if plan.kv_loads:  # unreadable files: their requests compute those tokens instead
-            failed = self.executor.take_failed_kv_loads()
-            if failed:
-                self.scheduler.fail_kv_loads(failed)
+        if self.config.cache.kv_offloading_disk_path:  # reads from the disk tier that finished
+            done, failed = self.executor.take_kv_loads(wait_s=0.0 if plan.num_seqs else 0.005)
+            if done or failed:
+                self.scheduler.complete_kv_loads(done, failed)
         if sampled is not None:
             if prompt_rows is not None:
                 self.prompt_logprobs.record(sampled.prompt_logprobs, prompt_rows)

@@ -65,9 +65,10 @@ class Executor:
         whenever the plan has rows). The driver's output; None without rows."""
         raise NotImplementedError
 
-    def take_failed_kv_loads(self) -> list:
-        """The disk tier's loads that failed since the last call (the driver rank's files)."""
-        return self.driver_worker.take_failed_kv_loads()
+    def take_kv_loads(self, wait_s: float = 0.0) -> tuple[list, list]:
+        """The disk tier's loads that finished since the last call, (read, failed): the driver
+        rank's files (the disk tier runs on one rank)."""
+        return self.driver_worker.take_kv_loads(wait_s)
 
     def add_lora(self, request: Any) -> bool:
         """Loads a LoRA adapter (a ``LoRARequest``) on the workers; True when it was read now.

@@ -23,7 +23,7 @@ import os
 import secrets
 import struct
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -149,38 +149,51 @@ def _read_header(f) -> Optional[DiskBlock]:
 class DiskTierFiles:
     """One rank's block files and its CPU pool (``cpu_cache``: per layer (keys, values) with
     blocks along dim 0). Saves copy the block at once and write the file on a writer thread;
-    deletes queue behind them, and a load of a key still being written waits for it."""
+    deletes queue behind them. Loads read on a reader thread into CPU blocks the block manager
+    holds until ``take_loads`` reports them; a load of a key still being written waits for it."""
 
     def __init__(self, directory: str, cpu_cache: list[tuple[torch.Tensor, torch.Tensor]]):
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.cpu_cache = cpu_cache
         self.block_bytes = sum(k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in cpu_cache)
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vpage-kv-disk")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vpage-kv-disk-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="vpage-kv-disk-read")
         self._pending: dict[bytes, Future] = {}  # key -> its last queued write or delete
+        self._loads: list[tuple[object, Future]] = []  # (KvBlockLoad, its read: True when sound)
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, f"{key.hex()}.kv")
 
-    def apply(self, plan) -> list:
-        """The plan's disk work in order: deletes, saves (before its swap-outs rewrite those CPU
-        blocks), loads (into blocks no swap of the step touches). Returns the failed loads."""
+    def apply(self, plan) -> None:
+        """Starts the plan's disk work: deletes, then saves (the blocks are copied now, before
+        the plan's swap-outs rewrite them), then loads."""
         self._pending = {key: f for key, f in self._pending.items() if not f.done()}
         for key in plan.kv_deletes:
             self._pending[key] = self._writer.submit(_remove, self._path(key))
         for save in plan.kv_saves:
             self._pending[save.key] = self._writer.submit(_write, self._path(save.key), self._file_bytes(save))
-        failed = []
         for load in plan.kv_loads:
-            pending = self._pending.get(load.key)
-            if pending is not None:
-                pending.result()
-            if not self._load(load.key, load.cpu_block):
-                failed.append(load)
-        return failed
+            self._loads.append((load, self._reader.submit(self._load, load.key, load.cpu_block,
+                                                          self._pending.get(load.key))))
+
+    def take_loads(self, wait_s: float = 0.0) -> tuple[list, list]:
+        """The loads that finished since the last call: (read, failed). With ``wait_s``, waits
+        that long at most for a first one (a step with nothing else to do)."""
+        if wait_s and self._loads and not any(f.done() for _, f in self._loads):
+            wait([f for _, f in self._loads], timeout=wait_s, return_when=FIRST_COMPLETED)
+        done, failed, running = [], [], []
+        for load, future in self._loads:
+            if not future.done():
+                running.append((load, future))
+            else:
+                (done if future.result() else failed).append(load)
+        self._loads = running
+        return done, failed
 
     def close(self) -> None:
-        """Finishes the queued writes (idempotent)."""
+        """Finishes the queued reads and writes (idempotent)."""
+        self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
 
     def _block_views(self, block: int) -> list[torch.Tensor]:
@@ -194,7 +207,9 @@ class DiskTierFiles:
         header = _HEADER.pack(_MAGIC, save.key, save.first, len(salt), len(save.tokens), len(payload), crc)
         return b"".join((header, salt, tokens, payload))
 
-    def _load(self, key: bytes, cpu_block: int) -> bool:
+    def _load(self, key: bytes, cpu_block: int, write: Optional[Future]) -> bool:
+        if write is not None:  # the file of a block saved just before
+            write.result()
         path = self._path(key)
         try:
             data = bytearray(os.path.getsize(path))  # writable: torch.frombuffer reads it in place

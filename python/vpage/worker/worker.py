@@ -85,7 +85,6 @@ class Worker:
         self.model_runner: Optional[ModelRunner] = None
         self.draft_cache: Optional[CacheEngine] = None  # the draft's own KV, in the same block ids
         self.kv_disk: Optional[DiskTierFiles] = None  # the KV cache's disk tier (kv_offloading_disk_path)
-        self.failed_kv_loads: list = []
         self.draft_runner: Optional[DraftRunner] = None
         self.profile: Optional[dict] = None  # CUDA memory profile (GiB), set by determine_num_blocks
 
@@ -241,10 +240,12 @@ class Worker:
         if self.kv_disk is not None:
             self.kv_disk.close()
 
-    def take_failed_kv_loads(self) -> list:
-        """The disk tier's loads (``KvBlockLoad``) that failed since the last call."""
-        failed, self.failed_kv_loads = self.failed_kv_loads, []
-        return failed
+    def take_kv_loads(self, wait_s: float = 0.0) -> tuple[list, list]:
+        """The disk tier's loads (``KvBlockLoad``) that finished since the last call: (read,
+        failed); ``wait_s``: how long to wait for a first one."""
+        if self.kv_disk is None:
+            return [], []
+        return self.kv_disk.take_loads(wait_s)
 
     def execute(self, plan, sampling: Optional[SamplingMetadata],
                 drafts: Optional[DraftRequest] = None) -> Optional[ModelRunnerOutput]:
@@ -257,7 +258,7 @@ class Worker:
         with ``drafts`` (the driver), the draft model's proposals, written into the plan."""
         if self.kv_disk is not None and (plan.kv_saves or plan.kv_loads or plan.kv_deletes):
             self.cache_engine.synchronize_swaps()  # the files move CPU blocks that queued swaps use
-            self.failed_kv_loads.extend(self.kv_disk.apply(plan))
+            self.kv_disk.apply(plan)
         for cache in (self.cache_engine, self.draft_cache):
             if cache is not None:
                 cache.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)

@@ -112,9 +112,9 @@ def test_disk_tier_serves_the_prefix_and_outlives_the_engine(folder, cold, tmp_p
     assert [tokens for tokens, _ in results] == expected(cold, 4)
     assert results[5][1] == 96
     assert engine.scheduler.usage().disk_prefix_cache.hits == 12
+    engine.shutdown()  # its last files written
     files = block_files(tmp_path)
     assert len(files) == engine.scheduler.usage().used_disk_blocks >= 12
-    engine.shutdown()  # its last files written
 
     # A new engine over the same folder finds prompt 0's blocks in the files (but not for another tenant).
     restarted = disk_engine(folder, tmp_path)
