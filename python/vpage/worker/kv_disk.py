@@ -172,7 +172,7 @@ class DiskTierFiles:
         for key in plan.kv_deletes:
             self._pending[key] = self._writer.submit(_remove, self._path(key))
         for save in plan.kv_saves:
-            self._pending[save.key] = self._writer.submit(_write, self._path(save.key), self._file_bytes(save))
+            self._pending[save.key] = self._writer.submit(_write, self._path(save.key), *self._file_parts(save))
         for load in plan.kv_loads:
             self._loads.append((load, self._reader.submit(self._load, load.key, load.cpu_block,
                                                           self._pending.get(load.key))))
@@ -199,13 +199,15 @@ class DiskTierFiles:
     def _block_views(self, block: int) -> list[torch.Tensor]:
         return [t[block].view(torch.uint8).reshape(-1) for pair in self.cpu_cache for t in pair]
 
-    def _file_bytes(self, save) -> bytes:
-        salt = save.salt
-        tokens = np.asarray(save.tokens, dtype=np.int32).tobytes()
-        payload = torch.cat(self._block_views(save.cpu_block)).numpy().tobytes()
-        crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(salt)))
-        header = _HEADER.pack(_MAGIC, save.key, save.first, len(salt), len(save.tokens), len(payload), crc)
-        return b"".join((header, salt, tokens, payload))
+    def _file_parts(self, save) -> tuple[bytes, bool, bytes, bytes, bytearray]:
+        """(key, salt, tokens, payload) of a save's file: the block's bytes copied now, once."""
+        payload = bytearray(self.block_bytes)
+        out = torch.frombuffer(payload, dtype=torch.uint8)
+        offset = 0
+        for view in self._block_views(save.cpu_block):
+            out[offset:offset + view.numel()].copy_(view)
+            offset += view.numel()
+        return save.key, save.first, save.salt, np.asarray(save.tokens, dtype=np.int32).tobytes(), payload
 
     def _load(self, key: bytes, cpu_block: int, write: Optional[Future]) -> bool:
         if write is not None:  # the file of a block saved just before
@@ -232,12 +234,17 @@ class DiskTierFiles:
         return True
 
 
-def _write(path: str, data: bytes) -> None:
+def _write(path: str, key: bytes, first: bool, salt: bytes, tokens: bytes, payload: bytearray) -> None:
     """Writes a block file whole or not at all (a crash leaves a .tmp that ``scan`` removes)."""
+    crc = zlib.crc32(payload, zlib.crc32(tokens, zlib.crc32(salt)))
+    header = _HEADER.pack(_MAGIC, key, first, len(salt), len(tokens) // 4, len(payload), crc)
     tmp = f"{path}.tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            f.write(header)
+            f.write(salt)
+            f.write(tokens)
+            f.write(payload)
         os.replace(tmp, path)
     except OSError as e:  # a full disk loses the block: its load fails and its tokens are computed
         logger.warning("vpage: KV disk tier: cannot write %s: %s", path, e)
