@@ -392,7 +392,7 @@ class EngineCore:
                                         list(self.classifier_token_ids) if self.classifier_token_ids else None)
         sampled = self.executor.execute(plan, sampling, drafts)
         if self.config.cache.kv_offloading_disk_path:  # reads from the disk tier that finished
-            done, failed = self.executor.take_kv_loads(wait_s=0.0 if plan.num_seqs else 0.005)
+            done, failed = self.executor.take_kv_loads(wait_s=0.0 if plan.num_seqs else 0.02)
             if done or failed:
                 self.scheduler.complete_kv_loads(done, failed)
         if sampled is not None:

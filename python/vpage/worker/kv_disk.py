@@ -23,7 +23,7 @@ import os
 import secrets
 import struct
 import zlib
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -178,10 +178,10 @@ class DiskTierFiles:
                                                           self._pending.get(load.key))))
 
     def take_loads(self, wait_s: float = 0.0) -> tuple[list, list]:
-        """The loads that finished since the last call: (read, failed). With ``wait_s``, waits
-        that long at most for a first one (a step with nothing else to do)."""
-        if wait_s and self._loads and not any(f.done() for _, f in self._loads):
-            wait([f for _, f in self._loads], timeout=wait_s, return_when=FIRST_COMPLETED)
+        """The loads that finished since the last call: (read, failed). With ``wait_s`` (a step
+        with nothing else to do), waits that long at most for all of them."""
+        if wait_s and self._loads:
+            wait([f for _, f in self._loads], timeout=wait_s, return_when=ALL_COMPLETED)
         done, failed, running = [], [], []
         for load, future in self._loads:
             if not future.done():
