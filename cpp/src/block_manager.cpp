@@ -483,7 +483,11 @@ int32_t BlockManager::fetch_from_disk(SequenceGroup& group) {
 void BlockManager::finish_step(SchedulePlan& plan) {
   if (!offloads()) return;
   // GPU entries evicted this step: copied to the CPU before this step's forward writes them.
-  for (const EvictedEntry& e : gpu_.take_evicted()) {
+  // A chain is evicted from its end, so the latest evicted are the nearest its start: they go
+  // first (a chain's later blocks are worth nothing without them) while the CPU has room.
+  const std::vector<EvictedEntry> evicted = gpu_.take_evicted();
+  for (auto it = evicted.rbegin(); it != evicted.rend(); ++it) {
+    const EvictedEntry& e = *it;
     if (cpu_.num_free() == 0 || cpu_.lookup(e.hash, e.content(), false) >= 0) continue;
     const BlockId c = cpu_.allocate();
     held_cpu_.push_back(c);  // a later copy of this step must not take it

@@ -31,7 +31,8 @@ class EngineStats:
     prefix_cache_queries: int  # looked-up blocks
     prefix_cache_hits: int  # blocks found in the cache
     # The offloading tiers (kv_offloading_size, a disk path), vLLM's external prefix cache:
-    # blocks looked up there after the device cache missed, and found.
+    # blocks looked up there after the device cache missed, and found (a block read from the
+    # disk is found in host memory, where admission takes it).
     external_prefix_cache_queries: int
     external_prefix_cache_hits: int
     prefill_tokens: int  # tokens computed in rows of several tokens (prefix-cache hits excluded)
@@ -95,8 +96,8 @@ class EngineMetrics:
             prefix_cache_hit_rate=cache.hits / cache.queries if cache.queries else 0.0,
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,
-            external_prefix_cache_queries=usage.cpu_prefix_cache.queries + usage.disk_prefix_cache.queries,
-            external_prefix_cache_hits=usage.cpu_prefix_cache.hits + usage.disk_prefix_cache.hits,
+            external_prefix_cache_queries=usage.cpu_prefix_cache.queries,
+            external_prefix_cache_hits=usage.cpu_prefix_cache.hits,
             prefill_tokens=stats.num_prefill_tokens,
             generation_tokens=self.generation_tokens,
             generation_tokens_per_s=self.generation_tokens / self.step_time if self.step_time else 0.0,

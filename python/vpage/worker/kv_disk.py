@@ -5,7 +5,7 @@ the bytes between files and the CPU pool's blocks, and lets a new engine index t
 earlier one left (``scan``). A tier lives in ``<disk path>/<fingerprint>/``: the fingerprint
 names the model and KV layout (another model, dtype, block size or weights file never reads
 these files), ``hash_key`` holds the secret key of the block hashes (so the names outlive the
-process) and ``rank<r>/<key hex>.kv`` each rank's shard of a block.
+process) and ``rank0/<key hex>.kv`` the blocks (the disk tier runs on one rank).
 
 A file: a header (magic, the block's 16-byte key, whether it is a sequence's first block, the
 lengths of the salt, tokens and payload, a CRC-32 of all that follows), the cache salt (first
@@ -29,6 +29,8 @@ from typing import Iterator, Optional
 
 import numpy as np
 import torch
+
+from vpage.model_executor.loader.model_loader import resolve_model_source
 
 logger = logging.getLogger("vpage")
 
@@ -67,7 +69,8 @@ def kv_tier_directory(config, model_config) -> str:
               "block_size": config.cache.block_size, "quantization": config.model.quantization,
               "tensor_parallel_size": config.parallel.tensor_parallel_size,
               "data_parallel_rank": config.parallel.data_parallel_rank}  # each replica its own tier
-    return tier_directory(config.cache.kv_offloading_disk_path, config.model.model, layout)
+    model_path = str(resolve_model_source(config.model.model).path)  # the default model's file too
+    return tier_directory(config.cache.kv_offloading_disk_path, model_path, layout)
 
 
 @dataclass
@@ -91,8 +94,8 @@ def open_disk_tier(config, model_config, block_bytes: int) -> DiskTier:
 
 
 def hash_key(directory: str) -> tuple[int, int]:
-    """The tier's key of the block hashes (two nonzero 64-bit words), made on first use and
-    readable by this user only."""
+    """The tier's key of the block hashes (two 64-bit words, not both zero: zero means "draw
+    one"), made on first use and readable by this user only."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "hash_key")
     if not os.path.exists(path):
