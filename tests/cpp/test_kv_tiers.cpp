@@ -150,6 +150,23 @@ int evict_and_return(Scheduler& s, Sim& sim, int n, const std::string& salt_agai
   return sim.run(s, "again");
 }
 
+// The files an engine with a disk tier leaves after prompts 0..7.
+std::map<Key, DiskFile> files_of_an_earlier_engine() {
+  std::map<Key, DiskFile> disk;
+  const BlockManagerConfig on = tiers(8, 4, 64);
+  Scheduler s(SchedulerConfig{}, on);
+  Sim sim(on, &disk);
+  evict_and_return(s, sim, 8);
+  return disk;
+}
+
+// Indexes `disk` as a restarted engine does; returns the keys pushed out of its tier.
+size_t index_files(Scheduler& s, const std::map<Key, DiskFile>& disk) {
+  size_t gone = 0;
+  for (const auto& [key, f] : disk) gone += s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens).size();
+  return gone;
+}
+
 }  // namespace
 
 TEST_CASE("cpu tier: blocks evicted from the GPU come back from the CPU with their K/V") {
@@ -208,18 +225,12 @@ TEST_CASE("disk tier: blocks evicted from the CPU are read back a step ahead of 
 }
 
 TEST_CASE("disk tier: a new engine with the same key finds the files; failed loads are recomputed") {
-  std::map<Key, DiskFile> disk;
-  {
-    const BlockManagerConfig on = tiers(8, 4, 64);
-    Scheduler s(SchedulerConfig{}, on);
-    Sim sim(on, &disk);
-    evict_and_return(s, sim, 8);
-  }
+  std::map<Key, DiskFile> disk = files_of_an_earlier_engine();
   EXPECT(disk.size() >= 3);
   for (bool fail : {false, true}) {
     const BlockManagerConfig on = tiers(8, 4, 64);
     Scheduler s(SchedulerConfig{}, on);
-    for (const auto& [key, f] : disk) EXPECT(s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens).empty());
+    EXPECT(index_files(s, disk) == 0);
     const size_t files = disk.size();
     Sim sim(on, &disk);
     sim.add(s, "a", prompt(1));
@@ -235,22 +246,14 @@ TEST_CASE("disk tier: a new engine with the same key finds the files; failed loa
   // A disk tier smaller than the files found keeps the latest and names the rest for deletion.
   BlockManagerConfig small = tiers(8, 4, 2);
   Scheduler s(SchedulerConfig{}, small);
-  size_t gone = 0;
-  for (const auto& [key, f] : disk) gone += s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens).size();
-  EXPECT(gone == disk.size() - 2 && s.usage().used_disk_blocks == 2);
+  EXPECT(index_files(s, disk) == disk.size() - 2 && s.usage().used_disk_blocks == 2);
 }
 
 TEST_CASE("disk tier: a request waits for reads that take several steps, while others run") {
-  std::map<Key, DiskFile> disk;
-  {
-    const BlockManagerConfig on = tiers(8, 4, 64);
-    Scheduler s(SchedulerConfig{}, on);
-    Sim sim(on, &disk);
-    evict_and_return(s, sim, 8);
-  }
+  std::map<Key, DiskFile> disk = files_of_an_earlier_engine();
   const BlockManagerConfig on = tiers(16, 4, 64);
   Scheduler s(SchedulerConfig{}, on);
-  for (const auto& [key, f] : disk) s.add_disk_block(key.first, key.second, f.first, f.salt, f.tokens);
+  index_files(s, disk);
   Sim sim(on, &disk);
   sim.load_delay = 3;
   sim.add(s, "a", prompt(1));
