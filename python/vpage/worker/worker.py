@@ -242,7 +242,7 @@ class Worker:
 
     def take_kv_loads(self, wait_s: float = 0.0) -> tuple[list, list]:
         """The disk tier's loads (``KvBlockLoad``) that finished since the last call: (read,
-        failed); ``wait_s``: how long to wait for a first one."""
+        failed); ``wait_s``: how long to wait for all of them."""
         if self.kv_disk is None:
             return [], []
         return self.kv_disk.take_loads(wait_s)
