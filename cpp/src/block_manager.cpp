@@ -84,10 +84,12 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
   ensure_hashes(group, seq, cacheable);
   int32_t hits = 0;
   uint64_t parent = kFirstBlock;
+  int32_t looked_up = 0;
   while (hits < cacheable) {
     const BlockHash& hash = seq.block_hashes_[hits];
     const BlockContent content = content_of(group, seq, hits, parent);
     const BlockId b = gpu_.lookup(hash, content, acquire);
+    ++looked_up;
     if (b < 0) {
       if (!acquire || !offloads()) break;
       // The CPU tier: the block is swapped into a new GPU block before the forward.
@@ -117,6 +119,9 @@ int32_t BlockManager::match_prefix(const SequenceGroup& group, Sequence& seq, bo
     }
     ++hits;
   }
+  // At admission every full block before the last token is a query, as vLLM counts a prompt's
+  // tokens: the blocks after a chain's first miss miss without a lookup.
+  if (acquire) gpu_.count_misses(cacheable - looked_up);
   return hits;
 }
 

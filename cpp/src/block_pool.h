@@ -82,6 +82,8 @@ class BlockPool {
   uint64_t content_id(BlockId block) const { return cid_.at(check_id(block)); }
 
   const PrefixCacheStats& cache_stats() const { return stats_; }
+  /// Records `n` queries that missed without a lookup (blocks after a chain's first miss).
+  void count_misses(int64_t n) { stats_.queries += n; }
 
   /// Empties the prefix cache (one kAllCleared event, no kRemoved ones) when no block is in
   /// use; returns false, changing nothing, when one is.

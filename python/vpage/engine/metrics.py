@@ -27,8 +27,8 @@ class EngineStats:
     swap_usage: float  # fraction of CPU swap blocks in use
     num_preempted_recompute: int
     num_preempted_swap: int
-    prefix_cache_hit_rate: float  # hit blocks / looked-up blocks
-    prefix_cache_queries: int  # looked-up blocks
+    prefix_cache_hit_rate: float  # hit blocks / queried blocks
+    prefix_cache_queries: int  # full blocks of admitted prompts, all before each one's last token
     prefix_cache_hits: int  # blocks found in the cache
     # The offloading tiers (kv_offloading_size, a disk path), vLLM's external prefix cache:
     # blocks looked up there after the device cache missed, and found (a block read from the

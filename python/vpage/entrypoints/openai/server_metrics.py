@@ -62,7 +62,8 @@ class ServerMetrics:
         self.prompt_tokens = engine_counter("prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).")
         self.generation_tokens = engine_counter("generation_tokens_total", "Tokens generated.")
         self.preemptions = engine_counter("num_preemptions_total", "Preemptions (recompute or swap).")
-        self.cache_queries = engine_counter("prefix_cache_queries_total", "KV blocks looked up in the prefix cache.")
+        self.cache_queries = engine_counter("prefix_cache_queries_total",
+                                            "Full KV blocks of admitted prompts (all before the last token).")
         self.cache_hits = engine_counter("prefix_cache_hits_total", "KV blocks found in the prefix cache.")
         self.external_queries = engine_counter("external_prefix_cache_queries_total",
                                                "KV blocks looked up in the offloading tiers (host memory, disk).")
