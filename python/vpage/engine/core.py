@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import os
 import secrets
 import time
 from typing import Any, Optional, Sequence
@@ -39,7 +38,7 @@ from vpage.pooling.pooler import embedding
 from vpage.sampler import beam_candidates
 from vpage.sampling_params import SamplingParams
 from vpage.spec_decode.draft_proposer import DraftModelProposer
-from vpage.worker.kv_disk import open_disk_tier, scan
+from vpage.worker.kv_disk import index_disk_tier, open_disk_tier
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
 logger = logging.getLogger("vpage")
@@ -117,7 +116,7 @@ class EngineCore:
                                      prefix_hash_key0=disk.key[0] if disk else 0,
                                      prefix_hash_key1=disk.key[1] if disk else 0))
         if disk is not None:
-            self._index_disk_tier(disk.directory)
+            index_disk_tier(self.scheduler, disk.directory)
         self.drafter = (DraftModelProposer(cache.block_size, 4 * sched.max_num_seqs)
                         if spec is not None and spec.model is not None else None)
         self.metrics = EngineMetrics()
@@ -405,17 +404,6 @@ class EngineCore:
         self.scheduler.observe_step_time(elapsed)  # what a draft row costs here (speculative decoding)
         self.metrics.on_step(elapsed, plan.num_tokens)
         return outputs
-
-    def _index_disk_tier(self, directory: str) -> None:
-        """Indexes the blocks an earlier engine left in the disk tier (oldest first; those past
-        its size are deleted)."""
-        found = 0
-        for block in scan(directory):
-            found += 1
-            for key in self.scheduler.add_disk_block(block.key, block.first, block.salt, block.tokens):
-                os.remove(os.path.join(directory, f"{key.hex()}.kv"))
-        if found:
-            logger.info("vpage: KV disk tier: %d blocks found in %s", self.scheduler.usage().used_disk_blocks, directory)
 
     @staticmethod
     def _kv_events_wanted(config: EngineConfig) -> bool:

@@ -137,6 +137,18 @@ def scan(directory: str) -> Iterator[DiskBlock]:
         yield block
 
 
+def index_disk_tier(scheduler, directory: str) -> None:
+    """Indexes in ``scheduler`` (a ``_core.Scheduler``) the blocks an earlier engine left in a
+    rank's folder, oldest first; those past the tier's size are deleted."""
+    found = 0
+    for block in scan(directory):
+        found += 1
+        for key in scheduler.add_disk_block(block.key, block.first, block.salt, block.tokens):
+            os.remove(os.path.join(directory, f"{key.hex()}.kv"))
+    if found:
+        logger.info("vpage: KV disk tier: %d blocks found in %s", scheduler.usage().used_disk_blocks, directory)
+
+
 def _read_header(f) -> Optional[DiskBlock]:
     raw = f.read(_HEADER.size)
     magic, key, first, salt_len, num_tokens, _, _ = _HEADER.unpack(raw)
