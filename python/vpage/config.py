@@ -58,16 +58,26 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism, CPU threads and this engine's place among data-parallel replicas."""
+    """Tensor and pipeline parallelism, CPU threads and this engine's place among data-parallel
+    replicas."""
 
     tensor_parallel_size: int
     distributed_executor_backend: Optional[str]  # None (one process), "mp" or "ray"
     num_threads: Optional[int]  # CPU kernel threads over all ranks; None: torch's
     data_parallel_rank: Optional[int] = None  # this engine's replica index under a DP server, else None
+    pipeline_parallel_size: int = 1
+    # The decoder layers of each pipeline stage (summing to the model's), resolved once; () with one stage.
+    pipeline_layers: tuple[int, ...] = ()
+    # Micro-batches a pipelined step's sequences are cut into, so that the stages work at once.
+    pipeline_microbatches: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def rank_threads(self, default: int) -> int:
         """Threads of one rank: ``num_threads`` (or ``default``) split over the ranks."""
-        return max(1, (self.num_threads or default) // self.tensor_parallel_size)
+        return max(1, (self.num_threads or default) // self.world_size)
 
 
 @dataclass(frozen=True)

@@ -100,19 +100,22 @@ class ShmCommunicator:
         self._map.close()
 
 
-def connect(rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES) -> Optional[ShmCommunicator]:
-    """A collective over the default (gloo) group: a communicator on every rank when all ranks
-    are on this machine and rank 0's mode allows it, None on every rank otherwise (gloo then
-    does the all-reduce). Raises on every rank when the mode is ``shm`` and it cannot be used."""
+def connect(rank: int, size: int, timeout_s: float, group: Optional[dist.ProcessGroup] = None, first: int = 0,
+            slot_bytes: int = SLOT_BYTES) -> Optional[ShmCommunicator]:
+    """A collective over ``group`` (gloo; None: the default group) whose ranks are global
+    ``first`` to ``first + size - 1``, this one ``rank`` of them: a communicator on every rank
+    when all are on this machine and the first one's mode allows it, None on every rank
+    otherwise (gloo then does the all-reduce). Raises on every rank when the mode is ``shm``
+    and it cannot be used."""
     infos = [None] * size
-    dist.all_gather_object(infos, (requested_mode(), _machine(), os.getpid()))
+    dist.all_gather_object(infos, (requested_mode(), _machine(), os.getpid()), group=group)
     mode = infos[0][0]
     one_machine = infos[0][1] is not None and all(info[1] == infos[0][1] for info in infos)
     if mode == "gloo" or (mode == "auto" and not one_machine):
         return None
     if not one_machine:
         raise RuntimeError("VPAGE_TP_ALLREDUCE=shm needs every tensor-parallel rank on this machine")
-    mapping, found = _share_segment(rank, size, _core._ShmAllReduce.segment_bytes(size, slot_bytes))
+    mapping, found = _share_segment(rank, size, _core._ShmAllReduce.segment_bytes(size, slot_bytes), group, first)
     if isinstance(found[0], tuple) and all(f == found[0] for f in found):
         return ShmCommunicator(mapping, rank, [info[2] for info in infos], slot_bytes, timeout_s)
     if mapping is not None:
@@ -125,9 +128,11 @@ def connect(rank: int, size: int, timeout_s: float, slot_bytes: int = SLOT_BYTES
     return None
 
 
-def _share_segment(rank: int, size: int, nbytes: int) -> tuple[Optional[mmap.mmap], list]:
-    """Rank 0 creates the segment, every rank maps it, then rank 0 unlinks it. Returns this
-    rank's mapping (None on failure) and what each rank mapped: the file's (device, inode), or why not."""
+def _share_segment(rank: int, size: int, nbytes: int, group: Optional[dist.ProcessGroup],
+                   first: int) -> tuple[Optional[mmap.mmap], list]:
+    """The group's rank 0 creates the segment, every rank maps it, then rank 0 unlinks it.
+    Returns this rank's mapping (None on failure) and what each rank mapped: the file's
+    (device, inode), or why not."""
     created, mine, mapping = None, "no segment", None
     if rank == 0:
         try:
@@ -136,14 +141,14 @@ def _share_segment(rank: int, size: int, nbytes: int) -> tuple[Optional[mmap.mma
             mine = f"cannot create a segment under {SHM_DIR}: {e}"
     try:
         name = [created]
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, src=first, group=group)
         if name[0] is not None:
             try:
                 mapping, mine = _map(name[0], nbytes)
             except (OSError, ValueError) as e:
                 mine = f"cannot map {name[0]}: {e}"
         found = [None] * size
-        dist.all_gather_object(found, mine)
+        dist.all_gather_object(found, mine, group=group)
     finally:
         if created is not None:
             os.unlink(created)  # every rank has mapped it (or failed to): the name is no longer needed

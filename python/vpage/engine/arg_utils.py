@@ -81,7 +81,8 @@ class EngineArgs:
     num_threads: Optional[int] = None  # CPU kernel threads; default torch.get_num_threads()
     seed: int = 0
     tensor_parallel_size: int = 1
-    distributed_executor_backend: Optional[str] = None  # default "mp" when tensor_parallel_size > 1
+    pipeline_parallel_size: int = 1  # stages of consecutive layers (each of tensor_parallel_size ranks)
+    distributed_executor_backend: Optional[str] = None  # default "mp" with more than one rank
     generation_config: str = "auto"  # the model's sampling defaults; "vpage": none; or a folder
     structured_outputs_backend: str = "xgrammar"  # grammar compiler of structured outputs
     reasoning_parser: Optional[str] = None  # e.g. "qwen3": structured outputs start after the reasoning
@@ -115,7 +116,8 @@ class EngineArgs:
         check(offload, "kv_offloading_disk_path needs kv_offloading_size (the disk tier lies below the CPU tier)")
         check(self.kv_offloading_disk_size > 0,
               f"kv_offloading_disk_size must be > 0 GiB, got {self.kv_offloading_disk_size}")
-        check(self.tensor_parallel_size == 1, "the KV disk tier runs with tensor_parallel_size 1 only")
+        check(self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1,
+              "the KV disk tier runs on one rank only (tensor_parallel_size and pipeline_parallel_size 1)")
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -145,13 +147,19 @@ class EngineArgs:
               f"num_threads must be >= 1, got {self.num_threads}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(isinstance(self.pipeline_parallel_size, int) and self.pipeline_parallel_size >= 1,
+              f"pipeline_parallel_size must be an integer >= 1, got {self.pipeline_parallel_size!r}")
+        if self.pipeline_parallel_size > 1:
+            check(self.runner != "pooling", "pipeline_parallel_size applies to generation, not runner 'pooling'")
+            check(not self.enable_lora, "LoRA adapters do not run under pipeline parallelism yet "
+                                        "(pipeline_parallel_size 1, or tensor_parallel_size instead)")
         check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
               f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         check(self.data_parallel_backend in _EXECUTOR_BACKENDS,
               f"data_parallel_backend must be one of {_EXECUTOR_BACKENDS}, got {self.data_parallel_backend!r}")
         check(self.data_parallel_rank is None or 0 <= self.data_parallel_rank < self.data_parallel_size,
               f"data_parallel_rank must lie in [0, {self.data_parallel_size}), got {self.data_parallel_rank!r}")
-        if self.distributed_executor_backend is None and self.tensor_parallel_size > 1:
+        if self.distributed_executor_backend is None and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             self.distributed_executor_backend = "mp"
         check(self.distributed_executor_backend in (None, *_EXECUTOR_BACKENDS),
               f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
@@ -213,6 +221,7 @@ class EngineArgs:
         not fit; nothing has been started then."""
         from vpage.model_executor import inspect_model, resolve_device
         from vpage.model_executor.loader.generation_config import generation_defaults
+        from vpage.model_executor.pipeline_layers import pipeline_layers, pipeline_microbatches
 
         pooler, classifier = None, None
         if self.runner == "pooling":  # a decoder pooling through this engine (encoders: PoolingEngine)
@@ -232,13 +241,19 @@ class EngineArgs:
                              f"must be >= max_model_len ({max_model_len})")
         if self.tensor_parallel_size > 1:
             facts.check_tensor_parallel(self.tensor_parallel_size)
-            if device.type == "cuda" and self.distributed_executor_backend == "mp":
-                import torch
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world > 1 and device.type == "cuda" and self.distributed_executor_backend == "mp":
+            import torch
 
-                if torch.cuda.device_count() < self.tensor_parallel_size:
-                    raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs "
-                                     f"{self.tensor_parallel_size} GPUs on this machine; "
-                                     f"{torch.cuda.device_count()} visible")
+            if torch.cuda.device_count() < world:
+                raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                                 f"{self.pipeline_parallel_size} needs {world} GPUs on this machine; "
+                                 f"{torch.cuda.device_count()} visible")
+        pipeline = ()
+        if self.pipeline_parallel_size > 1:
+            if self._speculative is not None and self._speculative.model is not None:
+                raise ValueError("a draft model does not run under pipeline parallelism (method 'ngram' does)")
+            pipeline = pipeline_layers(facts.hf_config, self.pipeline_parallel_size)
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, quantization=self.quantization,
                               device=device.type, max_model_len=max_model_len, seed=self.seed,
@@ -255,7 +270,9 @@ class EngineArgs:
                               kv_offloading_disk_size=self.kv_offloading_disk_size),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend,
-                                    num_threads=self.num_threads, data_parallel_rank=self.data_parallel_rank),
+                                    num_threads=self.num_threads, data_parallel_rank=self.data_parallel_rank,
+                                    pipeline_parallel_size=self.pipeline_parallel_size, pipeline_layers=pipeline,
+                                    pipeline_microbatches=pipeline_microbatches(self.pipeline_parallel_size)),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,

@@ -1,9 +1,9 @@
 """The one interface the engine drives, whatever runs the model: ``Executor.create(config)``
 builds the workers, sizes and allocates their KV caches, and then runs plans.
 
-Implementations: ``UniProcExecutor`` (one worker in the engine's process), and for tensor
-parallelism ``MPExecutor`` (local worker processes) and ``RayExecutor`` (Ray actors), both on
-``TensorParallelExecutor`` (rank 0, the driver, in the engine's process).
+Implementations: ``UniProcExecutor`` (one worker in the engine's process), and for tensor and
+pipeline parallelism ``MPExecutor`` (local worker processes) and ``RayExecutor`` (Ray actors),
+both on ``TensorParallelExecutor`` (rank 0, the driver, in the engine's process).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class Executor:
     def create(config: EngineConfig) -> "Executor":
         """The executor ``config.parallel`` asks for, with its workers loaded and caches allocated."""
         backend = config.parallel.distributed_executor_backend
-        if config.parallel.tensor_parallel_size == 1:
+        if config.parallel.world_size == 1:
             from vpage.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor(config)

@@ -72,7 +72,7 @@ class MPExecutor(TensorParallelExecutor):
     def _start_workers(self, init_method: str) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(1, self.config.parallel.tensor_parallel_size):
+        for rank in range(1, self.config.parallel.world_size):
             parent, child = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"vpage-tp-worker-{rank}", daemon=True,
                                args=(self.config, rank, init_method, self.backend, timeout_s(), child))

@@ -41,7 +41,7 @@ class RayExecutor(TensorParallelExecutor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         gpu = self.backend == "nccl"
-        size = self.config.parallel.tensor_parallel_size
+        size = self.config.parallel.world_size
         bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
         self.group = placement_group([bundle] * (size - 1), strategy="PACK")
         ray.get(self.group.ready(), timeout=timeout_s())

@@ -1,4 +1,5 @@
-"""The driver side of tensor parallelism, shared by the ``mp`` and ``ray`` executors.
+"""The driver side of tensor and pipeline parallelism, shared by the ``mp`` and ``ray``
+executors.
 
 The driver is rank 0 in the engine's process. Each step it prepares the plan (block moves, a
 draft model's proposals), broadcasts it once (``step_message``), runs its own shard and samples
@@ -52,8 +53,8 @@ def _shutdown_at_exit(ref: "weakref.ref[TensorParallelExecutor]") -> None:
 
 
 class TensorParallelExecutor(Executor):
-    """Starts ``tensor_parallel_size - 1`` workers (subclasses say how), then joins the group
-    as rank 0: ``driver_worker`` is this process's Worker (model shard, cache slice)."""
+    """Starts ``world_size - 1`` workers (subclasses say how), then joins the group as rank 0:
+    ``driver_worker`` is this process's Worker (model shard and stage, cache slice)."""
 
     host = "127.0.0.1"
 

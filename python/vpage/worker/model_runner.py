@@ -23,6 +23,7 @@ from vpage.sampler import Sampler
 from vpage.spec_decode.verifier import DraftRows
 from vpage.worker.cuda_graphs import DecodeGraphs
 from vpage.worker.input_staging import StepInputs
+from vpage.worker.pipeline import PipelineStage
 from vpage.worker.prompt_logprobs import score_prompt_rows
 from vpage.worker.step_io import ModelRunnerOutput, SamplingMetadata
 
@@ -66,13 +67,15 @@ class ModelRunner:
     On CPU the plan's flat buffers (numpy views of C++ memory) are wrapped as tensors without
     copying. On CUDA they go through ``staging`` (reused pinned buffers, asynchronous copies),
     and decode steps that fit a captured graph replay it (``graphs``; None = always eager).
-    With ``lora``, each step's rows run under their adapters (``plan.lora_ids``).
+    With ``lora``, each step's rows run under their adapters (``plan.lora_ids``). A pipeline
+    stage's runner (``pipeline``) runs its part of the model and the driver's gets the logits.
     """
 
     def __init__(self, loaded: LoadedModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  staging: Optional[StepInputs] = None, graphs: Optional[DecodeGraphs] = None,
-                 lora: Optional[LoRAManager] = None):
+                 lora: Optional[LoRAManager] = None, pipeline: Optional[PipelineStage] = None):
         self.model = loaded.model
+        self.pipeline = pipeline
         self.device = loaded.device
         self.kv_caches = kv_caches
         self.staging = staging
@@ -119,13 +122,17 @@ class ModelRunner:
         (the driver rank's work; other ranks compute ``logits`` alone). ``layer_events``
         (CUDA): layer i's attention waits on event i (that layer's swaps)."""
         draft = DraftRows.of(plan)
-        hidden, rows = self._forward(plan, layer_events)
         pooled = None
-        if sampling.pooled and sampling.pooled_token_ids is None:  # a pooling request's sampled row is
-            pooled = hidden.index_select(0, rows[sampling.pooled]).float().cpu()  # its last prompt token's
-        logits = self._logits_of(hidden, rows, extra_logit_rows(plan, sampling, draft))
-        if sampling.pooled and sampling.pooled_token_ids is not None:  # a classifier of next-token logits
-            pooled = logits[sampling.pooled][:, sampling.pooled_token_ids].cpu()
+        if self.pipeline is not None:  # (pooling runs unpipelined)
+            logits = self.pipeline.logits(plan, self._pipeline_batch(plan, layer_events), self.kv_caches,
+                                          extra_logit_rows(plan, sampling, draft))
+        else:
+            hidden, rows = self._forward(plan, layer_events)
+            if sampling.pooled and sampling.pooled_token_ids is None:  # a pooling request's sampled row is
+                pooled = hidden.index_select(0, rows[sampling.pooled]).float().cpu()  # its last prompt token's
+            logits = self._logits_of(hidden, rows, extra_logit_rows(plan, sampling, draft))
+            if sampling.pooled and sampling.pooled_token_ids is not None:  # a classifier of next-token logits
+                pooled = logits[sampling.pooled][:, sampling.pooled_token_ids].cpu()
         num_samples = len(sampling.rows)
         extra = logits[num_samples:]
         prompt_scores = None
@@ -144,9 +151,12 @@ class ModelRunner:
                                  num_drafts, num_accepted, prompt_scores, pooled)
 
     def logits(self, plan: _core.SchedulePlan, layer_events: Optional[list] = None,
-               logit_rows: Optional[np.ndarray] = None) -> torch.Tensor:
+               logit_rows: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
         """Forward of the plan's tokens; float32 logits ``[num_samples + len(logit_rows), vocab]``:
-        the sampled rows', then those of ``logit_rows`` (int64 token indices)."""
+        the sampled rows', then those of ``logit_rows`` (int64 token indices). A pipeline stage
+        runs its part and returns None (the driver's ``execute`` gets the logits)."""
+        if self.pipeline is not None:
+            return self.pipeline.logits(plan, self._pipeline_batch(plan, layer_events), self.kv_caches, logit_rows)
         hidden, rows = self._forward(plan, layer_events)
         return self._logits_of(hidden, rows, logit_rows)
 
@@ -186,6 +196,11 @@ class ModelRunner:
                 torch.cuda.current_stream(self.device).wait_event(layer_events[-1])
             rows = self.staging.upload(plan, ["sample_token_indices"])["sample_token_indices"]
             return self.graphs.run(plan, graph_rows), rows
+        batch, rows = self._staged_batch(plan, layer_events)
+        return self.model(batch, self.kv_caches), rows
+
+    def _staged_batch(self, plan, layer_events: Optional[list]) -> tuple[ForwardBatch, torch.Tensor]:
+        """The plan's batch uploaded through ``staging``, and its sampled token indices."""
         inputs = self.staging.upload(plan)
         batch = ForwardBatch(
             input_ids=inputs["input_ids"], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
@@ -193,4 +208,13 @@ class ModelRunner:
             query_start_loc=inputs["query_start_loc"], max_context_len=plan.max_context_len,
             max_query_len=plan.max_query_len, layer_events=layer_events,
             lora_token_slots=self._lora_token_slots(plan))
-        return self.model(batch, self.kv_caches), inputs["sample_token_indices"]
+        return batch, inputs["sample_token_indices"]
+
+    def _pipeline_batch(self, plan, layer_events: Optional[list]) -> ForwardBatch:
+        """The whole batch of a pipeline stage's step. The stage's swaps are awaited at once (the
+        attention's per-layer waits index the whole model's layers)."""
+        if layer_events is not None:
+            torch.cuda.current_stream(self.device).wait_event(layer_events[-1])
+        if self.staging is None or has_draft_rows(plan):
+            return self.batch_of(plan)
+        return self._staged_batch(plan, None)[0]

@@ -37,6 +37,7 @@ from vpage.worker.graph_buckets import MAX_GRAPH_CONTEXT, graph_batch_sizes
 from vpage.worker.input_staging import StepInputs
 from vpage.worker.kv_disk import DiskTierFiles, kv_tier_directory
 from vpage.worker.model_runner import ModelRunner
+from vpage.worker.pipeline import PipelineStage
 from vpage.worker.step_io import DraftRequest, ModelRunnerOutput, SamplingMetadata
 
 logger = logging.getLogger("vpage")
@@ -50,6 +51,7 @@ class Worker:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tp_size = ps.tp_size()  # fixed at construction, like the layers' shards
+        self.world_size = config.parallel.world_size
         m = config.model
         self.loaded: LoadedModel = load_model(m.model, m.dtype, m.device, m.quantization,
                                               with_tokenizer=not m.skip_tokenizer_init, pooling=m.pooler is not None)
@@ -90,11 +92,13 @@ class Worker:
 
     @property
     def cache_config(self) -> ModelConfig:
-        """The model config with this rank's head counts (what its KV cache holds)."""
+        """The model config with this rank's head counts and its stage's layers (what its KV
+        cache holds)."""
         c = self.loaded.config
         size = self.tp_size
-        return dataclasses.replace(c, num_heads=c.num_heads // size, num_kv_heads=local_kv_heads(c.num_kv_heads, size),
-                                   kv_cache_dtype=self.kv_cache_dtype)
+        start, end = ps.stage_layers(c.num_layers)
+        return dataclasses.replace(c, num_layers=end - start, num_heads=c.num_heads // size,
+                                   num_kv_heads=local_kv_heads(c.num_kv_heads, size), kv_cache_dtype=self.kv_cache_dtype)
 
     @property
     def draft_cache_config(self) -> Optional[ModelConfig]:
@@ -124,12 +128,11 @@ class Worker:
         if cache.kv_cache_memory is not None:
             gpu = int(cache.kv_cache_memory * _GIB // block_bytes)
         elif self.device.type == "cpu":  # the ranks share this machine's memory
-            gpu = int(default_cpu_kv_gib() / self.tp_size * _GIB // block_bytes)
+            gpu = int(default_cpu_kv_gib() / self.world_size * _GIB // block_bytes)
         else:
             gpu = self._profile_cuda_blocks(block_bytes)
         cpu = int(host_pool_gib * _GIB // block_bytes)
-        if self.tp_size > 1:
-            gpu, cpu = ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)
+        gpu, cpu = ps.all_reduce_min(gpu), ps.all_reduce_min(cpu)  # (every rank's, under parallelism)
         if gpu <= 0 and self.profile is not None:  # after the reduction: every rank raises alike
             p = self.profile
             raise ValueError(
@@ -161,13 +164,18 @@ class Worker:
 
     def _init_target_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         block_size = self.config.cache.block_size
+        pipeline = None
+        if ps.pp_size() > 1:
+            c = self.loaded.config
+            pipeline = PipelineStage(self.loaded.model, c.hidden_size, c.dtype, c.vocab_size, self.device,
+                                     self.config.parallel.pipeline_microbatches)
         if self.device.type != "cuda":
             self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device)
-            self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, lora=self.lora)
+            self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, lora=self.lora, pipeline=pipeline)
             return
         sched = self.config.scheduler
         # A captured graph cannot follow a step's adapter rows: with LoRA, decode runs eager.
-        use_graphs = not self.config.enforce_eager and self.tp_size == 1 and self.lora is None
+        use_graphs = not self.config.enforce_eager and self.world_size == 1 and self.lora is None
         self.cache_engine = CacheEngine(self.cache_config, block_size, num_gpu_blocks, num_cpu_blocks, self.device,
                                         scratch_blocks=1 if use_graphs else 0)
         max_blocks = math.ceil(sched.max_model_len / block_size)
@@ -178,7 +186,7 @@ class Worker:
                                   graph_batch_sizes(min(sched.max_num_seqs, sched.max_num_batched_tokens)),
                                   min(sched.max_model_len, MAX_GRAPH_CONTEXT), block_size,
                                   self.cache_engine.scratch_block)
-        self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, staging, graphs, self.lora)
+        self.model_runner = ModelRunner(self.loaded, self.cache_engine.gpu_cache, staging, graphs, self.lora, pipeline)
 
     def add_lora(self, request: LoRARequest) -> bool:
         """Loads an adapter (``LoRAManager.add_adapter``); ValueError without enable_lora."""
@@ -320,14 +328,16 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def init_worker(config: EngineConfig, rank: int, init_method: str, backend: str, timeout_s: float) -> Worker:
-    """Joins the tensor-parallel group as ``rank``, sets threads (and the CUDA device), and
-    loads the shard."""
+    """Joins the model-parallel group as global ``rank``, sets threads (and the CUDA device),
+    and loads the shard (of its pipeline stage)."""
     threads = config.parallel.rank_threads(torch.get_num_threads())
     torch.set_num_threads(threads)
     ops.set_num_threads(threads)
     if backend == "nccl":
         local = int(os.environ.get("VPAGE_LOCAL_RANK", rank))
         torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
-    ps.init_tensor_parallel(rank, config.parallel.tensor_parallel_size, init_method, backend, timeout_s)
+    parallel = config.parallel
+    ps.init_tensor_parallel(rank, parallel.tensor_parallel_size, init_method, backend, timeout_s,
+                            parallel.pipeline_layers)
     torch.manual_seed(config.model.seed)
     return Worker(config)

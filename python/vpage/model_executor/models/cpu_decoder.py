@@ -33,7 +33,7 @@ from torch import nn
 
 from vpage import _core, ops
 from vpage._ops_cpu import DTYPE_CODES
-from vpage.distributed.parallel_state import tp_size
+from vpage.distributed.parallel_state import pp_size, tp_size
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layers.attention import PagedAttention
 from vpage.model_executor.layers.fused_moe import ExpertStack, FusedMoE
@@ -239,7 +239,7 @@ def eligible_for_cpu_decoder(model: Any, kv_caches: list[KVCache]) -> bool:
     caches can run on the C++ loop: dtypes, device, tensor parallelism, quantized projections,
     static rotary tables, and the sizes and epsilons the loop takes once for every layer."""
     dtype = model.dtype
-    if dtype not in DTYPE_CODES or tp_size() != 1 or not kv_caches:
+    if dtype not in DTYPE_CODES or tp_size() != 1 or pp_size() != 1 or not kv_caches:
         return False
     key, value = kv_caches[0]
     if key.device.type != "cpu" or key.dtype not in DTYPE_CODES or value.dtype != key.dtype:

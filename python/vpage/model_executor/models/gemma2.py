@@ -26,7 +26,7 @@ from vpage.model_executor.layers.weight_utils import ShardId, copy_checked, floa
 from vpage.model_executor.models.arch import ModelArch
 from vpage.model_executor.models.gemma_gguf import GEMMA2_GGUF
 from vpage.model_executor.models.llama import (DecoderParts, KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP,
-                                               _check_caches, head_size_of, layer_sliding_window, rope_settings)
+                                               StageParts, head_size_of, layer_sliding_window, rope_settings)
 
 # transformers' names of the tanh approximation of GELU (they differ only in rounding).
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast")
@@ -155,16 +155,15 @@ class GemmaModel(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, parts: DecoderParts):
         super().__init__()
+        self.stage = StageParts(hf_config)
         self.embed_tokens = quant.embedding(f"{prefix}.embed_tokens", hf_config.vocab_size, hf_config.hidden_size,
-                                            dtype)
+                                            dtype) if self.stage.embedding else None
         # transformers multiplies by sqrt(hidden_size) rounded to the model dtype (55.5, not
         # 55.43, for 3072 in bfloat16).
         self.register_buffer("embed_scale", torch.tensor(hf_config.hidden_size**0.5).to(dtype), persistent=False)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(hf_config, dtype, quant, f"{prefix}.layers.{i}", i, parts)
-            for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = parts.norm(hf_config, dtype)
+        self.layers = self.stage.layers(
+            hf_config, lambda i: GemmaDecoderLayer(hf_config, dtype, quant, f"{prefix}.layers.{i}", i, parts))
+        self.norm = parts.norm(hf_config, dtype) if self.stage.last else None
         head_size = head_size_of(hf_config)
         max_position = int(getattr(hf_config, "max_position_embeddings", 8192))
         per_type = rope_per_layer_type(hf_config)
@@ -200,24 +199,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.final_logit_softcapping = float(cap) if cap else None
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
-        """Run one step; returns final-normed hidden states ``[num_tokens, hidden_size]`` (the
-        K/V of the step's tokens are written into the slots of ``batch``)."""
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
+                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run one step (as Llama's forward, pipeline stages included); the embedding is scaled."""
         model = self.model
-        layers, rotary = model.layers, model.layer_rotary
-        decoder = self._decoder_for(kv_caches)
+        if intermediate is not None:
+            return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches)
         h = model.embed_tokens(batch.input_ids).mul_(model.embed_scale)
+        decoder = self._decoder_for(kv_caches)
         if decoder is not None and batch.layer_events is None:
             return decoder.forward(h, batch)
-        _check_caches(kv_caches, len(layers))
-        # As in Llama's forward: the first layer's ops check the step's arguments, the others
-        # see the same batch and like-shaped activations, caches and rotary tables.
-        h, residual = layers[0](h, None, rotary[0], batch, kv_caches[0])
-        with ops.trusted_arguments():
-            for i in range(1, len(layers)):
-                h, residual = layers[i](h, residual, rotary[i], batch, kv_caches[i])
-            h, _ = model.norm(h, residual)
-        return h
+        return self.run_layers(h, None, batch, kv_caches)
+
+    def rotary_of(self, layer_index: int) -> RotaryEmbedding:
+        return self.model.layer_rotary[layer_index]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

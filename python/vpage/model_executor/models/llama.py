@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vpage import ops
+from vpage.distributed.parallel_state import is_first_stage, is_last_stage, stage_layers
 from vpage.model_executor.forward_batch import ForwardBatch
 from vpage.model_executor.layer_types import sliding_windows
 from vpage.model_executor.layers.attention import PagedAttention
@@ -189,20 +190,40 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class AbsentLayer(nn.Module):
+    """A decoder layer that another pipeline stage holds: no weights, never called."""
+
+
+class StageParts:
+    """Which parts of a model this pipeline stage builds (all of them with one stage): its
+    decoder layers ``[start, end)``, the embedding on the first stage (and on the last when the
+    output projection is tied to it), the final norm and the output projection on the last."""
+
+    def __init__(self, hf_config: Any):
+        self.start, self.end = stage_layers(hf_config.num_hidden_layers)
+        self.first, self.last = is_first_stage(), is_last_stage()
+        self.embedding = self.first or (self.last and bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+    def layers(self, hf_config: Any, make_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
+        """The decoder layers by their global index; another stage's are ``AbsentLayer``s."""
+        return nn.ModuleList(make_layer(i) if self.start <= i < self.end else AbsentLayer()
+                             for i in range(hf_config.num_hidden_layers))
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and the final norm (every layer rotates with ``rotary_emb``)."""
+    """Embedding, decoder layers and the final norm (every layer rotates with ``rotary_emb``);
+    under pipeline parallelism the stage's parts of them (``StageParts``; the others None)."""
 
     cpu_decoder_role = "llama_model"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, quant: QuantConfig, prefix: str, parts: DecoderParts):
         super().__init__()
+        self.stage = StageParts(hf_config)
         self.embed_tokens = quant.embedding(f"{prefix}.embed_tokens", hf_config.vocab_size, hf_config.hidden_size,
-                                            dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, dtype, quant, f"{prefix}.layers.{i}", i, parts)
-            for i in range(hf_config.num_hidden_layers)
-        )
-        self.norm = parts.norm(hf_config, dtype)
+                                            dtype) if self.stage.embedding else None
+        self.layers = self.stage.layers(
+            hf_config, lambda i: LlamaDecoderLayer(hf_config, dtype, quant, f"{prefix}.layers.{i}", i, parts))
+        self.norm = parts.norm(hf_config, dtype) if self.stage.last else None
         theta, scaling = rope_settings(hf_config)
         self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), theta, scaling,
                                           int(getattr(hf_config, "max_position_embeddings", 2048)))
@@ -239,32 +260,56 @@ class LlamaForCausalLM(nn.Module):
         self._cpu_decoder: tuple[Any, Optional[CpuDecoder]] = (None, None)  # (caches it was built for, loop)
         self.model = self.model_class(hf_config, dtype, quant, "model", self.parts)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if not self.model.stage.last:
+            self.lm_head = None
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = quant.lm_head("lm_head", hf_config.vocab_size, hf_config.hidden_size, dtype)
+        # Checkpoint names of the parts other pipeline stages hold (their weights are skipped).
+        self.absent_prefixes = tuple(
+            [f"model.{name}." for name in ("embed_tokens", "norm") if getattr(self.model, name) is None]
+            + [f"model.layers.{i}." for i, layer in enumerate(self.model.layers) if isinstance(layer, AbsentLayer)]
+            + (["lm_head."] if self.lm_head is None else []))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
+                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run one step; returns final-normed hidden states ``[num_tokens, hidden_size]``.
 
-        kv_caches: one (key_cache, value_cache) per layer, in ``vpage.ops``'s layout and
-        this model's dtype. The step's K/V are written into the slots of ``batch``.
+        kv_caches: one (key_cache, value_cache) per layer of this stage, in ``vpage.ops``'s
+        layout and this model's dtype. The step's K/V are written into the slots of ``batch``.
+        Under pipeline parallelism a stage after the first starts from ``intermediate``, and a
+        stage before the last returns its own: ``[2, num_tokens, hidden_size]``, the last
+        layer's block output and residual stream.
         """
         model = self.model
-        layers = model.layers
         decoder = self._decoder_for(kv_caches)
         if decoder is not None and batch.layer_events is None:
             return decoder.forward(model.embed_tokens(batch.input_ids), batch)
-        _check_caches(kv_caches, len(layers))
-        h, residual = model.embed_tokens(batch.input_ids), None
+        if intermediate is None:
+            return self.run_layers(model.embed_tokens(batch.input_ids), None, batch, kv_caches)
+        return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches)
+
+    def rotary_of(self, layer_index: int) -> RotaryEmbedding:
+        return self.model.rotary_emb
+
+    def run_layers(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
+                   kv_caches: list[KVCache]) -> torch.Tensor:
+        """This stage's decoder layers over ``h`` (+ ``residual``), then the final norm on the
+        last stage; before it, the ``[2, num_tokens, hidden_size]`` stack of both streams."""
+        model = self.model
+        start, end = model.stage.start, model.stage.end
+        _check_caches(kv_caches, end - start)
         # The first layer's ops check the step's arguments; the other layers see the same
         # batch, activations of the same shapes and caches like the first layer's (checked
         # above), and their weights were checked at load: their ops skip the checks.
-        h, residual = layers[0](h, residual, model.rotary_emb, batch, kv_caches[0])
+        h, residual = model.layers[start](h, residual, self.rotary_of(start), batch, kv_caches[0])
         with ops.trusted_arguments():
-            for i in range(1, len(layers)):
-                h, residual = layers[i](h, residual, model.rotary_emb, batch, kv_caches[i])
+            for i in range(start + 1, end):
+                h, residual = model.layers[i](h, residual, self.rotary_of(i), batch, kv_caches[i - start])
+            if model.norm is None:
+                return torch.stack((h, residual))
             h, _ = model.norm(h, residual)
         return h
 
@@ -281,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         caches, decoder = self._cpu_decoder
         if caches is not kv_caches:
-            _check_caches(kv_caches, len(self.model.layers))
+            _check_caches(kv_caches, self.model.stage.end - self.model.stage.start)
             eligible = self.has_cpu_decoder_structure() and eligible_for_cpu_decoder(self, kv_caches)
             decoder = CpuDecoder(self, kv_caches) if eligible else None
             self._cpu_decoder = (kv_caches, decoder)
@@ -317,6 +362,8 @@ class LlamaForCausalLM(nn.Module):
             if param_name not in params and param_name.endswith(".weight"):
                 param_name = param_name.removesuffix("weight") + "qweight"  # a weight kept quantized
             if param_name not in params:
+                if param_name.startswith(self.absent_prefixes):
+                    continue  # another pipeline stage's
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter")
             param = params[param_name]
             try:
