@@ -58,6 +58,9 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: run every step eagerly (no CUDA graphs for decode steps)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                         help="split the model over this many ranks by attention heads (default: 1)")
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                        help="split the model's layers over this many stages, each of --tensor-parallel-size "
+                             "ranks (default: 1)")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                         help="how the extra ranks run: mp = local processes (default), ray = Ray actors")
     parser.add_argument("--generation-config", default="auto", metavar="{auto,vpage,FOLDER}",
@@ -218,6 +221,7 @@ def _engine(args: argparse.Namespace):
 
     return LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                                 kv_cache_memory=args.kv_cache_memory, tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size,
                                 distributed_executor_backend=args.distributed_executor_backend, max_num_seqs=1,
                                 gpu_memory_utilization=args.gpu_memory_utilization,
                                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
@@ -259,6 +263,7 @@ def _serve(args: argparse.Namespace) -> int:
     chat = _chat_options(args)  # bad chat flags fail before the engine starts
     engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
                              tensor_parallel_size=args.tensor_parallel_size,
+                             pipeline_parallel_size=args.pipeline_parallel_size,
                              distributed_executor_backend=args.distributed_executor_backend,
                              kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,

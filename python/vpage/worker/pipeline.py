@@ -24,12 +24,15 @@ from vpage.model_executor.forward_batch import ForwardBatch
 
 
 def micro_batches(query_start_loc: np.ndarray, count: int) -> list[tuple[int, int]]:
-    """Consecutive sequence ranges ``[a, b)`` covering every sequence, up to ``count`` of them,
-    each cut where the tokens before it come closest above an equal share (a sequence is never
-    split, so a long prefill chunk makes fewer ranges)."""
+    """Consecutive sequence ranges ``[a, b)`` covering every sequence, up to ``count`` of them:
+    each cut at the sequence boundary nearest to an equal share of the tokens (a sequence is
+    never split, so a long prefill chunk makes fewer ranges)."""
     num_seqs, total = len(query_start_loc) - 1, int(query_start_loc[-1])
     targets = total * np.arange(1, count) / count
-    cuts = np.searchsorted(query_start_loc, targets, side="left")
+    above = np.minimum(np.searchsorted(query_start_loc, targets, side="left"), num_seqs)
+    below = np.maximum(above - 1, 0)
+    nearer_below = targets - query_start_loc[below] < query_start_loc[above] - targets
+    cuts = np.where(nearer_below, below, above)
     bounds = sorted({0, num_seqs, *(int(c) for c in cuts if 0 < c < num_seqs)})
     return list(zip(bounds[:-1], bounds[1:]))
 

@@ -249,11 +249,12 @@ def test_ray_executor_matches_single_rank(folders):
         folder = folders["mistral kv replicated, tied"]
         requests = [(p, greedy()) for p in PROMPTS]
         expected = run(make_engine(folder), requests)
-        engine = make_engine(folder, 2, distributed_executor_backend="ray")
-        try:
-            assert run(engine, requests) == expected
-        finally:
-            engine.shutdown()
+        for pp in (1, 2):  # tensor ranks, then pipeline stages (of one layer each), as Ray actors
+            engine = make_engine(folder, 3 - pp, pipeline_parallel_size=pp, distributed_executor_backend="ray")
+            try:
+                assert run(engine, requests) == expected
+            finally:
+                engine.shutdown()
     finally:
         ray.shutdown()
 
@@ -269,5 +270,7 @@ def test_cli_passes_the_tensor_parallel_size(folders, capsys):
     assert cli_main(common) == 0
     single = capsys.readouterr().out
     assert cli_main(common + ["-tp", "2"]) == 0
+    assert capsys.readouterr().out == single
+    assert cli_main(common + ["--pipeline-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == single
     assert not children()
