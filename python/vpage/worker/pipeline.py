@@ -2,8 +2,9 @@
 passed to the next stage as each micro-batch is done, and the logits back to the driver.
 
 Every rank has the whole plan. The step's sequences are cut into up to ``microbatches``
-consecutive ranges of about equal tokens (``micro_batches``), so that stage s + 1 runs range k
-while stage s runs range k + 1. Between stages travels ``[2, tokens, hidden]`` in the model's
+consecutive ranges of about equal tokens (``micro_batches``; at most one per
+``MIN_MICRO_BATCH_TOKENS`` tokens), so that stage s + 1 runs range k while stage s runs range
+k + 1. Between stages travels ``[2, tokens, hidden]`` in the model's
 dtype (block output and residual stream), each tensor rank to the same rank of the next stage.
 The last stage computes each range's logits as soon as its layers are done (its rows of the
 sampled ones; a step with extra rows, prompt scores or drafts, is one range whose logits are
@@ -21,6 +22,11 @@ import torch
 
 from vpage.distributed import parallel_state as ps
 from vpage.model_executor.forward_batch import ForwardBatch
+
+# Fewest tokens worth a micro-batch of their own: each one reads the stage's weights again, and
+# below this a decode step's matmuls are bound by those reads (bench/RESULTS-scale.md: 16 decode
+# rows ran 0.79x as fast in 4 micro-batches as in one).
+MIN_MICRO_BATCH_TOKENS = 32
 
 
 def micro_batches(query_start_loc: np.ndarray, count: int) -> list[tuple[int, int]]:
@@ -65,6 +71,7 @@ class PipelineStage:
         self.is_driver = self.first and ps.tp_rank() == 0
         self.sends_logits = self.last and ps.tp_rank() == 0  # the last stage's tensor rank 0
         self.logits_source = (stages - 1) * ps.tp_size()  # its global rank
+        self.num_split_steps = 0  # steps run as more than one micro-batch
 
     def logits(self, plan, batch: ForwardBatch, kv_caches: list,
                logit_rows: Optional[np.ndarray]) -> Optional[torch.Tensor]:
@@ -73,9 +80,12 @@ class PipelineStage:
         sent, elsewhere None."""
         qsl = np.asarray(plan.query_start_loc)
         samples = np.asarray(plan.sample_token_indices)
-        count = self.microbatches if logit_rows is None and bool(np.all(np.diff(samples) >= 0)) else 1
+        count = 1
+        if logit_rows is None and bool(np.all(np.diff(samples) >= 0)):
+            count = max(1, min(self.microbatches, int(qsl[-1]) // MIN_MICRO_BATCH_TOKENS))
         ranges = micro_batches(qsl, count)
         context_lens = np.asarray(plan.context_lens)
+        self.num_split_steps += len(ranges) > 1
         pending = []  # sends in flight: (work, tensor kept alive until it is done)
         for a, b in ranges:
             part = batch if len(ranges) == 1 else slice_batch(batch, qsl, context_lens, a, b)

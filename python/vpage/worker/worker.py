@@ -223,15 +223,20 @@ class Worker:
             context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             max_context_len=n, max_query_len=n)
+        c = self.loaded.config
+        intermediate = None if ps.is_first_stage() else torch.zeros(2, n, c.hidden_size, dtype=c.dtype, device=dev)
+        logits = None
         with torch.inference_mode():
-            hidden = runner.model(batch, probe.gpu_cache)
-            logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, n):])
-            logits.softmax(dim=-1)
+            hidden = runner.model(batch, probe.gpu_cache, intermediate)  # a pipeline stage: its layers
+            if ps.is_last_stage():
+                logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, n):])
+            if logits is not None:
+                logits.softmax(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         free, total = torch.cuda.mem_get_info(dev)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(dev) - self._non_torch_baseline)
-        del probe, runner, batch, hidden, logits
+        del probe, runner, batch, hidden, logits, intermediate
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(dev)
         budget = total * self.config.cache.gpu_memory_utilization - peak - non_torch

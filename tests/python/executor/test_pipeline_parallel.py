@@ -102,9 +102,16 @@ def test_layer_split_balances_the_output_projection(monkeypatch):
 @pytest.mark.parametrize("pp, tp, micro", [(2, 1, "4"), (3, 1, "2"), (2, 2, "3")])
 def test_greedy_matches_one_rank(folders, monkeypatch, pp, tp, micro):
     monkeypatch.setenv("VPAGE_PP_MICROBATCHES", micro)  # the spawned workers inherit it
-    requests = [(p, greedy(12)) for p in PROMPTS]
+    rng = np.random.default_rng(1)  # up to 96 decode rows a step: 3 micro-batches of 32 tokens
+    requests = [(p, greedy(12)) for p in PROMPTS] + [(rng.integers(3, 300, 3).tolist(), greedy(6))
+                                                       for _ in range(95)]
     expected, _ = outputs(folders["llama"], requests)
-    got, _ = outputs(folders["llama"], requests, pp, tp, max_num_batched_tokens=32)  # chunked prefills
+    e = engine(folders["llama"], pp, tp, max_num_batched_tokens=96)  # chunked prefills
+    try:
+        got = run(e, requests)
+        assert e.executor.driver_worker.model_runner.pipeline.num_split_steps > 5
+    finally:
+        e.shutdown()
     assert got == expected
     assert not children()
 
