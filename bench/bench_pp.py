@@ -6,8 +6,9 @@ rank) on the same model, threads split evenly over the ranks.
     python bench/bench_pp.py --configs pp2:1,pp2:2,pp2:4,pp2:8 --num-requests 32   # micro-batches per step
     python bench/bench_pp.py --configs pp2 --backend ray       # the stages as Ray actors
 
-A config is ``tpN`` (N tensor-parallel ranks), ``ppN`` (N stages, VPAGE_PP_MICROBATCHES left at
-its default) or ``ppN:M`` (M micro-batches a step), or ``ppNtpK``. The trace is
+A config is ``tpN`` (N tensor-parallel ranks), ``ppN`` (N stages, VPAGE_PP_MICROBATCHES and
+VPAGE_PP_VIRTUAL_STAGES left at their defaults), ``ppN:M`` (at most M micro-batches a step),
+``ppNvV`` (V interleaved layer ranges per stage; ``ppN:MvV`` both), or ``ppNtpK``. The trace is
 bench_throughput.py's (seeded, ShareGPT-like lengths, greedy, ignore_eos), all requests added at
 once. Without ``--model`` a random Llama of the default model's size (30 layers, hidden 576, MLP
 1536, vocabulary 49,152, tied embeddings) with 8 heads / 4 KV heads is built in a temporary
@@ -38,15 +39,15 @@ from bench_attention import machine_description  # noqa: E402
 from bench_throughput import make_trace  # noqa: E402
 from bench_tp import even_heads_model  # noqa: E402
 
-_CONFIG = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:tp(\d+))?(?::(\d+))?$")
+_CONFIG = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:tp(\d+))?(?::(\d+))?(?:v(\d+))?$")
 
 
 def parse_config(name: str) -> dict:
     m = _CONFIG.match(name)
     if not m or not any(m.groups()[:3]):
-        raise SystemExit(f"bad config {name!r}: tpN, ppN, ppN:M or ppNtpK")
+        raise SystemExit(f"bad config {name!r}: tpN, ppN, ppN:M, ppNvV, ppN:MvV or ppNtpK")
     tp = int(m.group(1) or m.group(3) or 1)
-    return dict(tp=tp, pp=int(m.group(2) or 1), microbatches=m.group(4))
+    return dict(tp=tp, pp=int(m.group(2) or 1), microbatches=m.group(4), virtual=m.group(5))
 
 
 def run_config(args) -> dict:
@@ -56,6 +57,8 @@ def run_config(args) -> dict:
     c = parse_config(args.run)
     if c["microbatches"]:
         os.environ["VPAGE_PP_MICROBATCHES"] = c["microbatches"]
+    if c["virtual"]:
+        os.environ["VPAGE_PP_VIRTUAL_STAGES"] = c["virtual"]
     backend = args.backend if c["tp"] * c["pp"] > 1 else None
     engine = LLMEngine(EngineArgs(model=args.model, dtype="float32", quantization=args.quantization,
                                   kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,

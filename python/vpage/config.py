@@ -66,7 +66,8 @@ class ParallelConfig:
     num_threads: Optional[int]  # CPU kernel threads over all ranks; None: torch's
     data_parallel_rank: Optional[int] = None  # this engine's replica index under a DP server, else None
     pipeline_parallel_size: int = 1
-    # The decoder layers of each pipeline stage (summing to the model's), resolved once; () with one stage.
+    # The decoder layers of each virtual stage, in model order (virtual stage j on stage
+    # j % pipeline_parallel_size; summing to the model's), resolved once; () with one stage.
     pipeline_layers: tuple[int, ...] = ()
     # Micro-batches a pipelined step's sequences are cut into, so that the stages work at once.
     pipeline_microbatches: int = 1

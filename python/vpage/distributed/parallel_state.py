@@ -34,7 +34,7 @@ class _State:
     size: int = 1  # tensor-parallel size
     pp_rank: int = 0  # pipeline stage
     pp_size: int = 1
-    pp_layers: tuple[int, ...] = ()  # decoder layers of each stage (pp_size > 1)
+    pp_layers: tuple[int, ...] = ()  # decoder layers of each virtual stage (pp_size > 1)
     tp_group: Optional[dist.ProcessGroup] = None  # this stage's tensor-parallel ranks
     control: Optional[dist.ProcessGroup] = None  # the step header broadcast (long timeout: idle workers wait)
     shm: Optional[shm_comm.ShmCommunicator] = None  # all-reduce of CPU tensors when every rank is on this machine
@@ -83,25 +83,32 @@ def is_last_stage() -> bool:
     return _STATE.pp_rank == _STATE.pp_size - 1
 
 
-def stage_layers(num_layers: int) -> tuple[int, int]:
-    """The decoder layers ``[start, end)`` of this pipeline stage (all with one stage)."""
+def virtual_stages() -> int:
+    """Layer ranges each pipeline stage holds (interleaved: virtual stage j on stage j % pp_size)."""
+    return max(1, len(_STATE.pp_layers) // _STATE.pp_size)
+
+
+def stage_layers(num_layers: int) -> list[tuple[int, int]]:
+    """The decoder layer ranges ``[start, end)`` of this pipeline stage, in order: virtual stages
+    ``pp_rank``, ``pp_rank + pp_size``, ... of the model's consecutive layer ranges (all the
+    layers with one stage)."""
     if _STATE.pp_size == 1:
-        return 0, num_layers
-    if sum(_STATE.pp_layers) != num_layers:
-        raise ValueError(f"the pipeline stages hold {sum(_STATE.pp_layers)} layers, the model has {num_layers}")
-    start = sum(_STATE.pp_layers[:_STATE.pp_rank])
-    return start, start + _STATE.pp_layers[_STATE.pp_rank]
+        return [(0, num_layers)]
+    counts = _STATE.pp_layers
+    if sum(counts) != num_layers:
+        raise ValueError(f"the pipeline stages hold {sum(counts)} layers, the model has {num_layers}")
+    starts = [sum(counts[:j]) for j in range(len(counts))]
+    return [(starts[j], starts[j] + counts[j]) for j in range(_STATE.pp_rank, len(counts), _STATE.pp_size)]
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, backend: str, timeout_s: float,
-                         pipeline_layers: tuple[int, ...] = ()) -> None:
-    """Joins the process group of ``size`` tensor-parallel ranks times ``len(pipeline_layers)``
-    stages (each holding that many decoder layers; () for one stage) as global ``rank``
+                         pipeline_layers: tuple[int, ...] = (), pipeline_size: int = 1) -> None:
+    """Joins the process group of ``size`` tensor-parallel ranks times ``pipeline_size`` stages
+    (over which the virtual stages of ``pipeline_layers`` decoder layers each go round) as global ``rank``
     (``init_method`` a tcp:// address). The model's collectives time out after ``timeout_s``
     (a backstop: a dead peer normally errors at once); the step header broadcast, where idle
     workers wait, after a week. With gloo, the all-reduce goes through shared memory when a
     stage's ranks share this machine (VPAGE_TP_ALLREDUCE)."""
-    pipeline_size = max(1, len(pipeline_layers))
     world = size * pipeline_size
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
@@ -122,11 +129,11 @@ def set_tensor_parallel_for_testing(rank: int, size: int) -> None:
 
 
 @contextlib.contextmanager
-def pipeline_stage_for_testing(stage: int, layers: tuple[int, ...]) -> Iterator[None]:
-    """Builds pipeline stage ``stage``'s part of a model (stages of ``layers`` decoder layers)
-    without a process group."""
+def pipeline_stage_for_testing(stage: int, size: int, layers: tuple[int, ...]) -> Iterator[None]:
+    """Builds pipeline stage ``stage`` of ``size``'s part of a model (virtual stages of
+    ``layers`` decoder layers) without a process group."""
     saved = _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers
-    _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers = stage, len(layers), tuple(layers)
+    _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers = stage, size, tuple(layers)
     try:
         yield
     finally:
@@ -215,10 +222,15 @@ def stage_rank(stage: int) -> int:
     return stage * _STATE.size + _STATE.rank
 
 
-def send(x: torch.Tensor, dst: int) -> "dist.Work":
+def send(x: torch.Tensor, dst: int, tag: int = 0) -> "dist.Work":
     """Starts sending ``x`` to global rank ``dst``; the caller waits on the returned work (and
-    keeps ``x`` unchanged until then)."""
-    return dist.isend(x.contiguous(), dst)
+    keeps ``x`` unchanged until then). Messages of one ``tag`` between two ranks arrive in order."""
+    return dist.isend(x.contiguous(), dst, tag=tag)
+
+
+def start_recv(x: torch.Tensor, src: int, tag: int = 0) -> "dist.Work":
+    """Starts receiving global rank ``src``'s next tensor of ``tag`` into ``x``; wait on the work."""
+    return dist.irecv(x, src, tag=tag)
 
 
 def recv(x: torch.Tensor, src: int) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """How many decoder layers each pipeline stage holds.
 
-By default the stages are balanced by the weights a decode token reads: every layer's
-(attention, and the MLP or the experts a token is routed to) and, on the last stage, the output
-projection's (``vocab x hidden``: as large as eight layers of SmolLM2-135M), so the last stage
-gets fewer layers. ``VPAGE_PP_LAYER_PARTITION`` ("19,11") sets the counts instead, as vLLM's
-``VLLM_PP_LAYER_PARTITION`` does.
+The layers are cut into ``stages x VPAGE_PP_VIRTUAL_STAGES`` (default 2) consecutive ranges,
+virtual stage j on stage j % stages (interleaved; vpage/worker/pipeline.py). By default the
+ranges are balanced by the weights a decode token reads: every layer's (attention, and the MLP
+or the experts a token is routed to) and, with the last range, the output projection's
+(``vocab x hidden``: as large as eight layers of SmolLM2-135M), so the last range gets fewer
+layers. ``VPAGE_PP_LAYER_PARTITION`` ("10,9,9,2", or "19,11" for one range per stage) sets the
+counts instead, as vLLM's ``VLLM_PP_LAYER_PARTITION`` does.
 
 A step's sequences run as ``VPAGE_PP_MICROBATCHES`` micro-batches (default: twice the stages),
 so that the stages work at once (vpage/worker/pipeline.py).
@@ -33,9 +35,10 @@ def layer_weights(hf_config: Any) -> int:
 
 
 def pipeline_layers(hf_config: Any, stages: int) -> tuple[int, ...]:
-    """The decoder layers of each of ``stages`` stages (``VPAGE_PP_LAYER_PARTITION`` or the
-    balanced split); ValueError when the model has fewer layers than stages or the variable
-    does not fit the model."""
+    """The decoder layers of each virtual stage, in model order: ``VPAGE_PP_LAYER_PARTITION``,
+    or ``VPAGE_PP_VIRTUAL_STAGES`` (default 2, fewer when the layers do not go round) ranges per
+    stage balanced. ValueError when the model has fewer layers than stages or a variable does
+    not fit the model."""
     num_layers = int(hf_config.num_hidden_layers)
     if stages > num_layers:
         raise ValueError(f"pipeline_parallel_size {stages} exceeds the model's {num_layers} decoder layers")
@@ -45,10 +48,25 @@ def pipeline_layers(hf_config: Any, stages: int) -> tuple[int, ...]:
             counts = tuple(int(n) for n in given.split(","))
         except ValueError:
             counts = ()
-        if len(counts) != stages or min(counts) < 1 or sum(counts) != num_layers:
-            raise ValueError(f"VPAGE_PP_LAYER_PARTITION={given!r} must give {stages} positive layer counts "
-                             f"summing to the model's {num_layers} layers")
+        if not counts or len(counts) % stages or min(counts) < 1 or sum(counts) != num_layers:
+            raise ValueError(f"VPAGE_PP_LAYER_PARTITION={given!r} must give {stages} positive layer counts (or a "
+                             f"multiple of {stages}: interleaved ranges) summing to the model's {num_layers} layers")
         return counts
+    return balanced_layers(hf_config, stages * min(virtual_stages(), num_layers // stages))
+
+
+def virtual_stages() -> int:
+    """Layer ranges per stage: ``VPAGE_PP_VIRTUAL_STAGES`` or 2."""
+    given = os.environ.get("VPAGE_PP_VIRTUAL_STAGES", "2")
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"VPAGE_PP_VIRTUAL_STAGES must be a positive integer, got {given!r}")
+    return int(given)
+
+
+def balanced_layers(hf_config: Any, stages: int) -> tuple[int, ...]:
+    """``stages`` consecutive layer counts of about equal weights, the output projection's
+    counted with the last."""
+    num_layers = int(hf_config.num_hidden_layers)
     layer = layer_weights(hf_config)
     head = hf_config.vocab_size * hf_config.hidden_size
     share = (num_layers * layer + head) / stages  # each stage's part of the whole

@@ -96,8 +96,8 @@ class Worker:
         cache holds)."""
         c = self.loaded.config
         size = self.tp_size
-        start, end = ps.stage_layers(c.num_layers)
-        return dataclasses.replace(c, num_layers=end - start, num_heads=c.num_heads // size,
+        num_layers = sum(end - start for start, end in ps.stage_layers(c.num_layers))
+        return dataclasses.replace(c, num_layers=num_layers, num_heads=c.num_heads // size,
                                    num_kv_heads=local_kv_heads(c.num_kv_heads, size), kv_cache_dtype=self.kv_cache_dtype)
 
     @property
@@ -343,6 +343,6 @@ def init_worker(config: EngineConfig, rank: int, init_method: str, backend: str,
         torch.cuda.set_device(local if torch.cuda.device_count() > local else 0)
     parallel = config.parallel
     ps.init_tensor_parallel(rank, parallel.tensor_parallel_size, init_method, backend, timeout_s,
-                            parallel.pipeline_layers)
+                            parallel.pipeline_layers, parallel.pipeline_parallel_size)
     torch.manual_seed(config.model.seed)
     return Worker(config)

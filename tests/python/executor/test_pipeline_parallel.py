@@ -1,5 +1,5 @@
-"""Pipeline parallelism on tiny random models, on CPU (gloo): greedy outputs with pp = 2, pp = 3
-and pp = 2 x tp = 2 equal one rank's (Llama, Gemma 2's own forward, a GGUF file kept quantized),
+"""Pipeline parallelism on tiny random models, on CPU (gloo): greedy outputs with pp = 2 (two
+interleaved layer ranges per stage), pp = 3 (one) and pp = 2 x tp = 2 equal one rank's (Llama, Gemma 2's own forward, a GGUF file kept quantized),
 with micro-batched steps, chunked prefill, preemption by swap and by recompute, prefix caching,
 parallel sampling and beams; each stage holds only its layers' weights and KV cache. The
 micro-batch cuts and the layer split are checked alone, and configurations that cannot run
@@ -86,10 +86,15 @@ def test_micro_batches_cut_sequences_into_equal_token_shares():
 def test_layer_split_balances_the_output_projection(monkeypatch):
     smollm = transformers.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                       num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
-    assert pipeline_layers(smollm, 2) == (19, 11)  # the head reads as many weights as 8 layers
-    assert sum(pipeline_layers(smollm, 3)) == 30 and pipeline_layers(smollm, 3)[-1] < 10
+    # Two interleaved ranges per stage; the head reads as many weights as 8 layers.
+    assert pipeline_layers(smollm, 2) == (10, 9, 9, 2)
+    assert sum(pipeline_layers(smollm, 3)) == 30 and len(pipeline_layers(smollm, 3)) == 6
+    monkeypatch.setenv("VPAGE_PP_VIRTUAL_STAGES", "1")
+    assert pipeline_layers(smollm, 2) == (19, 11)
     monkeypatch.setenv("VPAGE_PP_LAYER_PARTITION", "15,15")
     assert pipeline_layers(smollm, 2) == (15, 15)
+    monkeypatch.setenv("VPAGE_PP_LAYER_PARTITION", "8,7,8,7")
+    assert pipeline_layers(smollm, 2) == (8, 7, 8, 7)
     for bad in ("15,14", "30,0", "a,b", "10,10,10"):
         monkeypatch.setenv("VPAGE_PP_LAYER_PARTITION", bad)
         with pytest.raises(ValueError, match="VPAGE_PP_LAYER_PARTITION"):
@@ -120,9 +125,9 @@ def test_stages_hold_only_their_layers(folders):
     e = engine(folders["llama"], 2, max_num_batched_tokens=32)
     try:
         worker = e.executor.driver_worker
-        assert e.config.parallel.pipeline_layers == (3, 2)
+        assert e.config.parallel.pipeline_layers == (2, 1, 1, 1)  # stage 0: layers 0, 1 and 3
         names = {n for n, _ in worker.loaded.model.named_parameters()}
-        assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1", "2"}
+        assert {n.split(".")[2] for n in names if n.startswith("model.layers.")} == {"0", "1", "3"}
         assert "lm_head.weight" not in names and "model.norm.weight" not in names
         assert len(worker.cache_engine.gpu_cache) == 3
     finally:

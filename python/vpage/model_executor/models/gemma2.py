@@ -200,11 +200,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
-                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                intermediate: Optional[torch.Tensor] = None, layer_range: int = 0) -> torch.Tensor:
         """Run one step (as Llama's forward, pipeline stages included); the embedding is scaled."""
         model = self.model
         if intermediate is not None:
-            return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches)
+            return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches, layer_range)
         h = model.embed_tokens(batch.input_ids).mul_(model.embed_scale)
         decoder = self._decoder_for(kv_caches)
         if decoder is not None and batch.layer_events is None:

@@ -196,17 +196,24 @@ class AbsentLayer(nn.Module):
 
 class StageParts:
     """Which parts of a model this pipeline stage builds (all of them with one stage): its
-    decoder layers ``[start, end)``, the embedding on the first stage (and on the last when the
-    output projection is tied to it), the final norm and the output projection on the last."""
+    ranges of decoder layers (``ranges``: one, or several with interleaved virtual stages), the
+    embedding on the first stage (and on the last when the output projection is tied to it),
+    the final norm and the output projection on the last (which runs the last range)."""
 
     def __init__(self, hf_config: Any):
-        self.start, self.end = stage_layers(hf_config.num_hidden_layers)
+        self.ranges = stage_layers(hf_config.num_hidden_layers)
         self.first, self.last = is_first_stage(), is_last_stage()
         self.embedding = self.first or (self.last and bool(getattr(hf_config, "tie_word_embeddings", False)))
+        # Layer i's KV cache is entry cache_start[r] + i - start of the stage's caches (range r).
+        self.cache_start = [sum(e - s for s, e in self.ranges[:r]) for r in range(len(self.ranges))]
+        self.num_layers = sum(e - s for s, e in self.ranges)
+
+    def holds(self, layer_index: int) -> bool:
+        return any(start <= layer_index < end for start, end in self.ranges)
 
     def layers(self, hf_config: Any, make_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
         """The decoder layers by their global index; another stage's are ``AbsentLayer``s."""
-        return nn.ModuleList(make_layer(i) if self.start <= i < self.end else AbsentLayer()
+        return nn.ModuleList(make_layer(i) if self.holds(i) else AbsentLayer()
                              for i in range(hf_config.num_hidden_layers))
 
 
@@ -274,14 +281,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[KVCache],
-                intermediate: Optional[torch.Tensor] = None) -> torch.Tensor:
+                intermediate: Optional[torch.Tensor] = None, layer_range: int = 0) -> torch.Tensor:
         """Run one step; returns final-normed hidden states ``[num_tokens, hidden_size]``.
 
         kv_caches: one (key_cache, value_cache) per layer of this stage, in ``vpage.ops``'s
         layout and this model's dtype. The step's K/V are written into the slots of ``batch``.
-        Under pipeline parallelism a stage after the first starts from ``intermediate``, and a
-        stage before the last returns its own: ``[2, num_tokens, hidden_size]``, the last
-        layer's block output and residual stream.
+        Under pipeline parallelism this runs the stage's range ``layer_range`` of layers: from
+        ``intermediate`` unless it starts the model, and returning its own unless it ends it:
+        ``[2, num_tokens, hidden_size]``, the last layer's block output and residual stream.
         """
         model = self.model
         decoder = self._decoder_for(kv_caches)
@@ -289,28 +296,31 @@ class LlamaForCausalLM(nn.Module):
             return decoder.forward(model.embed_tokens(batch.input_ids), batch)
         if intermediate is None:
             return self.run_layers(model.embed_tokens(batch.input_ids), None, batch, kv_caches)
-        return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches)
+        return self.run_layers(intermediate[0], intermediate[1], batch, kv_caches, layer_range)
 
     def rotary_of(self, layer_index: int) -> RotaryEmbedding:
         return self.model.rotary_emb
 
     def run_layers(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch,
-                   kv_caches: list[KVCache]) -> torch.Tensor:
-        """This stage's decoder layers over ``h`` (+ ``residual``), then the final norm on the
-        last stage; before it, the ``[2, num_tokens, hidden_size]`` stack of both streams."""
-        model = self.model
-        start, end = model.stage.start, model.stage.end
-        _check_caches(kv_caches, end - start)
+                   kv_caches: list[KVCache], layer_range: int = 0) -> torch.Tensor:
+        """The stage's range ``layer_range`` of decoder layers over ``h`` (+ ``residual``), then
+        the final norm where the range ends the model; else the ``[2, num_tokens, hidden_size]``
+        stack of both streams."""
+        stage = self.model.stage
+        layers = self.model.layers
+        start, end = stage.ranges[layer_range]
+        caches = kv_caches[stage.cache_start[layer_range]:] if layer_range else kv_caches
+        _check_caches(kv_caches, stage.num_layers)
         # The first layer's ops check the step's arguments; the other layers see the same
         # batch, activations of the same shapes and caches like the first layer's (checked
         # above), and their weights were checked at load: their ops skip the checks.
-        h, residual = model.layers[start](h, residual, self.rotary_of(start), batch, kv_caches[0])
+        h, residual = layers[start](h, residual, self.rotary_of(start), batch, caches[0])
         with ops.trusted_arguments():
             for i in range(start + 1, end):
-                h, residual = model.layers[i](h, residual, self.rotary_of(i), batch, kv_caches[i - start])
-            if model.norm is None:
+                h, residual = layers[i](h, residual, self.rotary_of(i), batch, caches[i - start])
+            if not stage.last or layer_range != len(stage.ranges) - 1:
                 return torch.stack((h, residual))
-            h, _ = model.norm(h, residual)
+            h, _ = self.model.norm(h, residual)
         return h
 
     def has_cpu_decoder_structure(self) -> bool:
@@ -326,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         caches, decoder = self._cpu_decoder
         if caches is not kv_caches:
-            _check_caches(kv_caches, self.model.stage.end - self.model.stage.start)
+            _check_caches(kv_caches, self.model.stage.num_layers)
             eligible = self.has_cpu_decoder_structure() and eligible_for_cpu_decoder(self, kv_caches)
             decoder = CpuDecoder(self, kv_caches) if eligible else None
             self._cpu_decoder = (kv_caches, decoder)
