@@ -64,7 +64,8 @@ def run_config(args) -> dict:
                                   kv_cache_memory=args.kv_cache_memory, num_threads=args.threads,
                                   distributed_executor_backend=backend,
                                   tensor_parallel_size=c["tp"], pipeline_parallel_size=c["pp"],
-                                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens))
+                                  max_num_seqs=256, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=4096))
     try:
         parallel = engine.config.parallel
         trace = make_trace(args.num_requests, args.seed, engine.model_config.vocab_size)
