@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_attention import machine_description  # noqa: E402
 from bench_throughput import make_trace  # noqa: E402
-from bench_tp import even_heads_model  # noqa: E402
+from bench_tp import even_heads_model, spawn_ranks  # noqa: E402
 
 _CONFIG = re.compile(r"^(?:tp(\d+))?(?:pp(\d+))?(?:tp(\d+))?(?::(\d+))?(?:v(\d+))?$")
 
@@ -85,12 +85,12 @@ def run_config(args) -> dict:
                 output_tokens=output_tokens, wall_s=wall, output_tok_s=output_tokens / wall, steps=steps)
 
 
-def _p2p_rank(rank: int, port: int, sizes: list[int], repeat: int, out) -> None:
+def _p2p_rank(rank: int, size: int, port: int, sizes: list[int], repeat: int, out) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     medians = []
     for n in sizes:
         x = torch.ones(n // 4)
@@ -112,20 +112,7 @@ def _p2p_rank(rank: int, port: int, sizes: list[int], repeat: int, out) -> None:
 
 def p2p_alone(sizes: list[int], repeat: int = 7) -> list[float]:
     """Seconds to send each of ``sizes`` bytes from one idle local process to another (gloo)."""
-    import multiprocessing as mp
-
-    from vpage.executor.tensor_parallel import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_p2p_rank, args=(r, port, sizes, repeat, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=300)
-    for p in procs:
-        p.join()
-    return result
+    return spawn_ranks(_p2p_rank, 2, sizes, repeat)
 
 
 def main() -> None:

@@ -145,6 +145,12 @@ def allreduce_alone(size: int, transport: str, runs, repeat: int = 5) -> list[fl
     """For each (shape, count) of ``runs``: seconds of ``count`` back-to-back all-reduces of
     ``shape`` float32 over ``size`` local processes with nothing else to do, through
     ``transport`` (shm or gloo): the transfer cost without waiting for a slower rank."""
+    return spawn_ranks(_allreduce_rank, size, transport, runs, repeat)
+
+
+def spawn_ranks(target, size: int, *args):
+    """Runs ``target(rank, size, port, *args, out)`` in ``size`` spawned processes that meet at
+    one local port; returns the first result put on ``out``."""
     import multiprocessing as mp
 
     from vpage.executor.tensor_parallel import free_port
@@ -152,8 +158,7 @@ def allreduce_alone(size: int, transport: str, runs, repeat: int = 5) -> list[fl
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, size, port, transport, runs, repeat, out))
-             for r in range(size)]
+    procs = [ctx.Process(target=target, args=(r, size, port, *args, out)) for r in range(size)]
     for p in procs:
         p.start()
     result = out.get(timeout=300)

@@ -129,18 +129,6 @@ def set_tensor_parallel_for_testing(rank: int, size: int) -> None:
 
 
 @contextlib.contextmanager
-def pipeline_stage_for_testing(stage: int, size: int, layers: tuple[int, ...]) -> Iterator[None]:
-    """Builds pipeline stage ``stage`` of ``size``'s part of a model (virtual stages of
-    ``layers`` decoder layers) without a process group."""
-    saved = _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers
-    _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers = stage, size, tuple(layers)
-    try:
-        yield
-    finally:
-        _STATE.pp_rank, _STATE.pp_size, _STATE.pp_layers = saved
-
-
-@contextlib.contextmanager
 def single_rank() -> Iterator[None]:
     """Builds a model unsharded and whole even while a parallel engine lives in this process
     (layers read ranks and sizes when they are built)."""

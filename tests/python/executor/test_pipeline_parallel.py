@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from bounded_loops import run_requests
 from model_fixtures import save_tiny_gguf, save_tiny_model, save_tiny_tokenizer
 from test_tensor_parallel import BS, FEATURES, PROMPTS, children, greedy, run
 from vpage import EngineArgs, LLMEngine, SamplingParams
@@ -175,3 +176,26 @@ def test_bad_configurations_fail_before_starting(folders, kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(folders["llama"]), **kwargs).create_engine_config()
     assert not children()
+
+
+def test_ngram_speculation_and_prompt_logprobs_match_one_rank(folders):
+    """Steps whose logits carry draft rows or prompt rows run as one micro-batch."""
+    looped = [list(range(20, 40)) * 3, [7, 8, 9] * 10]
+    requests = [(p, greedy(16)) for p in looped] + [
+        (PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2, ignore_eos=True))]
+    expected, _ = outputs(folders["llama"], requests)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    e = engine(folders["llama"], 2, speculative_config=spec)
+    try:
+        got = run_requests(e, requests)
+        assert e.get_stats().spec_decode_num_draft_tokens > 0
+    finally:
+        e.shutdown()
+    assert [[c.token_ids for c in out.outputs] for out in got] == expected
+    one = engine(folders["llama"])
+    try:
+        ref = run_requests(one, requests[-1:])[0].prompt_logprobs
+    finally:
+        one.shutdown()
+    assert [None if d is None else {t: round(v.logprob, 5) for t, v in d.items()} for d in got[-1].prompt_logprobs] \
+        == [None if d is None else {t: round(v.logprob, 5) for t, v in d.items()} for d in ref]

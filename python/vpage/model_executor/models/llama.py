@@ -309,7 +309,7 @@ class LlamaForCausalLM(nn.Module):
         stage = self.model.stage
         layers = self.model.layers
         start, end = stage.ranges[layer_range]
-        caches = kv_caches[stage.cache_start[layer_range]:] if layer_range else kv_caches
+        caches = kv_caches[stage.cache_start[layer_range]:]
         _check_caches(kv_caches, stage.num_layers)
         # The first layer's ops check the step's arguments; the other layers see the same
         # batch, activations of the same shapes and caches like the first layer's (checked
