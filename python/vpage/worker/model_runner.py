@@ -124,8 +124,7 @@ class ModelRunner:
         draft = DraftRows.of(plan)
         pooled = None
         if self.pipeline is not None:  # (pooling runs unpipelined)
-            logits = self.pipeline.logits(plan, self._pipeline_batch(plan, layer_events), self.kv_caches,
-                                          extra_logit_rows(plan, sampling, draft))
+            logits = self.logits(plan, layer_events, extra_logit_rows(plan, sampling, draft))
         else:
             hidden, rows = self._forward(plan, layer_events)
             if sampling.pooled and sampling.pooled_token_ids is None:  # a pooling request's sampled row is

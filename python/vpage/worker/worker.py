@@ -230,8 +230,8 @@ class Worker:
             hidden = runner.model(batch, probe.gpu_cache, intermediate)  # a pipeline stage: its layers
             if ps.is_last_stage():
                 logits = runner.model.compute_logits(hidden[-min(sched.max_num_seqs, n):])
-            if logits is not None:
-                logits.softmax(dim=-1)
+                if logits is not None:  # (None on other tensor ranks)
+                    logits.softmax(dim=-1)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev)
         free, total = torch.cuda.mem_get_info(dev)
